@@ -1,0 +1,31 @@
+# `make demo` and `make test` are the two commands in the README's quick start.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch/torchvision first, pinned to the releases this machine holds on disk (a CUDA build that
+	# also runs on the CPU); a user's CUDA machine can install any torch the range in pyproject allows.
+	$(PIP) install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/qwen-edit demo --out demo_out
+
+test: venv
+	$(PY) -m pytest tests
+
+bench: venv
+	$(VENV)/bin/qwen-edit bench sample
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache

@@ -1,0 +1,246 @@
+"""One frozen config, read from YAML with the seeds' sections.
+
+Sections: model, data, cache, train, optimizer, lr_scheduler, logging, predict. Every key is a typed field;
+an unknown key or a value of the wrong type is an error that names its dotted path (``train.lerning_rate``),
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value that is not accepted; the message names its dotted path."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 16.0
+    #: a preset name ("attn", "attn-img", "all") or a list of module-name suffixes
+    targets: Any = "attn"
+    dropout: float = 0.0
+    init: str = "default"
+    #: LoRA file(s) to start from (continue training); any layout lora.read_lora_file accepts
+    init_from: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    #: a local diffusers-layout directory (or a hub id already in the local HF cache)
+    pretrained_model_name_or_path: str = ""
+    #: "edit" (one control image) or "edit-plus" (1-3); empty = read from model_index.json
+    variant: str = ""
+    #: weight dtype of the frozen base and the encoders
+    dtype: str = "float32"
+    #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer
+    quantize: str = "none"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    folder: str = ""
+    skip_invalid: bool = False
+    convert_modes: bool = False
+    #: pixel area of the target and of each control image as the VAE sees them (sides rounded to 32)
+    vae_area: int = 1024 * 1024
+    #: pixel area of the control images as the vision-language encoder sees them (edit-plus only;
+    #: "edit" feeds the VL the VAE-sized image, as the pipeline does)
+    vl_area: int = 384 * 384
+    batch_size: int = 1
+    caption_dropout_rate: float = 0.0
+    prompt_image_dropout_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    #: where entries live; shared across runs and datasets (content-addressed)
+    dir: str = ""
+    #: train from the cache (True) or encode each batch in real time (False)
+    enabled: bool = True
+    text_encoder_device: str = "cpu"
+    vae_encoder_device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str = "output"
+    device: str = "cpu"
+    seed: int = 0
+    max_steps: int = 100
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    #: "shift" (the sampler's resolution-dependent schedule), "uniform", "logit_normal", "fixed_shift"
+    timestep_sampling: str = "shift"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    fixed_shift: float = 3.0
+    #: "none", "sigma_sqrt", "cosmap"
+    loss_weighting: str = "none"
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    validation_every: int = 0
+    validation_prompt: str = ""
+    validation_image: str = ""
+    validation_steps: int = 8
+    lora_name: str = "lora"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    #: "adamw" or "adamw8bit" (bitsandbytes, CUDA)
+    type: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.999)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class LRSchedulerConfig:
+    #: "constant", "constant_with_warmup", "linear", "cosine"
+    type: str = "constant_with_warmup"
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    csv: bool = True
+    tensorboard: bool = False
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class PredictDevices:
+    text_encoder: str = "cpu"
+    vae: str = "cpu"
+    transformer: str = "cpu"
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    devices: PredictDevices = field(default_factory=PredictDevices)
+    #: second transformer device for cfg_mode "split"
+    uncond_device: str = ""
+    dtype: str = "float32"
+    num_inference_steps: int = 20
+    true_cfg_scale: float = 4.0
+    negative_prompt: str = " "
+    #: "sequential" (as diffusers), "batched" (cond+uncond in one call), "split" (two devices at once)
+    cfg_mode: str = "sequential"
+    #: "dynamic" (mu from the target token count, as diffusers) or "fixed" (ComfyUI's mu)
+    shift_mode: str = "dynamic"
+    fixed_mu: float = 1.15
+    vae_area: int = 1024 * 1024
+    vl_area: int = 384 * 384
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check `value` against a field's type hint, converting only lossless cases (int -> float, list -> tuple)."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section), got {type(value).__name__}")
+        return from_dict(hint, value, path)
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return tuple(value) if isinstance(value, list) else value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: {value!r} is not one of {options}")
+    if hint is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is str:
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build the dataclass `cls` from nested dicts, rejecting unknown keys by their dotted path."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"unknown config key {where!r}; accepted here: {', '.join(sorted(names))}")
+    values = {key: _coerce(value, hints[key], f"{path}.{key}" if path else key) for key, value in data.items()}
+    return cls(**values)
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    """Read a YAML config (seeds' sections); `overrides` is a nested dict applied on top of the file."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    if overrides:
+        data = _merge(data, overrides)
+    return from_dict(Config, data)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
+def to_dict(config: Any) -> dict:
+    """Plain nested dict of a config (for logging and checkpoint metadata)."""
+    return dataclasses.asdict(config)
