@@ -1,0 +1,155 @@
+"""`qwen-edit`: tiny | sample | demo | bench (cache and train arrive with the trainer).
+
+Errors a user can fix (bad path, device, size, prompt) print one line naming the input and exit with
+status 2; no traceback from inside diffusers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("qwen_edit_core.cli")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from PIL import UnidentifiedImageError
+
+    from .components import ModelNotFoundError
+    from .config import ConfigError
+    from .devices import DeviceError
+    from .encode import EncodeError
+    return (ConfigError, DeviceError, EncodeError, ModelNotFoundError, FileNotFoundError, UnidentifiedImageError,
+            ValueError)
+
+
+def cmd_tiny(args) -> None:
+    from .tiny import build_tiny
+    out = build_tiny(args.out_dir, variant=args.variant, seed=args.seed, size=args.size)
+    log.info("tiny %s model written to %s", args.variant, out)
+
+
+def _progress_bar(total_desc: str):
+    from tqdm import tqdm
+    bar = None
+
+    def update(event):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=event.total, desc=total_desc, unit="step", file=sys.stderr)
+        bar.update(event.step - bar.n)
+        if event.step >= event.total:
+            bar.close()
+    return update
+
+
+def cmd_sample(args) -> None:
+    from .config import load_config
+    from .encode import open_image
+    from .facade import QwenImageEditTrainer
+
+    plan = {}
+    if args.devices:
+        from .devices import DevicePlan
+        plan = DevicePlan.parse(args.devices).as_dict()
+    overrides = {"model": {"pretrained_model_name_or_path": args.model},
+                 "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
+                             "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
+                             **({"vae_area": args.vae_area} if args.vae_area else {}),
+                             **({"vl_area": args.vl_area} if args.vl_area else {})}}
+    config = load_config(args.config, overrides=overrides)
+    images = [open_image(p) for p in args.image]
+    trainer = QwenImageEditTrainer(config)
+    trainer.load_model()
+    trainer.setup_predict()
+    image = trainer.predict(images if len(images) > 1 else images[0], args.prompt,
+                            negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
+                            true_cfg_scale=args.cfg, seed=args.seed, height=args.height, width=args.width,
+                            output_type="pil", progress=_progress_bar("sample"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(out)
+    log.info("wrote %s (%dx%d)", out, image.width, image.height)
+
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+    run_demo(Path(args.out))
+
+
+def cmd_bench(args) -> None:
+    if args.what == "sample":
+        from benchmarks.sample import run
+        run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-edit", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny", help="build the offline tiny model directory")
+    p.add_argument("out_dir")
+    p.add_argument("--variant", choices=["edit", "edit-plus"], default="edit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["tiny", "real-width"], default="tiny")
+    p.set_defaults(func=cmd_tiny)
+
+    p = sub.add_parser("sample", help="edit an image with true CFG")
+    p.add_argument("--model", required=True, help="diffusers-layout model directory")
+    p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=" ")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (<= 1 turns CFG off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--devices", help="text_encoder=cpu,vae=cpu,transformer=cuda:0")
+    p.add_argument("--uncond-device", help="second transformer device for --cfg-mode split")
+    p.add_argument("--cfg-mode", choices=["sequential", "batched", "split"], default="sequential")
+    p.add_argument("--shift-mode", choices=["dynamic", "fixed"], default="dynamic")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default 1024*1024)")
+    p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
+    p.add_argument("--config", help="YAML config whose predict section gives defaults")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("demo", help="the main job on the embedded tiny model")
+    p.add_argument("--out", default="demo_out")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    p.add_argument("what", choices=["sample"])
+    p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except _user_errors() as err:
+        if args.verbose:
+            raise
+        sys.stderr.write(f"qwen-edit {args.command}: error: {err}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

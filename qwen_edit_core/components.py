@@ -1,0 +1,186 @@
+"""Load each model component on its own device and dtype.
+
+Every loader takes an explicit `device=` and `dtype=` and runs under `torch.inference_mode(False)`: ComfyUI
+calls nodes inside inference mode, and weights created there are inference tensors that a LoRA cannot be
+trained on. The device plan is validated (devices.DevicePlan) before any of these run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .devices import DeviceError
+
+log = logging.getLogger(__name__)
+
+PIPELINE_VARIANTS = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit-plus"}
+QUANTIZE_MODES = ("none", "int8", "nf4")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model directory, file or hub id that is not available offline; the message says what to do."""
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """A local diffusers-layout directory, or a hub id whose files are already in the local HF cache."""
+    text = str(name_or_path).strip()
+    if not text:
+        raise ModelNotFoundError("no model given: set model.pretrained_model_name_or_path to a local "
+                                 "Qwen-Image-Edit directory (diffusers layout)")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise ModelNotFoundError(f"{str(path)!r} has no model_index.json: expected a diffusers-layout "
+                                     "directory with transformer/, vae/, text_encoder/, tokenizer/, processor/, "
+                                     "scheduler/")
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{str(path)!r} is a file; expected a diffusers-layout model directory")
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception:  # noqa: BLE001 - any hub failure means "not available offline"
+            pass
+    raise ModelNotFoundError(f"model {text!r} is neither a local directory nor a hub id in the local Hugging "
+                             "Face cache; download it first (huggingface-cli download) or give a local path")
+
+
+def detect_variant(model_dir: Path) -> str:
+    """"edit" or "edit-plus" from model_index.json's pipeline class."""
+    index = json.loads((model_dir / "model_index.json").read_text())
+    name = index.get("_class_name", "")
+    if name not in PIPELINE_VARIANTS:
+        raise ModelNotFoundError(f"{str(model_dir)!r} holds a {name or 'unknown'} model; accepted: "
+                                 f"{', '.join(PIPELINE_VARIANTS)} (Qwen-Image-Edit, Edit-2509/2511)")
+    return PIPELINE_VARIANTS[name]
+
+
+def _quantization(mode: str, device: torch.device, component: str, library: str):
+    """A bitsandbytes config for `mode`, or None; refuses where the backend cannot run."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"{component}: quantize={mode!r} is not accepted; accepted: {', '.join(QUANTIZE_MODES)}")
+    if mode == "none":
+        return None
+    if device.type != "cuda":
+        raise DeviceError(f"{component}: quantize={mode!r} uses bitsandbytes, which needs a CUDA device; "
+                          f"{component} is on {device}. Use quantize: none on this device")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise DeviceError(f"{component}: quantize={mode!r} needs bitsandbytes: pip install bitsandbytes") from None
+    if library == "diffusers":
+        from diffusers import BitsAndBytesConfig
+    else:
+        from transformers import BitsAndBytesConfig
+    if mode == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def _finish(module: torch.nn.Module, device: torch.device, quantized: bool) -> torch.nn.Module:
+    if not quantized:
+        module = module.to(device)
+    module.eval().requires_grad_(False)
+    return module
+
+
+def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none"):
+    """QwenImageTransformer2DModel from `model_dir/transformer`, frozen, on `device` in `dtype`."""
+    from diffusers import QwenImageTransformer2DModel
+    qconfig = _quantization(quantize, device, "transformer", "diffusers")
+    with torch.inference_mode(False):
+        extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
+        model = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
+                                                            **extra)
+        return _finish(model, device, qconfig is not None)
+
+
+def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype):
+    """AutoencoderKLQwenImage from `model_dir/vae`, frozen, on `device` in `dtype`."""
+    from diffusers import AutoencoderKLQwenImage
+    with torch.inference_mode(False):
+        model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype)
+        return _finish(model, device, False)
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """The Qwen2.5-VL model with the processor (tokenizer + image processor) that feeds it."""
+
+    model: torch.nn.Module
+    processor: object
+    device: torch.device
+
+
+def load_text_encoder(model_dir: Path, *, device: torch.device, dtype: torch.dtype,
+                      quantize: str = "none") -> TextEncoder:
+    """Qwen2.5-VL from `model_dir/text_encoder` and its processor from `model_dir/processor`."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+    qconfig = _quantization(quantize, device, "text_encoder", "transformers")
+    with torch.inference_mode(False):
+        extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype, **extra)
+        model = _finish(model, device, qconfig is not None)
+    processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor")
+    return TextEncoder(model=model, processor=processor, device=device)
+
+
+def load_scheduler_config(model_dir: Path) -> dict:
+    """The FlowMatchEulerDiscreteScheduler config; the sampler makes a fresh scheduler from it per call."""
+    path = model_dir / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{str(path)!r} is missing: the model directory has no scheduler config")
+    return json.loads(path.read_text())
+
+
+def replicate(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """An independent copy of `module` on `device` (the uncond transformer of split CFG)."""
+    with torch.inference_mode(False):
+        return copy.deepcopy(module).to(device)
+
+
+@dataclass
+class Components:
+    """Loaded components. Any may be None when a stage does not need it (training from the cache loads
+    only the transformer)."""
+
+    model_dir: Path
+    variant: str
+    scheduler_config: dict
+    transformer: torch.nn.Module | None = None
+    vae: torch.nn.Module | None = None
+    text_encoder: TextEncoder | None = None
+
+    def require(self, *names: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise RuntimeError(f"component(s) {', '.join(missing)} not loaded; load them first "
+                               "(QwenImageEditTrainer.load_model or the loader nodes)")
+
+
+def load_components(name_or_path: str | Path, plan, *, which=("transformer", "vae", "text_encoder"),
+                    quantize_transformer: str = "none", quantize_text_encoder: str = "none") -> Components:
+    """Load the named components on the plan's devices (the plan is already validated)."""
+    model_dir = resolve_model_dir(name_or_path)
+    unknown = set(which) - {"transformer", "vae", "text_encoder"}
+    if unknown:
+        raise ValueError(f"unknown component(s) {sorted(unknown)}; accepted: transformer, vae, text_encoder")
+    comps = Components(model_dir=model_dir, variant=detect_variant(model_dir),
+                       scheduler_config=load_scheduler_config(model_dir))
+    if "text_encoder" in which:
+        comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
+                                               quantize=quantize_text_encoder)
+    if "vae" in which:
+        comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype)
+    if "transformer" in which:
+        comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
+                                             quantize=quantize_transformer)
+    log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
+    return comps
