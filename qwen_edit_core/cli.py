@@ -1,4 +1,4 @@
-"""`qwen-edit`: tiny | sample | demo | bench (cache and train arrive with the trainer).
+"""`qwen-edit`: tiny | sample | cache | train | demo | bench.
 
 Errors a user can fix (bad path, device, size, prompt) print one line naming the input and exit with
 status 2; no traceback from inside diffusers.
@@ -75,6 +75,45 @@ def cmd_sample(args) -> None:
     log.info("wrote %s (%dx%d)", out, image.width, image.height)
 
 
+def cmd_cache(args) -> None:
+    from .config import load_config
+    from .facade import QwenImageEditTrainer
+    trainer = QwenImageEditTrainer(load_config(args.config))
+    stats = trainer.cache(progress=_progress_bar("cache"))
+    log.info("cache: %(total)d entries, %(hits)d reused, %(computed)d computed", stats)
+
+
+def cmd_train(args) -> None:
+    from .config import load_config
+    from .facade import QwenImageEditTrainer
+    from .progress import CancelToken
+    trainer = QwenImageEditTrainer(load_config(args.config))
+    resume = True if args.resume == "" else args.resume
+    bar = _train_bar()
+    result = trainer.fit(resume=resume, progress=bar, cancel=CancelToken())
+    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path,
+             result.loss_plot)
+    if result.state == "cancelled":
+        raise KeyboardInterrupt
+
+
+def _train_bar():
+    from tqdm import tqdm
+    bar = None
+
+    def update(event):
+        nonlocal bar
+        if event.stage != "train":
+            return
+        if bar is None:
+            bar = tqdm(total=event.total, initial=event.step - 1, desc="train", unit="step", file=sys.stderr)
+        bar.update(event.step - bar.n)
+        bar.set_postfix(loss=f"{event.loss:.4f}")
+        if event.step >= event.total:
+            bar.close()
+    return update
+
+
 def cmd_demo(args) -> None:
     from .demo import run_demo
     run_demo(Path(args.out))
@@ -119,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_sample)
 
+    p = sub.add_parser("cache", help="precompute the embedding cache of a dataset")
+    p.add_argument("config", help="YAML config (model, data, cache sections)")
+    p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("train", help="train a LoRA (Ctrl-C saves a checkpoint and exits)")
+    p.add_argument("config", help="YAML config")
+    p.add_argument("--resume", nargs="?", const="", default=None,
+                   help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("demo", help="the main job on the embedded tiny model")
     p.add_argument("--out", default="demo_out")
     p.set_defaults(func=cmd_demo)
@@ -141,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except KeyboardInterrupt:
-        log.error("interrupted")
+        log.error("interrupted (a training run saved its checkpoint; continue with --resume)")
         return 130
     except _user_errors() as err:
         if args.verbose:

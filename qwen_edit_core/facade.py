@@ -7,6 +7,7 @@ sampler, ...). It owns no maths of its own.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -112,3 +113,137 @@ class QwenImageEditTrainer:
         comps = self._require()
         comps.require("vae")
         return encode.postprocess(encode.decode_latents(comps.vae, latents)).cpu()
+
+    # -- training ------------------------------------------------------------------------------------------
+    def dataset(self):
+        """The validated dataset of `data.folder` (all problems at once, or skipped with data.skip_invalid)."""
+        from .dataset import load_dataset
+        d = self.config.data
+        return load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes)
+
+    def encode_settings(self, variant: str):
+        from .devices import resolve_dtype
+        from .samples import EncodeSettings
+        d = self.config.data
+        return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
+                              dtype=resolve_dtype(self.config.model.dtype, component="model.dtype"),
+                              convert_modes=d.convert_modes)
+
+    def _cache(self):
+        from .cache import EmbeddingCache
+        root = self.config.cache.dir or str(Path(self.config.train.output_dir) / "cache")
+        return EmbeddingCache(Path(root))
+
+    def _encoder_plan(self) -> DevicePlan:
+        c = self.config.cache
+        return DevicePlan.from_mapping({"text_encoder": c.text_encoder_device, "vae": c.vae_encoder_device,
+                                        "transformer": self.config.train.device}, dtype=self.config.model.dtype)
+
+    def cache(self, examples=None, *, progress=None, cancel=None) -> dict:
+        """The cache stage: encode every example missing from the cache (text encoder and VAE on
+        `cache.text_encoder_device` / `cache.vae_encoder_device`), then free the encoders."""
+        from .components import detect_variant, load_components, resolve_model_dir
+        from .samples import build_cache, cache_key, encoder_identity
+        examples = list(examples if examples is not None else self.dataset().examples)
+        model_dir = resolve_model_dir(self.config.model.pretrained_model_name_or_path)
+        settings = self.encode_settings(self.config.model.variant or detect_variant(model_dir))
+        cache = self._cache()
+        identity = encoder_identity(model_dir)
+        missing = [ex for ex in examples if not cache.path_for(cache_key(ex, settings, identity)).is_file()]
+        if not missing:
+            log.info("cache: all %d entries present in %s; encoders not loaded", len(examples), cache.root)
+            return {"total": len(examples), "hits": len(examples), "computed": 0}
+        comps = self.components
+        if comps is None or comps.text_encoder is None or comps.vae is None:
+            comps = load_components(model_dir, self._encoder_plan(), which=("vae", "text_encoder"))
+        return build_cache(comps, examples, cache, settings, progress=progress, cancel=cancel)
+
+    def fit(self, *, resume=None, progress=None, cancel=None):
+        """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and
+        write it to `train.output_dir`; returns trainer.TrainResult."""
+        from . import lora as lora_mod
+        from .components import detect_variant, load_components, resolve_model_dir
+        from .samples import buckets, cache_key, encode_example, encoder_identity
+        from .trainer import resolve_resume, train
+
+        cfg = self.config
+        report = self.dataset()
+        examples = list(report.examples)
+        model_dir = resolve_model_dir(cfg.model.pretrained_model_name_or_path)
+        variant = cfg.model.variant or detect_variant(model_dir)
+        settings = self.encode_settings(variant)
+        out_dir = Path(cfg.train.output_dir)
+        resume_path = resolve_resume(out_dir, resume)
+        plan = self._encoder_plan()
+        if cfg.cache.enabled:
+            self.cache(examples, progress=progress, cancel=cancel)
+            self.components = None  # free the encoders before the transformer loads
+            comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize)
+            cache, identity = self._cache(), encoder_identity(model_dir)
+            keys = [cache_key(ex, settings, identity) for ex in examples]
+
+            def load_item(i: int) -> dict:
+                tensors = cache.get(keys[i])
+                if tensors is None:
+                    raise RuntimeError(f"cache entry of {examples[i].name} vanished from {cache.root}; run cache again")
+                return tensors
+        else:
+            comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize)
+
+            def load_item(i: int) -> dict:
+                return encode_example(comps, examples[i], settings)
+        spec = lora_mod.LoraSpec(rank=cfg.model.lora.rank, alpha=cfg.model.lora.alpha,
+                                 targets=lora_mod.resolve_targets(cfg.model.lora.targets),
+                                 dropout=cfg.model.lora.dropout, init=cfg.model.lora.init)
+        with torch.inference_mode(False):
+            lora_mod.inject_lora(comps.transformer, spec)
+            if cfg.model.lora.init_from:
+                lora_mod.load_lora_into(comps.transformer, lora_mod.read_lora_file(cfg.model.lora.init_from),
+                                        adapter_name="default", strength=1.0)
+            self.components, self._spec = comps, spec
+            identity_str = str(model_dir)
+
+            def write_lora(path: Path, step: int) -> None:
+                lora_mod.save_lora(path, comps.transformer, spec, base_identity=identity_str, steps=step)
+
+            result = train(cfg, comps.transformer, load_item, examples,
+                           [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
+                           write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
+                           cancel=cancel)
+        self._uncond_transformer = None
+        return result
+
+    # -- LoRA files ----------------------------------------------------------------------------------------
+    def save_lora(self, path) -> Path:
+        """Write the trained LoRA (ComfyUI + diffusers compatible keys, metadata) to `path`."""
+        from . import lora as lora_mod
+        comps = self._require()
+        spec = getattr(self, "_spec", None)
+        if spec is None:
+            raise RuntimeError("no LoRA to save: train one (fit) or load one (load_lora) first")
+        path = Path(path)
+        lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(comps.model_dir), steps=0)
+        return path
+
+    def load_lora(self, path, scale: float = 1.0, adapter_name: str | None = None) -> str:
+        """Load a LoRA file (any layout lora.read_lora_file reads) onto the transformer with a strength."""
+        from . import lora as lora_mod
+        comps = self._require()
+        comps.require("transformer")
+        weights = lora_mod.read_lora_file(path)
+        name = adapter_name or f"lora_{len(getattr(self, '_adapters', {}))}"
+        with torch.inference_mode(False):
+            lora_mod.load_lora_into(comps.transformer, weights, adapter_name=name, strength=scale)
+        self._adapters = {**getattr(self, "_adapters", {}), name: scale}
+        self._uncond_transformer = None
+        return name
+
+    def merge_lora(self) -> None:
+        from . import lora as lora_mod
+        lora_mod.merge_lora(self._require().transformer)
+        self._uncond_transformer = None
+
+    def unmerge_lora(self) -> None:
+        from . import lora as lora_mod
+        lora_mod.unmerge_lora(self._require().transformer)
+        self._uncond_transformer = None

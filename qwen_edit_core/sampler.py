@@ -146,8 +146,12 @@ def initial_noise(seed: int, width: int, height: int, channels: int, device, dty
 
 def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_len: int, device):
     """A fresh scheduler set to the run's sigmas and shift (mu); returns (scheduler, timesteps, mu)."""
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
     n = settings.num_inference_steps
+    if n == 1:
+        # shift_terminal stretches the schedule so its last sigma hits the terminal value; with one sigma that
+        # divides by zero (diffusers returns NaN). One step goes straight from sigma 1 to 0 instead.
+        scheduler_config = {**scheduler_config, "shift_terminal": None}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
     if settings.shift_mode == "dynamic":
         mu = mu_from_scheduler_config(scheduler_config, image_seq_len)
     else:

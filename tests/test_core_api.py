@@ -96,6 +96,8 @@ def test_facade_predict_and_encoders(tiny_edit_dir):
     assert 0.0 <= out.min() and out.max() <= 1.0
     again = trainer.predict(image, "make it green", num_inference_steps=2, seed=1)
     assert np.array_equal(out, again)
+    one_step = trainer.predict(image, "x", num_inference_steps=1, seed=1)
+    assert np.isfinite(one_step).all()
     assert trainer.predict(image, "x", num_inference_steps=1, seed=1, output_type="pil").size == (out.shape[1],
                                                                                                 out.shape[0])
     embeds, mask = trainer.encode_prompt("make it green", image)
