@@ -7,7 +7,6 @@ same inputs. Every function takes the component it runs and moves inputs to that
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,6 +15,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from .dataset import calculate_dimensions
 from .templates import MAX_SEQUENCE_LENGTH, format_edit_prompt
 
 #: VAE 8x spatial downscale times the transformer's 2x2 patch: image sides must be multiples of this.
@@ -28,16 +28,6 @@ _IMAGE_PROCESSOR = VaeImageProcessor(vae_scale_factor=LATENT_MULTIPLE)
 
 class EncodeError(ValueError):
     """An input the encoders cannot take; the message names it and what is accepted."""
-
-
-def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
-    """(width, height) of an image of aspect `ratio` (w/h) at pixel `area`, sides rounded to multiples of 32.
-
-    The same rounding as diffusers' `calculate_dimensions`, so sizes match the pipelines exactly.
-    """
-    width = math.sqrt(area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
 
 
 def to_pil(image) -> Image.Image:
