@@ -196,7 +196,10 @@ class QwenImageEditTrainer:
                                  targets=lora_mod.resolve_targets(cfg.model.lora.targets),
                                  dropout=cfg.model.lora.dropout, init=cfg.model.lora.init)
         with torch.inference_mode(False):
-            lora_mod.inject_lora(comps.transformer, spec)
+            # LoRA init draws from torch's global RNG: seed it, so the run does not depend on what loaded before.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.train.seed)
+                lora_mod.inject_lora(comps.transformer, spec)
             if cfg.model.lora.init_from:
                 lora_mod.load_lora_into(comps.transformer, lora_mod.read_lora_file(cfg.model.lora.init_from),
                                         adapter_name="default", strength=1.0)

@@ -1,0 +1,149 @@
+"""Trainer behaviour users depend on: cached == realtime, inference mode, exact resume, crash safety, files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen_edit_core import QwenImageEditTrainer
+from qwen_edit_core.checkpoint import list_checkpoints
+from qwen_edit_core.cli import main
+from qwen_edit_core.progress import CancelToken
+
+from conftest import train_config
+
+
+def _lora(path):
+    return load_file(path)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_cached_and_realtime_give_the_same_losses_and_lora(tiny_edit_dir, pairs_dir, tmp_path):
+    cached = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "c", train={"max_steps": 3})).fit()
+    realtime = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "r",
+                                                 cache={"enabled": False}, train={"max_steps": 3})).fit()
+    assert [s for s, _ in cached.history] == [1, 2, 3]
+    for (_, a), (_, b) in zip(cached.history, realtime.history):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    assert _max_diff(_lora(cached.lora_path), _lora(realtime.lora_path)) < 1e-6
+
+
+def test_training_from_the_cache_loads_no_encoder(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch):
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 1})
+    trainer = QwenImageEditTrainer(config)
+    trainer.cache()
+    import qwen_edit_core.components as components
+    loaded = []
+    for name in ("load_text_encoder", "load_vae"):
+        real = getattr(components, name)
+        monkeypatch.setattr(components, name, lambda *a, _real=real, _n=name, **k: loaded.append(_n) or _real(*a, **k))
+    result = trainer.fit()
+    assert result.step == 1 and loaded == []
+
+
+def test_fit_inside_inference_mode(tiny_edit_dir, pairs_dir, tmp_path):
+    """ComfyUI calls nodes under torch.inference_mode(): training must still work."""
+    with torch.inference_mode():
+        result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o",
+                                                   train={"max_steps": 2})).fit()
+    assert result.state == "done" and result.step == 2
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in result.history)
+
+
+def test_outputs_loss_csv_plot_checkpoints(tiny_edit_dir, pairs_dir, tmp_path):
+    out = tmp_path / "o"
+    result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, out, train={
+        "max_steps": 5, "checkpoint_every": 2, "keep_checkpoints": 2})).fit()
+    rows = (out / "loss.csv").read_text().strip().splitlines()
+    assert rows[0] == "step,loss" and len(rows) == 6
+    assert (out / "loss.png").is_file() and result.loss_plot == out / "loss.png"
+    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [4, 5]
+    metadata = json.loads((out / "checkpoints" / "step-0000005" / "state.json").read_text())
+    assert metadata["step"] == 5
+
+
+def test_stop_and_resume_equals_uninterrupted(tiny_edit_dir, pairs_dir, tmp_path):
+    sections = {"train": {"max_steps": 6, "checkpoint_every": 2, "gradient_accumulation_steps": 2},
+                "lr_scheduler": {"type": "cosine", "warmup_steps": 2},
+                "data": {"caption_dropout_rate": 0.3, "prompt_image_dropout_rate": 0.2}}
+    full = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "full", **sections)).fit()
+
+    out = tmp_path / "stopped"
+    token = CancelToken()
+
+    def stop_at_3(event):
+        if event.stage == "train" and event.step == 3:
+            token.cancel()
+
+    config = train_config(tiny_edit_dir, pairs_dir, out, **sections)
+    stopped = QwenImageEditTrainer(config).fit(progress=stop_at_3, cancel=token)
+    assert stopped.state == "cancelled" and stopped.step == 3
+    resumed = QwenImageEditTrainer(config).fit(resume=True)
+    assert resumed.state == "done" and resumed.step == 6
+    assert _max_diff(_lora(full.lora_path), _lora(resumed.lora_path)) <= 1e-6
+    assert [s for s, _ in resumed.history] == [1, 2, 3, 4, 5, 6]
+
+
+def test_cli_train_and_resume_with_path(tiny_edit_dir, pairs_dir, tmp_path):
+    import yaml
+    out = tmp_path / "o"
+    cfg = {"model": {"pretrained_model_name_or_path": str(tiny_edit_dir), "lora": {"rank": 4, "targets": "attn"}},
+           "data": {"folder": str(pairs_dir), "vae_area": 4096, "batch_size": 1},
+           "cache": {"dir": str(tmp_path / "cache")},
+           "train": {"output_dir": str(out), "max_steps": 2, "checkpoint_every": 1}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path)]) == 0
+    cfg["train"]["max_steps"] = 3
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--resume", str(out / "checkpoints" / "step-0000002")]) == 0
+    assert (out / "lora.safetensors").is_file()
+    assert [c.step for c in list_checkpoints(out / "checkpoints")][-1] == 3
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import qwen_edit_core.checkpoint as ckpt
+    from conftest import train_config
+    from qwen_edit_core import QwenImageEditTrainer
+    real_save, calls = ckpt.torch.save, []
+    def dying_save(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 3:  # the second checkpoint's optimizer file: die half-way through writing it
+            open(path, "wb").write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, path, *a, **k)
+    ckpt.torch.save = dying_save
+    from pathlib import Path
+    config = train_config(Path({model!r}), Path({data!r}), Path({out!r}), train={{"max_steps": 6,
+                          "checkpoint_every": 2}})
+    QwenImageEditTrainer(config).fit()
+""")
+
+
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous(tiny_edit_dir, pairs_dir, tmp_path):
+    out = tmp_path / "killed"
+    script = KILL_SCRIPT.format(tests=os.path.dirname(__file__), model=str(tiny_edit_dir), data=str(pairs_dir),
+                                out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [2]
+    config = train_config(tiny_edit_dir, pairs_dir, out, train={"max_steps": 6, "checkpoint_every": 2})
+    resumed = QwenImageEditTrainer(config).fit(resume=True)
+    full = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "full",
+                                             train={"max_steps": 6, "checkpoint_every": 2})).fit()
+    assert resumed.step == 6
+    assert _max_diff(_lora(full.lora_path), _lora(resumed.lora_path)) <= 1e-6
+    assert not list((out / "checkpoints").glob(".partial-*"))
