@@ -136,8 +136,11 @@ class QwenImageEditTrainer:
 
     def _encoder_plan(self) -> DevicePlan:
         c = self.config.cache
-        return DevicePlan.from_mapping({"text_encoder": c.text_encoder_device, "vae": c.vae_encoder_device,
-                                        "transformer": self.config.train.device}, dtype=self.config.model.dtype)
+        from .trainer import local_device
+        return DevicePlan.from_mapping({"text_encoder": local_device(c.text_encoder_device),
+                                        "vae": local_device(c.vae_encoder_device),
+                                        "transformer": local_device(self.config.train.device)},
+                                       dtype=self.config.model.dtype)
 
     def cache(self, examples=None, *, progress=None, cancel=None) -> dict:
         """The cache stage: encode every example missing from the cache (text encoder and VAE on

@@ -167,6 +167,14 @@ class _Distributed:
             self.accelerator.wait_for_everyone()
 
 
+def local_device(name: str) -> str:
+    """The transformer's device for this process: under `accelerate launch` on GPUs, each process takes the
+    GPU of its LOCAL_RANK; otherwise the configured device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and name.startswith("cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return name
+
+
 def trainable_parameters(transformer) -> dict[str, torch.nn.Parameter]:
     """The LoRA parameters, by name, in registration order (the optimizer's order)."""
     return {name: p for name, p in transformer.named_parameters() if p.requires_grad}
@@ -198,7 +206,12 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     params = trainable_parameters(transformer)
     optimizer = make_optimizer(list(params.values()), config)
     lr_scheduler = make_lr_scheduler(optimizer, config)
-    sampler = BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=t.seed)
+    if dist.world > 1 and config.data.batch_size % dist.world:
+        raise ValueError(f"data.batch_size {config.data.batch_size} must be a multiple of the number of processes "
+                         f"({dist.world}): each process takes an equal share of the global batch")
+    # Several processes need full batches (an empty share would stall the gradient all-reduce).
+    sampler = BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=t.seed,
+                                 drop_last=dist.world > 1)
     model = dist.wrap(transformer)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype is torch.float16)
 
