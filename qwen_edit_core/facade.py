@@ -38,10 +38,18 @@ class QwenImageEditTrainer:
         self._uncond_transformer = None
 
     # -- loading -----------------------------------------------------------------------------------------
-    def load_model(self, which: Sequence[str] = ("transformer", "vae", "text_encoder")) -> Components:
-        """Load the named components on the plan's devices (`model.pretrained_model_name_or_path`)."""
+    def load_model(self, which: Sequence[str] = ("transformer", "vae", "text_encoder"), *,
+                   keep_transformer: bool = False) -> Components:
+        """Load the named components on the plan's devices (`model.pretrained_model_name_or_path`).
+
+        `keep_transformer=True` keeps the current (for example just trained) transformer and loads the rest.
+        """
+        kept = self.components.transformer if keep_transformer and self.components is not None else None
+        which = tuple(w for w in which if not (kept is not None and w == "transformer"))
         self.components = load_components(self.config.model.pretrained_model_name_or_path, self.plan, which=which,
                                           quantize_transformer=self.config.model.quantize)
+        if kept is not None:
+            self.components.transformer = kept
         self._uncond_transformer = None
         return self.components
 
