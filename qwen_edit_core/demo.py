@@ -60,10 +60,10 @@ def _config(model_dir: Path, data: Path, out_dir: Path):
                                                                              "targets": "all"}},
         "data": {"folder": str(data), "vae_area": SIZE * SIZE, "batch_size": 4},
         "cache": {"dir": str(out_dir / "cache")},
-        "train": {"output_dir": str(out_dir / "train"), "max_steps": 300, "seed": 0, "checkpoint_every": 100,
+        "train": {"output_dir": str(out_dir / "train"), "max_steps": 1500, "seed": 0, "checkpoint_every": 500,
                   "lora_name": "demo_lora"},
         "optimizer": {"lr": 2e-3, "weight_decay": 0.0},
-        "lr_scheduler": {"type": "cosine", "warmup_steps": 20},
+        "lr_scheduler": {"type": "cosine", "warmup_steps": 50},
         "predict": {"vae_area": SIZE * SIZE}})
 
 
@@ -75,7 +75,7 @@ def _evaluate(trainer, held_out, steps: int = 20) -> dict:
     comps = trainer.components
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, negative_prompt=None, seed=0,
                                       vae_area=SIZE * SIZE)
-    latent_err, pixel_err, images = [], [], []
+    latent_err, pixel_err, images, reconstructions = [], [], [], []
     for i, (control_path, target_path) in enumerate(held_out):
         control, target = open_image(control_path), open_image(target_path)
         cond = sampler.build_conditioning(comps, CAPTION, [control], settings)
@@ -86,8 +86,9 @@ def _evaluate(trainer, held_out, steps: int = 20) -> dict:
         latent_err.append(float((latents - target_latents).float().pow(2).mean()))
         pixel_err.append(float((image - reconstruction).pow(2).mean()))
         images.append(image)
+        reconstructions.append(reconstruction)
     return {"latent_mse": float(np.mean(latent_err)), "pixel_mse_vs_reconstruction": float(np.mean(pixel_err)),
-            "images": images}
+            "images": images, "reconstructions": reconstructions}
 
 
 def _grid(rows: list[list[Image.Image]], path: Path) -> None:
@@ -128,9 +129,12 @@ def run_demo(out_dir: Path) -> dict:
     after = _evaluate(trainer, held_out)
     log.info("after:  latent MSE %.4f, pixel MSE %.4f", after["latent_mse"], after["pixel_mse_vs_reconstruction"])
 
+    # Columns: control | target | the target through the tiny random VAE (the best a sample can look) |
+    # sample before training | sample after training.
     rows = []
-    for (control, target), b, a in zip(held_out, before["images"], after["images"]):
-        rows.append([Image.open(control).convert("RGB"), Image.open(target).convert("RGB"), _to_pil(b), _to_pil(a)])
+    for (control, target), r, b, a in zip(held_out, after["reconstructions"], before["images"], after["images"]):
+        rows.append([Image.open(control).convert("RGB"), Image.open(target).convert("RGB"), _to_pil(r), _to_pil(b),
+                     _to_pil(a)])
     _grid(rows, out_dir / "before_after.png")
     metrics = {
         "latent_mse_before": before["latent_mse"], "latent_mse_after": after["latent_mse"],
