@@ -186,8 +186,13 @@ class QwenImageEditTrainer:
         out_dir = Path(cfg.train.output_dir)
         resume_path = resolve_resume(out_dir, resume)
         plan = self._encoder_plan()
+        n_controls = len(examples[0].controls)
+        val_example = None
+        if cfg.train.validation_every and cfg.train.validation_image:
+            from .validation import validation_example
+            val_example = validation_example(cfg.train.validation_image, cfg.train.validation_prompt, n_controls)
         if cfg.cache.enabled:
-            self.cache(examples, progress=progress, cancel=cancel)
+            self.cache(examples + ([val_example] if val_example else []), progress=progress, cancel=cancel)
             self.components = None  # free the encoders before the transformer loads
             comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize)
             cache, identity = self._cache(), encoder_identity(model_dir)
@@ -203,6 +208,15 @@ class QwenImageEditTrainer:
 
             def load_item(i: int) -> dict:
                 return encode_example(comps, examples[i], settings)
+        validator = None
+        if val_example is not None:
+            from .validation import Validator
+            if cfg.cache.enabled:
+                val_tensors = self._cache().get(cache_key(val_example, settings, encoder_identity(model_dir)))
+            else:
+                val_tensors = encode_example(comps, val_example, settings)
+            validator = Validator(comps, val_tensors, out_dir, steps=cfg.train.validation_steps,
+                                  cfg=cfg.predict.true_cfg_scale, seed=cfg.train.seed)
         spec = lora_mod.LoraSpec(rank=cfg.model.lora.rank, alpha=cfg.model.lora.alpha,
                                  targets=lora_mod.resolve_targets(cfg.model.lora.targets),
                                  dropout=cfg.model.lora.dropout, init=cfg.model.lora.init)
@@ -223,7 +237,11 @@ class QwenImageEditTrainer:
             result = train(cfg, comps.transformer, load_item, examples,
                            [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
                            write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
-                           cancel=cancel)
+                           cancel=cancel, validate=validator)
+        if validator is not None and validator.latent_files:
+            # Training is over: a VAE may load now to turn the validation latents into images.
+            vae = comps.vae or load_components(model_dir, plan, which=("vae",)).vae
+            result.validation_images = validator.decode_pending(vae)
         self._uncond_transformer = None
         return result
 

@@ -133,7 +133,7 @@ class TrainResult:
     lora_path: Path | None
     loss_plot: Path | None
     history: list[tuple[int, float]] = field(default_factory=list)
-    validation_latents: list[Path] = field(default_factory=list)
+    validation_images: list[Path] = field(default_factory=list)
 
 
 class _Distributed:

@@ -170,3 +170,14 @@ def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tm
     single = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "one",
                                                cache_dir=tmp_path / "cache", train={"max_steps": 3})).fit()
     assert _max_diff(_lora(single.lora_path), _lora(tmp_path / "ddp" / "lora.safetensors")) < 1e-5
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cached):
+    out = tmp_path / "o"
+    config = train_config(tiny_edit_dir, pairs_dir, out, cache={"enabled": cached}, train={
+        "max_steps": 4, "validation_every": 2, "validation_steps": 2,
+        "validation_image": str(pairs_dir / "p0_control.png"), "validation_prompt": "invert the colors"})
+    result = QwenImageEditTrainer(config).fit()
+    assert [p.name for p in result.validation_images] == ["step-0000002.png", "step-0000004.png"]
+    assert all(p.is_file() for p in result.validation_images)
