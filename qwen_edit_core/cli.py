@@ -64,6 +64,9 @@ def cmd_sample(args) -> None:
     images = [open_image(p) for p in args.image]
     trainer = QwenImageEditTrainer(config)
     trainer.load_model()
+    for spec in args.lora or []:
+        path, _, strength = spec.partition(":") if not Path(spec).is_file() else (spec, "", "")
+        trainer.load_lora(path, scale=float(strength) if strength else 1.0)
     trainer.setup_predict()
     image = trainer.predict(images if len(images) > 1 else images[0], args.prompt,
                             negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
@@ -155,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default 1024*1024)")
     p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
     p.add_argument("--config", help="YAML config whose predict section gives defaults")
+    p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_sample)
 

@@ -245,6 +245,26 @@ class QwenImageEditTrainer:
         self._uncond_transformer = None
         return result
 
+    def training_step(self, items: Sequence, *, step: int = 0) -> torch.Tensor:
+        """The loss of one batch, dispatched by content (the seeds' `training_step`): items that hold cached
+        tensors (dicts from the cache) train from them; dataset examples (`EditExample`) are encoded in real
+        time by the loaded text encoder and VAE. Both give the same loss for the same batch and seed."""
+        from .dataset import EditExample
+        from .samples import encode_example
+        from .trainer import collate, flow_loss, sample_generator
+        comps = self._require()
+        comps.require("transformer")
+        settings = self.encode_settings(self.config.model.variant or comps.variant)
+        tensors = [encode_example(comps, item, settings) if isinstance(item, EditExample) else item
+                   for item in items]
+        param = next(comps.transformer.parameters())
+        gens = [sample_generator(self.config.train.seed, step, 0, j) for j in range(len(tensors))]
+        batch = collate(tensors, gens, caption_dropout=self.config.data.caption_dropout_rate,
+                        control_dropout=self.config.data.prompt_image_dropout_rate, device=param.device,
+                        dtype=comps.transformer.img_in.weight.dtype)
+        loss, _ = flow_loss(comps.transformer, batch, self.config, comps.scheduler_config)
+        return loss
+
     # -- LoRA files ----------------------------------------------------------------------------------------
     def save_lora(self, path) -> Path:
         """Write the trained LoRA (ComfyUI + diffusers compatible keys, metadata) to `path`."""

@@ -151,3 +151,29 @@ def test_cli_bad_input_exits_2_with_a_named_error(tiny_edit_dir, tmp_path, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_hub_id_not_in_local_cache_is_a_clear_offline_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError, match="local Hugging Face cache"):
+        load_components("Qwen/Qwen-Image-Edit", DevicePlan.from_mapping({}))
+
+
+def test_cli_cache_then_sample_with_two_loras(tiny_edit_dir, pairs_dir, tmp_path):
+    import yaml
+    from conftest import train_config
+    from qwen_edit_core import QwenImageEditTrainer
+    result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "t",
+                                               train={"max_steps": 2})).fit()
+    cfg = {"model": {"pretrained_model_name_or_path": str(tiny_edit_dir)},
+           "data": {"folder": str(pairs_dir), "vae_area": 4096}, "cache": {"dir": str(tmp_path / "cache")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["cache", str(tmp_path / "c.yaml")]) == 0
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 4
+    out = tmp_path / "o.png"
+    args = ["sample", "--model", str(tiny_edit_dir), "--image", str(pairs_dir / "p0_control.png"), "--prompt", "x",
+            "--steps", "2", "--vae-area", "4096", "--seed", "1"]
+    assert main(args + ["--out", str(tmp_path / "plain.png")]) == 0
+    assert main(args + ["--lora", f"{result.lora_path}:0.5", "--lora", str(result.lora_path), "--out", str(out)]) == 0
+    plain = np.asarray(Image.open(tmp_path / "plain.png"), dtype=np.float32)
+    assert np.abs(np.asarray(Image.open(out), dtype=np.float32) - plain).max() > 0
