@@ -177,3 +177,9 @@ def test_cli_cache_then_sample_with_two_loras(tiny_edit_dir, pairs_dir, tmp_path
     assert main(args + ["--lora", f"{result.lora_path}:0.5", "--lora", str(result.lora_path), "--out", str(out)]) == 0
     plain = np.asarray(Image.open(tmp_path / "plain.png"), dtype=np.float32)
     assert np.abs(np.asarray(Image.open(out), dtype=np.float32) - plain).max() > 0
+
+
+def test_example_configs_parse():
+    from pathlib import Path
+    for path in sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")):
+        load_config(path)
