@@ -252,8 +252,10 @@ class QwenImageEditTrainer:
         from .dataset import EditExample
         from .samples import encode_example
         from .trainer import collate, flow_loss, sample_generator
+        from . import batching
         comps = self._require()
         comps.require("transformer")
+        batching.install(comps.transformer)
         settings = self.encode_settings(self.config.model.variant or comps.variant)
         tensors = [encode_example(comps, item, settings) if isinstance(item, EditExample) else item
                    for item in items]

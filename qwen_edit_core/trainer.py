@@ -22,8 +22,10 @@ from typing import Callable, Sequence
 
 import torch
 
+import torch.nn.functional as F
+
+from . import batching, encode, flow
 from . import checkpoint as ckpt
-from . import encode, flow
 from .config import Config, to_dict
 from .dataset import BucketBatchSampler, EditExample
 from .encode import PromptEmbeds
@@ -38,13 +40,13 @@ PRECISIONS = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.fl
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """A batch on the transformer's device. `target`/`control` are packed tokens (B, N, 64)."""
+    """A batch on the transformer's device: per-sample packed target and control tokens (samples may differ
+    in size; `flow_loss` pads them), right-padded prompt embeddings, and each sample's generator."""
 
-    target: torch.Tensor
-    control: torch.Tensor
+    targets: list[torch.Tensor]          # (N_target_b, 64)
+    controls: list[torch.Tensor]         # (N_control_b, 64), all control images concatenated
     embeds: PromptEmbeds
     img_shapes: list[list[tuple[int, int, int]]]
-    #: per-sample generators (noise and timestep draws), in batch order
     generators: list[torch.Generator]
 
 
@@ -56,49 +58,56 @@ def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Gene
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
             control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
-    """Stack per-sample cache tensors (same bucket) into a batch; apply caption and control dropout.
+    """Per-sample cache tensors -> a batch; applies caption and control dropout.
 
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
     (the mean image in normalized latent space). Each draw uses the sample's own generator.
     """
-    shapes = {tuple(map(tuple, item["img_shapes"].tolist())) for item in items}
-    if len(shapes) != 1:
-        raise ValueError(f"a batch mixes image sizes {sorted(shapes)}; the bucketed sampler groups equal sizes")
-    embeds, controls, targets = [], [], []
+    embeds, controls, targets, shapes = [], [], [], []
     for item, gen in zip(items, generators):
         drop_caption = torch.rand((), generator=gen).item() < caption_dropout
         drop_control = torch.rand((), generator=gen).item() < control_dropout
         embeds.append(item["empty_prompt_embeds"] if drop_caption else item["prompt_embeds"])
         n_controls = len(item["img_shapes"]) - 1
-        control = torch.cat([encode.pack(item[f"control_latents_{i}"][None]) for i in range(n_controls)], dim=1)
-        controls.append(torch.zeros_like(control) if drop_control else control)
-        targets.append(encode.pack(item["target_latents"][None]))
-    shape_list = [list(map(tuple, items[0]["img_shapes"].tolist()))] * len(items)
-    return TrainBatch(target=torch.cat(targets).to(device, dtype), control=torch.cat(controls).to(device, dtype),
-                      embeds=encode.pad_embeddings(embeds).to(device, dtype), img_shapes=shape_list,
-                      generators=list(generators))
+        control = torch.cat([encode.pack(item[f"control_latents_{i}"][None])[0] for i in range(n_controls)])
+        controls.append((torch.zeros_like(control) if drop_control else control).to(device, dtype))
+        targets.append(encode.pack(item["target_latents"][None])[0].to(device, dtype))
+        shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
+    return TrainBatch(targets=targets, controls=controls, embeds=encode.pad_embeddings(embeds).to(device, dtype),
+                      img_shapes=shapes, generators=list(generators))
 
 
 def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,
                                                                                                 torch.Tensor]:
-    """Flow-matching loss on the target tokens: predict noise - latents at a sampled sigma."""
+    """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
+
+    Samples of different sizes are padded into one call (batching.pack_samples); padding is masked out of
+    attention and of the loss, so each sample's loss equals its one-by-one loss.
+    """
     t = config.train
-    x0 = batch.target
-    n_target = x0.shape[1]
-    noise = torch.stack([torch.randn(x0.shape[1:], generator=g, dtype=torch.float32) for g in batch.generators])
-    mu = flow.mu_from_scheduler_config(scheduler_config, n_target)
-    sigmas = torch.cat([flow.sample_sigmas(1, t.timestep_sampling, generator=g, device="cpu", mu=mu,
-                                           logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
-                        for g in batch.generators])
-    noise = noise.to(x0.device, x0.dtype)
-    sig = sigmas.to(x0.device)
-    noisy = flow.noisy_latents(x0, noise, sig.to(x0.dtype))
-    hidden = torch.cat([noisy, batch.control], dim=1)
-    pred = transformer(hidden_states=hidden, timestep=sig.to(x0.dtype), encoder_hidden_states=batch.embeds.embeds,
-                       encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=batch.img_shapes,
-                       return_dict=False)[0][:, :n_target]
+    noisy, velocities, sigmas = [], [], []
+    for x0, gen in zip(batch.targets, batch.generators):
+        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device, x0.dtype)
+        mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
+        sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
+                                   logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
+        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, x0.dtype))[0])
+        velocities.append(flow.flow_target(x0, noise))
+        sigmas.append(sigma)
+    packed = batching.pack_samples(noisy, batch.controls, batch.img_shapes)
+    sig = torch.cat(sigmas).to(packed.hidden.device)
+    pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
+                       encoder_hidden_states=batch.embeds.embeds,
+                       encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
+                       attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+    n_max = max(packed.n_target)
+    target = torch.stack([F.pad(v, (0, 0, 0, n_max - v.shape[0])) for v in velocities])
+    token_mask = None
+    if any(n != n_max for n in packed.n_target):
+        token_mask = torch.arange(n_max, device=pred.device)[None] < torch.tensor(packed.n_target,
+                                                                                   device=pred.device)[:, None]
     weights = flow.loss_weights(t.loss_weighting, sig).to(pred.device)
-    return flow.masked_mse(pred.float(), flow.flow_target(x0, noise).float(), weights)
+    return flow.masked_mse(pred[:, :n_max].float(), target.float(), weights, token_mask)
 
 
 def make_optimizer(params, config: Config):
@@ -200,6 +209,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     if autocast_dtype == "invalid":
         raise ValueError(f"train.mixed_precision {t.mixed_precision!r} is not accepted; accepted: "
                          f"{', '.join(PRECISIONS)}")
+    batching.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
     if t.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()

@@ -1,0 +1,177 @@
+"""The multi-resolution model adapter: per-sample RoPE and a joint key mask over diffusers' transformer.
+
+diffusers' Qwen-Image transformer uses sample 0's image shapes for the whole batch and its attention
+processor refuses an external mask, so a batch of different sizes differs from one-by-one (FACTS.md §1).
+`install(transformer)` fixes that without forking diffusers or patching anything global: it swaps this model's
+`pos_embed` for `PerSampleRope` (our own module) and installs `JointAttnProcessor` with `set_attn_processor`.
+
+Batch layout: sample b's tokens are [target | control 1 | ... | padding], right-padded to the longest
+sample. Its `img_shapes` entry lists its real shapes and then one padding entry `(n, 1, 1)` for its n
+padding tokens (a frame count above 1 marks padding: Qwen-Image images have one frame; a single padding token
+reads as a 1x1 image, which is just as harmless), so every row covers the same number of tokens (which
+`zero_cond_t` models need) and padding never moves the text positions.
+The processor masks padded keys (text and image); with no padding it builds no mask and calls the fused
+attention kernel exactly like the stock processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def is_padding(entry: Sequence[int]) -> bool:
+    return int(entry[0]) != 1
+
+
+class PerSampleRope(nn.Module):
+    """RoPE frequencies per sample. A uniform, unpadded batch is delegated to the stock module (bit-equal);
+    otherwise returns (B, S_img, D/2) image and (B, S_txt, D/2) text frequencies."""
+
+    def __init__(self, stock: nn.Module):
+        super().__init__()
+        self.stock = stock
+
+    def forward(self, video_fhw, device=None, max_txt_seq_len=None):
+        samples = video_fhw if isinstance(video_fhw, list) and video_fhw and isinstance(video_fhw[0], list) \
+            else [video_fhw if isinstance(video_fhw, list) else [video_fhw]]
+        first = [tuple(e) for e in samples[0]]
+        if all([tuple(e) for e in s] == first for s in samples) and not any(is_padding(e) for e in first):
+            return self.stock([samples[0]], device=device, max_txt_seq_len=max_txt_seq_len)
+        n_text = int(max_txt_seq_len)
+        image, text = zip(*(self._sample(s, device, n_text) for s in samples))
+        longest = max(f.shape[0] for f in image)
+        image = [torch.cat([f, f.new_ones(longest - f.shape[0], f.shape[1])]) for f in image]
+        return torch.stack(image), torch.stack(text)
+
+    def _sample(self, shapes, device, n_text: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos, neg = self.stock.pos_freqs.to(device), self.stock.neg_freqs.to(device)
+        half = [d // 2 for d in self.stock.axes_dim]
+        pos_t, pos_h, pos_w = pos.split(half, dim=1)
+        _, neg_h, neg_w = neg.split(half, dim=1)
+        parts, max_index = [], 0
+        for idx, entry in enumerate(shapes):
+            frames, height, width = (int(v) for v in entry)
+            if is_padding(entry):
+                parts.append(torch.ones(frames * height * width, pos.shape[1], dtype=pos.dtype, device=device))
+                continue
+            t = pos_t[idx: idx + frames].view(frames, 1, 1, -1).expand(frames, height, width, -1)
+            if self.stock.scale_rope:
+                # Centred positions: -h/2 .. h/2-1 (negative indices from the end of neg_freqs).
+                h = torch.cat([neg_h[-(height - height // 2):], pos_h[: height // 2]])
+                w = torch.cat([neg_w[-(width - width // 2):], pos_w[: width // 2]])
+                max_index = max(max_index, height // 2, width // 2)
+            else:
+                h, w = pos_h[:height], pos_w[:width]
+                max_index = max(max_index, height, width)
+            h = h.view(1, height, 1, -1).expand(frames, height, width, -1)
+            w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
+            parts.append(torch.cat([t, h, w], dim=-1).reshape(frames * height * width, -1))
+        return torch.cat(parts), pos[max_index: max_index + n_text]
+
+
+def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, S, H, D) by complex frequencies (S, D/2) (shared) or (B, S, D/2) (per sample)."""
+    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs = freqs.unsqueeze(1) if freqs.dim() == 2 else freqs.unsqueeze(2)
+    return torch.view_as_real(rotated * freqs).flatten(3).type_as(x)
+
+
+class JointAttnProcessor:
+    """Qwen's joint text+image attention with per-sample RoPE and a key mask over padded text and image
+    tokens. `calls` counts which path ran ("fused": no mask; "masked")."""
+
+    def __init__(self) -> None:
+        self.calls = {"fused": 0, "masked": 0}
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None, image_mask=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        if attention_mask is not None:
+            raise ValueError("JointAttnProcessor takes encoder_hidden_states_mask and image_mask, not attention_mask")
+        head_dim = attn.inner_dim // attn.heads
+        img = [proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
+        txt = [proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+               for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+        if attn.norm_q is not None:
+            img[0] = attn.norm_q(img[0])
+        if attn.norm_k is not None:
+            img[1] = attn.norm_k(img[1])
+        if attn.norm_added_q is not None:
+            txt[0] = attn.norm_added_q(txt[0])
+        if attn.norm_added_k is not None:
+            txt[1] = attn.norm_added_k(txt[1])
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img[0], img[1] = _rope(img[0], img_freqs), _rope(img[1], img_freqs)
+            txt[0], txt[1] = _rope(txt[0], txt_freqs), _rope(txt[1], txt_freqs)
+        query, key, value = (torch.cat([t, i], dim=1) for t, i in zip(txt, img))
+        mask = joint_key_mask(encoder_hidden_states_mask, image_mask, encoder_hidden_states.shape[:2],
+                              hidden_states.shape[:2], hidden_states.device)
+        self.calls["fused" if mask is None else "masked"] += 1
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        out = out.flatten(2, 3).to(query.dtype)
+        n_text = encoder_hidden_states.shape[1]
+        img_out = attn.to_out[0](out[:, n_text:].contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, attn.to_add_out(out[:, :n_text].contiguous())
+
+
+def joint_key_mask(text_mask, image_mask, text_shape, image_shape, device) -> torch.Tensor | None:
+    """(B, 1, 1, S_text + S_image) boolean key mask, or None when nothing is padded."""
+    if text_mask is None and image_mask is None:
+        return None
+    text = text_mask.bool() if text_mask is not None else torch.ones(text_shape, dtype=torch.bool, device=device)
+    image = image_mask.bool() if image_mask is not None else torch.ones(image_shape, dtype=torch.bool, device=device)
+    return torch.cat([text, image], dim=1)[:, None, None, :]
+
+
+def install(transformer) -> JointAttnProcessor:
+    """Make `transformer` batch mixed resolutions exactly; idempotent. Returns the installed processor."""
+    if not isinstance(transformer.pos_embed, PerSampleRope):
+        transformer.pos_embed = PerSampleRope(transformer.pos_embed)
+    processor = JointAttnProcessor()
+    transformer.set_attn_processor(processor)
+    return processor
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Model input of a (possibly ragged) batch; `image_mask` is None when nothing is padded."""
+
+    hidden: torch.Tensor                      # (B, N_max, C)
+    image_mask: torch.Tensor | None           # (B, N_max) bool
+    img_shapes: list[list[tuple[int, int, int]]]
+    n_target: list[int]
+
+    @property
+    def attention_kwargs(self) -> dict | None:
+        return None if self.image_mask is None else {"image_mask": self.image_mask}
+
+    def padding_fraction(self) -> float:
+        if self.image_mask is None:
+            return 0.0
+        return 1.0 - float(self.image_mask.float().mean())
+
+
+def pack_samples(targets: Sequence[torch.Tensor], controls: Sequence[torch.Tensor],
+                 shapes: Sequence[Sequence[tuple[int, int, int]]]) -> PackedBatch:
+    """Concatenate each sample's [target | controls] tokens and right-pad the batch (see module doc)."""
+    rows = [torch.cat([t, c], dim=0) for t, c in zip(targets, controls)]
+    longest = max(r.shape[0] for r in rows)
+    if all(r.shape[0] == longest for r in rows) and all(list(s) == list(shapes[0]) for s in shapes):
+        return PackedBatch(torch.stack(rows), None, [list(map(tuple, s)) for s in shapes],
+                           [t.shape[0] for t in targets])
+    hidden = torch.stack([torch.cat([r, r.new_zeros(longest - r.shape[0], r.shape[1])]) for r in rows])
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=hidden.device)
+    padded_shapes = []
+    for b, (row, s) in enumerate(zip(rows, shapes)):
+        mask[b, : row.shape[0]] = True
+        pad = longest - row.shape[0]
+        padded_shapes.append(list(map(tuple, s)) + ([(pad, 1, 1)] if pad else []))
+    return PackedBatch(hidden, mask, padded_shapes, [t.shape[0] for t in targets])
