@@ -129,7 +129,7 @@ def _ours_step_time(device, dtype, steps: int, item) -> tuple[float, float]:
                                               "mixed_precision": "bf16", "gradient_checkpointing": True},
                                     "logging": {"plot": False}})
     reset_peak(device)
-    times = _step_times(lambda p: train(config, model, lambda i: item, [None], [0],
+    times = _step_times(lambda p: train(config, model, lambda i: item, [None], [((1024, 1024), ((1024, 1024),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
     return statistics.median(times), peak_gib(device)

@@ -126,6 +126,9 @@ def cmd_bench(args) -> None:
     if args.what == "sample":
         from benchmarks.sample import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
+    elif args.what == "batching":
+        from benchmarks.batching import run
+        run(real_size=args.real_size, device=args.device, repeats=args.repeats)
     else:
         from benchmarks.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3))
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train"])
+    p.add_argument("what", choices=["sample", "train", "batching"])
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")

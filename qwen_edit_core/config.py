@@ -57,6 +57,9 @@ class DataConfig:
     #: "edit" feeds the VL the VAE-sized image, as the pipeline does)
     vl_area: int = 384 * 384
     batch_size: int = 1
+    #: "equal": a batch holds one bucket (no padding); "similar": neighbouring sizes share a batch (padded,
+    #: masked, equal to one-by-one)
+    bucket_grouping: str = "equal"
     caption_dropout_rate: float = 0.0
     prompt_image_dropout_rate: float = 0.0
 

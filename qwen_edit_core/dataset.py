@@ -249,17 +249,23 @@ class BucketBatchSampler:
     """
 
     def __init__(self, bucket_keys: Sequence[Hashable], batch_size: int, seed: int, drop_last: bool = False,
-                 shuffle: bool = True):
+                 shuffle: bool = True, sizes: Sequence[int] | None = None):
+        """`sizes` (token counts per sample) switches to similar-size grouping: samples are ordered by size
+        and cut into batches, so a batch may mix neighbouring sizes (padded by the trainer) instead of
+        leaving many part-filled batches of one exact size."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not bucket_keys:
             raise ValueError("no samples to batch")
         self.keys = list(bucket_keys)
+        self.sizes = list(sizes) if sizes is not None else None
         self.batch_size, self.seed, self.drop_last, self.shuffle = batch_size, seed, drop_last, shuffle
         self.epoch, self.index = 0, 0
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)
+        if self.sizes is not None:
+            return self._similar_batches(rng)
         groups: dict[Hashable, list[int]] = {}
         for i, key in enumerate(self.keys):
             groups.setdefault(key, []).append(i)
@@ -276,6 +282,21 @@ class BucketBatchSampler:
             rng.shuffle(batches)
         if not batches:
             raise ValueError(f"no full batch of {self.batch_size} in any bucket; lower batch_size or drop_last")
+        return batches
+
+    def _similar_batches(self, rng: random.Random) -> list[list[int]]:
+        order = list(range(len(self.keys)))
+        if self.shuffle:
+            rng.shuffle(order)
+        # Stable sort by (size, bucket): equal buckets stay together, neighbours in size come next.
+        order.sort(key=lambda i: (self.sizes[i], repr(self.keys[i])))
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        if self.shuffle:
+            rng.shuffle(batches)
+        if not batches:
+            raise ValueError(f"fewer than {self.batch_size} samples; lower batch_size")
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -176,6 +176,33 @@ class _Distributed:
             self.accelerator.wait_for_everyone()
 
 
+def _tokens(bucket_key) -> int:
+    """Image tokens of a bucket key ((target w, h), ((control w, h), ...)) for size grouping."""
+    target, controls = bucket_key
+    return sum(w * h // (encode.LATENT_MULTIPLE ** 2) for w, h in (target, *controls))
+
+
+class _PaddingMeter:
+    """Logs the fraction of padded image tokens of each epoch (0 when every batch holds one bucket)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.real, self.padded = None, 0, 0
+
+    def add(self, keys, epoch: int) -> None:
+        if self.epoch is not None and epoch != self.epoch:
+            self.flush()
+        self.epoch = epoch
+        tokens = [_tokens(k) for k in keys]
+        self.real += sum(tokens)
+        self.padded += max(tokens) * len(tokens) - sum(tokens)
+
+    def flush(self) -> None:
+        if self.real:
+            log.info("epoch %d: %.1f%% of image tokens were padding", self.epoch,
+                     100 * self.padded / (self.real + self.padded))
+        self.real = self.padded = 0
+
+
 def local_device(name: str) -> str:
     """The transformer's device for this process: under `accelerate launch` on GPUs, each process takes the
     GPU of its LOCAL_RANK; otherwise the configured device."""
@@ -220,8 +247,13 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         raise ValueError(f"data.batch_size {config.data.batch_size} must be a multiple of the number of processes "
                          f"({dist.world}): each process takes an equal share of the global batch")
     # Several processes need full batches (an empty share would stall the gradient all-reduce).
+    grouping = config.data.bucket_grouping
+    if grouping not in ("equal", "similar"):
+        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: equal, similar")
     sampler = BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=t.seed,
-                                 drop_last=dist.world > 1)
+                                 drop_last=dist.world > 1,
+                                 sizes=[_tokens(k) for k in bucket_keys] if grouping == "similar" else None)
+    padding = _PaddingMeter()
     model = dist.wrap(transformer)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype is torch.float16)
 
@@ -263,6 +295,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
                 indices = next(batches)
                 mine = [(j, i) for j, i in enumerate(indices) if j % world == rank]
                 items = [load_item(i) for _, i in mine]
+                padding.add([bucket_keys[i] for i in indices], sampler.epoch)
                 gens = [sample_generator(t.seed, step, micro, j) for j, _ in mine]
                 batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
                                 control_dropout=config.data.prompt_image_dropout_rate, device=device,
@@ -299,6 +332,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         sampler.load_state_dict(position)
         log.info("training stopped at step %d; saving a checkpoint", step)
     finally:
+        padding.flush()
         if losslog is not None:
             losslog.close()
     if step > 0:

@@ -167,3 +167,25 @@ def test_uniform_batch_builds_no_mask_and_stays_fused():
     with torch.no_grad():
         _batched(model, _inputs(), torch.tensor([0.5] * 3))
     assert processor.calls["masked"] == 2
+
+
+def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
+    import numpy as np
+    from PIL import Image
+
+    from qwen_edit_core import sampler
+    from qwen_edit_core.components import load_components
+    from qwen_edit_core.devices import DevicePlan
+    comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),
+              Image.fromarray(rng.integers(0, 255, (80, 48, 3), dtype=np.uint8))]
+    prompts = ["make it blue", "add a small red hat to the cat"]
+    settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, vae_area=96 * 96)
+    singles = [sampler.sample(comps, p, [img], sampler.SampleSettings(**{**settings.__dict__, "seed": s}))
+               for p, img, s in zip(prompts, images, (5, 6))]
+    batched = sampler.sample_batch(comps, prompts, [[images[0]], [images[1]]], settings, seeds=[5, 6])
+    for one, many in zip(singles, batched):
+        assert one.shape == many.shape
+        assert (one - many).abs().max().item() <= 1e-4
+    assert singles[0].shape != singles[1].shape

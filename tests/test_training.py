@@ -227,3 +227,72 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_p
     assert proc.returncode == 130, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
     assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err
+
+
+def _mixed_pairs(folder, controls=1):
+    """Folder layout, three sizes, captions of different lengths, `controls` control images each."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(7)
+    (folder / "images").mkdir(parents=True)
+    dirs = [folder / f"control_{k + 1}" for k in range(controls)]
+    for d in dirs:
+        d.mkdir()
+    sizes = [(64, 64), (96, 64), (64, 96), (64, 64), (96, 64), (64, 96)]
+    for i, (w, h) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / "images" / f"s{i}.png")
+        for k, d in enumerate(dirs):
+            cw, ch = (w, h) if k == 0 else (h, w)
+            Image.fromarray(rng.integers(0, 255, (ch, cw, 3), dtype=np.uint8)).save(d / f"s{i}.png")
+        (folder / "images" / f"s{i}.txt").write_text("make it " + "very " * i + "blue")
+    return folder
+
+
+def test_mixed_size_batch_loss_is_the_mean_of_one_by_one(tiny_edit_dir, tmp_path):
+    from qwen_edit_core import batching
+    from qwen_edit_core.samples import cache_key, encoder_identity
+    from qwen_edit_core.trainer import collate, flow_loss, sample_generator
+    data = _mixed_pairs(tmp_path / "mixed")
+    config = train_config(tiny_edit_dir, data, tmp_path / "o", data={"vae_area": 80 * 80})
+    trainer = QwenImageEditTrainer(config)
+    examples = list(trainer.dataset().examples[:3])
+    trainer.cache(examples)
+    settings = trainer.encode_settings("edit")
+    items = [trainer._cache().get(cache_key(e, settings, encoder_identity(tiny_edit_dir))) for e in examples]
+    assert len({tuple(map(tuple, i["img_shapes"].tolist())) for i in items}) == 3
+    trainer.load_model(which=("transformer",))
+    model = trainer.components.transformer
+    batching.install(model)
+    gens = lambda: [sample_generator(1, 0, 0, j) for j in range(3)]  # noqa: E731
+    kw = dict(caption_dropout=0.0, control_dropout=0.0, device=torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        loss, per_sample = flow_loss(model, collate(items, gens(), **kw), config, trainer.components.scheduler_config)
+        alone = [flow_loss(model, collate([item], [g], **kw), config, trainer.components.scheduler_config)[0]
+                 for item, g in zip(items, gens())]
+    assert per_sample.tolist() == pytest.approx([a.item() for a in alone], rel=1e-4)
+    assert loss.item() == pytest.approx(sum(a.item() for a in alone) / 3, rel=1e-4)
+
+
+def test_similar_grouping_trains_mixed_batches_and_logs_padding(tiny_edit_dir, tmp_path, caplog):
+    import logging
+    data = _mixed_pairs(tmp_path / "mixed")
+    config = train_config(tiny_edit_dir, data, tmp_path / "o", data={"vae_area": 80 * 80, "batch_size": 3,
+                                                                     "bucket_grouping": "similar"},
+                          train={"max_steps": 3})
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.trainer"):
+        result = QwenImageEditTrainer(config).fit()
+    assert result.step == 3 and all(torch.isfinite(torch.tensor(v)) for _, v in result.history)
+    assert any("were padding" in r.message for r in caplog.records)
+
+
+def test_edit_plus_training_with_two_controls(tiny_plus_dir, tmp_path):
+    from safetensors.torch import load_file as load
+    data = _mixed_pairs(tmp_path / "plus", controls=2)
+    config = train_config(tiny_plus_dir, data, tmp_path / "o", data={"vae_area": 80 * 80, "vl_area": 48 * 48,
+                                                                     "batch_size": 2, "bucket_grouping": "similar"},
+                          train={"max_steps": 2})
+    result = QwenImageEditTrainer(config).fit()
+    assert result.step == 2
+    entry = next((tmp_path / "o" / "cache").rglob("*.safetensors"))
+    tensors = load(entry)
+    assert {"control_latents_0", "control_latents_1"} <= set(tensors) and tensors["img_shapes"].shape == (3, 3)
