@@ -61,6 +61,26 @@ def resize(image: Image.Image, width: int, height: int) -> Image.Image:
     return _IMAGE_PROCESSOR.resize(image, height, width)
 
 
+def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: int, vl_area: int):
+    """Control images as the pipelines prepare them: (VL images, VAE pixels, VAE sizes (w, h)).
+
+    Edit resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
+    image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call this, so
+    they see the same inputs.
+    """
+    if not images:
+        raise EncodeError("at least one control image is required")
+    if variant == "edit" and len(images) != 1:
+        raise EncodeError(f"a Qwen-Image-Edit model takes one control image, got {len(images)}; "
+                          "use an Edit Plus (2509/2511) model for several")
+    vae_sizes = [image_size_at_area(img, vae_area) for img in images]
+    if variant == "edit":
+        resized = resize(images[0], *vae_sizes[0])
+        return [resized], [pixels_for_vae(resized, *vae_sizes[0])], vae_sizes
+    vl_images = [resize(img, *image_size_at_area(img, vl_area)) for img in images]
+    return vl_images, [pixels_for_vae(img, *size) for img, size in zip(images, vae_sizes)], vae_sizes
+
+
 def pixels_for_vae(image: Image.Image, width: int, height: int) -> torch.Tensor:
     """(1, 3, 1, H, W) float32 in [-1, 1]: the VAE input the pipelines build for a control image."""
     return _IMAGE_PROCESSOR.preprocess(image, height, width).unsqueeze(2)

@@ -82,21 +82,8 @@ class Conditioning:
 
 def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
     """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
-    if not images:
-        raise ValueError("at least one control image is required")
-    if variant == "edit" and len(images) != 1:
-        raise ValueError(f"a Qwen-Image-Edit model takes one control image, got {len(images)}; "
-                         "use an Edit Plus (2509/2511) model for several")
-    pils = [encode.to_pil(img) for img in images]
-    vae_sizes = [encode.image_size_at_area(img, settings.vae_area) for img in pils]
-    if variant == "edit":
-        # The Edit pipeline resizes once and feeds that same image to the VL and the VAE.
-        resized = encode.resize(pils[0], *vae_sizes[0])
-        vl_images = [resized]
-        vae_pixels = [encode.pixels_for_vae(resized, *vae_sizes[0])]
-    else:
-        vl_images = [encode.resize(img, *encode.image_size_at_area(img, settings.vl_area)) for img in pils]
-        vae_pixels = [encode.pixels_for_vae(img, *size) for img, size in zip(pils, vae_sizes)]
+    vl_images, vae_pixels, vae_sizes = encode.prepare_controls([encode.to_pil(img) for img in images], variant,
+                                                               vae_area=settings.vae_area, vl_area=settings.vl_area)
     # Output size: the given one, else the last control image's VAE size (Edit has only one), then
     # rounded down to a multiple of 16 like the pipelines.
     out_w = settings.width or vae_sizes[-1][0]

@@ -63,20 +63,14 @@ def encoder_identity(model_dir) -> str:
 def encode_example(components, example: EditExample, settings: EncodeSettings) -> dict[str, torch.Tensor]:
     """The cache tensors of one example, on the CPU in `settings.dtype`.
 
-    Control images are preprocessed as the sampler's `prepare_images` does; the target is resized to its own
-    bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout.
+    Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
+    its own bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout.
     """
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)
     controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]
-    if settings.variant == "edit":
-        size = encode.image_size_at_area(controls[0], settings.vae_area)
-        resized = encode.resize(controls[0], *size)
-        vl_images, control_pixels = [resized], [encode.pixels_for_vae(resized, *size)]
-    else:
-        vl_images = [encode.resize(c, *encode.image_size_at_area(c, settings.vl_area)) for c in controls]
-        control_pixels = [encode.pixels_for_vae(c, *encode.image_size_at_area(c, settings.vae_area))
-                          for c in controls]
+    vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
+                                                           vl_area=settings.vl_area)
     target_size = encode.image_size_at_area(target, settings.vae_area)
     te = components.text_encoder
     prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, ""], [vl_images, vl_images],

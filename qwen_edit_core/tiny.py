@@ -60,7 +60,9 @@ def transformer_config(size: str = "tiny", num_layers: int | None = None) -> dic
 
 
 def _text_config(size: str, vocab_size: int, token_ids: dict) -> dict:
-    hidden, heads, layers, inter = (32, 2, 2, 64) if size == "tiny" else (3584, 28, 1, 18944)
+    # real-width: the real hidden size (it sets the transformer's joint_attention_dim) with one layer and a
+    # narrow MLP, so the directory stays small; it checks shapes and plumbing, not the 7B encoder's cost.
+    hidden, heads, layers, inter = (32, 2, 2, 64) if size == "tiny" else (3584, 28, 1, 1024)
     head_dim = hidden // heads
     # mrope_section splits head_dim/2 rotary pairs over (time, height, width).
     third = head_dim // 2 // 4

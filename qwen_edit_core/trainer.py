@@ -111,10 +111,14 @@ def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: 
 
 
 def make_optimizer(params, config: Config):
+    params = list(params)
     o = config.optimizer
     if o.type == "adamw":
         return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
     if o.type == "adamw8bit":
+        if any(p.device.type != "cuda" for p in params):
+            raise ValueError("optimizer.type adamw8bit (bitsandbytes) needs the LoRA on a CUDA device; "
+                             "use adamw on this device")
         try:
             import bitsandbytes as bnb
         except ImportError:

@@ -296,3 +296,48 @@ def test_edit_plus_training_with_two_controls(tiny_plus_dir, tmp_path):
     entry = next((tmp_path / "o" / "cache").rglob("*.safetensors"))
     tensors = load(entry)
     assert {"control_latents_0", "control_latents_1"} <= set(tensors) and tensors["img_shapes"].shape == (3, 3)
+
+
+def test_bf16_mixed_precision_on_cpu(tiny_edit_dir, pairs_dir, tmp_path):
+    result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={
+        "max_steps": 2, "mixed_precision": "bf16"}, lr_scheduler={"type": "linear", "warmup_steps": 1})).fit()
+    assert result.step == 2 and all(torch.isfinite(torch.tensor(v)) for _, v in result.history)
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("optimizer", {"type": "adamw8bit"}, "CUDA"),
+    ("optimizer", {"type": "sgd"}, "accepted: adamw, adamw8bit"),
+    ("lr_scheduler", {"type": "exponential"}, "lr_scheduler.type"),
+    ("train", {"mixed_precision": "fp8"}, "mixed_precision"),
+    ("train", {"timestep_sampling": "beta"}, "timestep sampling"),
+])
+def test_bad_training_options_are_named(tiny_edit_dir, pairs_dir, tmp_path, section, values, message):
+    sections = {section: values}
+    sections["train"] = {"max_steps": 1, **sections.get("train", {})}
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", **sections)
+    with pytest.raises(ValueError, match=message):
+        QwenImageEditTrainer(config).fit()
+
+
+def test_facade_lora_save_load_merge(tiny_edit_dir, pairs_dir, tmp_path):
+    import numpy as np
+    from PIL import Image
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 3},
+                          predict={"vae_area": 64 * 64})
+    trainer = QwenImageEditTrainer(config)
+    trainer.fit()
+    trainer.load_model(which=("vae", "text_encoder"), keep_transformer=True)
+    saved = trainer.save_lora(tmp_path / "mine.safetensors")
+    image = Image.open(pairs_dir / "p0_control.png")
+    with_lora = trainer.predict(image, "invert the colors", num_inference_steps=2, seed=0)
+    trainer.merge_lora()
+    merged = trainer.predict(image, "invert the colors", num_inference_steps=2, seed=0)
+    trainer.unmerge_lora()
+    assert np.abs(with_lora - merged).max() < 1e-4
+
+    fresh = QwenImageEditTrainer(config)
+    fresh.load_model()
+    plain = fresh.predict(image, "invert the colors", num_inference_steps=2, seed=0)
+    fresh.load_lora(saved, scale=1.0)
+    reloaded = fresh.predict(image, "invert the colors", num_inference_steps=2, seed=0)
+    assert np.abs(reloaded - with_lora).max() < 1e-4 and np.abs(plain - with_lora).max() > 1e-4
