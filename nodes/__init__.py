@@ -1,0 +1,42 @@
+"""ComfyUI nodes of the pack: each is a schema plus one call into qwen_edit_core. Ids are prefixed
+`QwenEdit` and never renamed; new inputs go last (saved workflows keep widget values by position)."""
+
+from __future__ import annotations
+
+from . import comfy_runtime
+from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditModelLoader, QwenEditSchedulerLoader,
+                          QwenEditTextEncoderLoader, QwenEditTransformerLoader, QwenEditVAELoader)
+from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
+                           QwenEditSampler)
+from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
+                          QwenEditTrainStatus)
+
+NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
+    QwenEditModelLoader, QwenEditTransformerLoader, QwenEditVAELoader, QwenEditTextEncoderLoader,
+    QwenEditSchedulerLoader, QwenEditAssembleModel, QwenEditLoraLoader,
+    QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
+    QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus)}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
+    "QwenEditTransformerLoader": "Qwen Edit: Load Transformer",
+    "QwenEditVAELoader": "Qwen Edit: Load VAE",
+    "QwenEditTextEncoderLoader": "Qwen Edit: Load Text Encoder",
+    "QwenEditSchedulerLoader": "Qwen Edit: Load Scheduler",
+    "QwenEditAssembleModel": "Qwen Edit: Assemble Model",
+    "QwenEditLoraLoader": "Qwen Edit: Load LoRA",
+    "QwenEditEncodePrompt": "Qwen Edit: Encode Prompt + Image",
+    "QwenEditEncodeImage": "Qwen Edit: Encode Image (VAE)",
+    "QwenEditDecodeLatent": "Qwen Edit: Decode Latent (VAE)",
+    "QwenEditSampler": "Qwen Edit: Sampler (true CFG)",
+    "QwenEditSampleConditioning": "Qwen Edit: Sample Conditioning",
+    "QwenEditDataset": "Qwen Edit: Dataset From Folder",
+    "QwenEditSyntheticDataset": "Qwen Edit: Synthetic Demo Dataset",
+    "QwenEditBuildCache": "Qwen Edit: Build Cache",
+    "QwenEditTrain": "Qwen Edit: Train LoRA (background)",
+    "QwenEditTrainStatus": "Qwen Edit: Training Status / Wait",
+}
+
+comfy_runtime.register_folders()
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

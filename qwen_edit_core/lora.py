@@ -291,3 +291,30 @@ def unmerge_lora(transformer) -> None:
     for module in transformer.modules():
         if isinstance(module, BaseTunerLayer) and module.merged:
             module.unmerge()
+
+
+def file_adapter_name(path) -> str:
+    """A stable adapter name for a LoRA file (its path, size and modification time)."""
+    import hashlib
+    path = Path(path)
+    stat = path.stat()
+    return "f_" + hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def activate(transformer, stack: Sequence[tuple[str, float]]) -> None:
+    """Make exactly the LoRA files of `stack` active with their strengths (loading each file once); an empty
+    stack turns every adapter off. Lets several graphs share one transformer with different LoRAs."""
+    loaded = set(getattr(transformer, "peft_config", {}) or {})
+    names, weights = [], []
+    for path, strength in stack:
+        name = file_adapter_name(path)
+        if name not in loaded:
+            load_lora_into(transformer, read_lora_file(path), adapter_name=name, strength=1.0)
+            loaded.add(name)
+        names.append(name)
+        weights.append(float(strength))
+    if names:
+        transformer.enable_adapters()
+        transformer.set_adapters(names, weights=weights)
+    elif loaded:
+        transformer.disable_adapters()

@@ -1,0 +1,133 @@
+"""The one module that touches ComfyUI (comfy.*, folder_paths, server). Imported lazily; outside ComfyUI
+(tests, scripts) every function falls back to a plain, documented behaviour."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+QWEN_EDIT_FOLDER = "qwen_edit"
+
+
+def in_comfy() -> bool:
+    try:
+        import folder_paths  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def register_folders() -> None:
+    """Register `models/qwen_edit` for diffusers-layout model directories (idempotent)."""
+    if not in_comfy():
+        return
+    import folder_paths
+    if QWEN_EDIT_FOLDER not in folder_paths.folder_names_and_paths:
+        folder_paths.add_model_folder_path(QWEN_EDIT_FOLDER, os.path.join(folder_paths.models_dir, QWEN_EDIT_FOLDER))
+
+
+def model_dirs() -> list[str]:
+    """Diffusers-layout model directories under every registered `qwen_edit` folder."""
+    if not in_comfy():
+        return []
+    import folder_paths
+    register_folders()
+    found = []
+    for root in folder_paths.get_folder_paths(QWEN_EDIT_FOLDER):
+        if os.path.isdir(root):
+            found += sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "model_index.json")))
+    return found
+
+
+def model_dir_path(name: str) -> Path | None:
+    if not in_comfy():
+        return None
+    import folder_paths
+    for root in folder_paths.get_folder_paths(QWEN_EDIT_FOLDER):
+        if os.path.isfile(os.path.join(root, name, "model_index.json")):
+            return Path(root) / name
+    return None
+
+
+def default_model_root() -> Path:
+    """Where the built-in tiny model is built: models/qwen_edit in ComfyUI, else ~/.cache/qwen-edit."""
+    if in_comfy():
+        import folder_paths
+        return Path(folder_paths.models_dir) / QWEN_EDIT_FOLDER
+    return Path(os.environ.get("QWEN_EDIT_HOME", Path.home() / ".cache" / "qwen-edit"))
+
+
+def lora_files() -> list[str]:
+    if not in_comfy():
+        return []
+    import folder_paths
+    return folder_paths.get_filename_list("loras")
+
+
+def lora_path(name: str) -> Path:
+    """Full path of a file of the `loras` folder (or `name` itself outside ComfyUI)."""
+    if not in_comfy():
+        return Path(name)
+    import folder_paths
+    return Path(folder_paths.get_full_path_or_raise("loras", name))
+
+
+def loras_dir() -> Path:
+    if not in_comfy():
+        return Path(os.environ.get("QWEN_EDIT_LORAS", Path.cwd() / "loras"))
+    import folder_paths
+    return Path(folder_paths.get_folder_paths("loras")[0])
+
+
+def output_dir() -> Path:
+    if not in_comfy():
+        return Path(os.environ.get("QWEN_EDIT_OUTPUT", Path.cwd() / "output"))
+    import folder_paths
+    return Path(folder_paths.get_output_directory())
+
+
+def input_dir() -> Path:
+    if not in_comfy():
+        return Path.cwd()
+    import folder_paths
+    return Path(folder_paths.get_input_directory())
+
+
+class _NoBar:
+    def update_absolute(self, value, total=None, preview=None):
+        pass
+
+
+def progress_bar(total: int, node_id=None):
+    """ComfyUI's ProgressBar (it also raises on a user interrupt) or a no-op."""
+    if not in_comfy():
+        return _NoBar()
+    import comfy.utils
+    return comfy.utils.ProgressBar(total, node_id=node_id)
+
+
+def interrupt_requested() -> bool:
+    if not in_comfy():
+        return False
+    import comfy.model_management
+    return comfy.model_management.processing_interrupted()
+
+
+def raise_if_interrupted() -> None:
+    if in_comfy():
+        import comfy.model_management
+        comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+def send_event(event: str, data: dict) -> None:
+    """A custom websocket event (live loss) to the ComfyUI frontend; no-op outside ComfyUI."""
+    if not in_comfy():
+        return
+    try:
+        from server import PromptServer
+        PromptServer.instance.send_sync(event, data, PromptServer.instance.client_id)
+    except Exception:  # noqa: BLE001 - progress events must never break a run
+        log.debug("could not send %s", event, exc_info=True)

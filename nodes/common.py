@@ -1,0 +1,97 @@
+"""Shared node plumbing: the objects that travel between our nodes, widgets, and IMAGE conversion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from qwen_edit_core.components import Components
+from qwen_edit_core.devices import available_devices
+
+from . import comfy_runtime
+
+CATEGORY = "Qwen Edit"
+TINY_MODEL = "qwen-edit-tiny (built-in, random weights)"
+DTYPES = ["float32", "bfloat16", "float16"]
+
+MODEL = "QWEN_EDIT_MODEL"
+TRANSFORMER = "QWEN_EDIT_TRANSFORMER"
+VAE = "QWEN_EDIT_VAE"
+TEXT_ENCODER = "QWEN_EDIT_TEXT_ENCODER"
+SCHEDULER = "QWEN_EDIT_SCHEDULER"
+CONDITIONING = "QWEN_EDIT_CONDITIONING"
+LATENT = "QWEN_EDIT_LATENT"
+DATASET = "QWEN_EDIT_DATASET"
+JOB = "QWEN_EDIT_JOB"
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A loaded model plus the LoRA stack a graph applies to it (ComfyUI-style: loading a LoRA makes a new
+    handle over the same weights; the sampler activates the stack it is given)."""
+
+    components: Components
+    loras: tuple[tuple[str, float], ...] = ()
+    #: uncond replicas for split CFG, by device (shared between handles over the same transformer)
+    replicas: dict = field(default_factory=dict, compare=False)
+
+    def with_lora(self, path: str, strength: float) -> "ModelHandle":
+        return replace(self, loras=self.loras + ((path, strength),))
+
+
+@dataclass(frozen=True)
+class DatasetHandle:
+    folder: Path
+    report: object  # qwen_edit_core.dataset.DatasetReport
+    cache_dir: Path | None = None
+    resolution: int | None = None
+
+
+def device_choices() -> list[str]:
+    return available_devices()
+
+
+def model_choices() -> list[str]:
+    return [TINY_MODEL] + comfy_runtime.model_dirs()
+
+
+def resolve_model(name: str, path: str = "") -> Path:
+    """The model directory of a loader's widgets: an explicit path, the built-in tiny model (built on first
+    use), or a directory of ComfyUI's models/qwen_edit folder."""
+    if path and path.strip():
+        return Path(path.strip()).expanduser()
+    if name == TINY_MODEL:
+        from qwen_edit_core.tiny import build_tiny
+        target = comfy_runtime.default_model_root() / "qwen-edit-tiny"
+        if not (target / "model_index.json").is_file():
+            build_tiny(target)
+        return target
+    found = comfy_runtime.model_dir_path(name)
+    if found is None:
+        raise FileNotFoundError(f"model {name!r} is not in ComfyUI's models/qwen_edit folder; give its path")
+    return found
+
+
+def image_to_pils(image: torch.Tensor) -> list:
+    """ComfyUI IMAGE (B, H, W, C) in [0, 1] -> PIL images."""
+    from qwen_edit_core.encode import to_pil
+    return [to_pil(row) for row in image]
+
+
+def pils_to_image(images) -> torch.Tensor:
+    import numpy as np
+    arrays = [np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0 for img in images]
+    return torch.from_numpy(np.stack(arrays))
+
+
+def files_to_image(paths) -> torch.Tensor:
+    """PNG files -> IMAGE (all resized to the first one's size); a 64x64 black image when there are none."""
+    from PIL import Image
+    paths = [p for p in paths if p]
+    if not paths:
+        return torch.zeros(1, 64, 64, 3)
+    first = Image.open(paths[0]).convert("RGB")
+    images = [first] + [Image.open(p).convert("RGB").resize(first.size) for p in paths[1:]]
+    return pils_to_image(images)

@@ -1,0 +1,157 @@
+"""Loader nodes (whole model or one component each, on the device the user picks) and the LoRA loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qwen_edit_core import components as comp
+from qwen_edit_core import lora
+from qwen_edit_core.devices import resolve_device, resolve_dtype
+
+from . import comfy_runtime
+from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORMER, VAE, ModelHandle,
+                     device_choices, model_choices, resolve_model)
+
+
+def _model_inputs(extra: dict | None = None) -> dict:
+    return {"required": {"model": (model_choices(),), **(extra or {})},
+            "optional": {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides "
+                                                                       "the list"})}}
+
+
+def _device(name: str, component: str) -> torch.device:
+    return resolve_device(name, component=component)
+
+
+class QwenEditModelLoader:
+    """Transformer, VAE and text encoder of one diffusers-layout directory, each on its own device."""
+
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (MODEL,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        devices = device_choices()
+        return _model_inputs({"transformer_device": (devices,), "vae_device": (devices,),
+                              "text_encoder_device": (devices,), "dtype": (DTYPES,)})
+
+    def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path=""):
+        from qwen_edit_core.devices import DevicePlan
+        plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
+                                        "text_encoder": text_encoder_device}, dtype=dtype)
+        return (ModelHandle(comp.load_components(resolve_model(model, path), plan)),)
+
+
+class QwenEditTransformerLoader:
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (TRANSFORMER,)
+    RETURN_NAMES = ("transformer",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
+                              "quantize": (list(comp.QUANTIZE_MODES),)})
+
+    def load(self, model, device, dtype, quantize, path=""):
+        directory = comp.resolve_model_dir(resolve_model(model, path))
+        module = comp.load_transformer(directory, device=_device(device, "transformer"),
+                                       dtype=resolve_dtype(dtype), quantize=quantize)
+        return ((directory, module),)
+
+
+class QwenEditVAELoader:
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (VAE,)
+    RETURN_NAMES = ("vae",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,)})
+
+    def load(self, model, device, dtype, path=""):
+        directory = comp.resolve_model_dir(resolve_model(model, path))
+        return (comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)),)
+
+
+class QwenEditTextEncoderLoader:
+    """Qwen2.5-VL with its tokenizer and processor."""
+
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (TEXT_ENCODER,)
+    RETURN_NAMES = ("text_encoder",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
+                              "quantize": (list(comp.QUANTIZE_MODES),)})
+
+    def load(self, model, device, dtype, quantize, path=""):
+        directory = comp.resolve_model_dir(resolve_model(model, path))
+        return (comp.load_text_encoder(directory, device=_device(device, "text_encoder"),
+                                       dtype=resolve_dtype(dtype), quantize=quantize),)
+
+
+class QwenEditSchedulerLoader:
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (SCHEDULER,)
+    RETURN_NAMES = ("scheduler",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _model_inputs()
+
+    def load(self, model, path=""):
+        directory = comp.resolve_model_dir(resolve_model(model, path))
+        return ((directory, comp.detect_variant(directory), comp.load_scheduler_config(directory)),)
+
+
+class QwenEditAssembleModel:
+    """Components loaded separately (each on its own device) -> one model for the encode/sample/train nodes."""
+
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (MODEL,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "assemble"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"transformer": (TRANSFORMER,), "vae": (VAE,), "text_encoder": (TEXT_ENCODER,),
+                             "scheduler": (SCHEDULER,)}}
+
+    def assemble(self, transformer, vae, text_encoder, scheduler):
+        directory, variant, config = scheduler
+        return (ModelHandle(comp.Components(model_dir=Path(directory), variant=variant, scheduler_config=config,
+                                            transformer=transformer[1], vae=vae, text_encoder=text_encoder)),)
+
+
+class QwenEditLoraLoader:
+    """Apply a LoRA file (ComfyUI, diffusers/peft or kohya layout) with a strength; chain for several."""
+
+    CATEGORY = f"{CATEGORY}/lora"
+    RETURN_TYPES = (MODEL,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (MODEL,), "lora_name": (["(none)"] + comfy_runtime.lora_files(),),
+                             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.05})},
+                "optional": {"lora_path": ("STRING", {"default": "", "forceInput": True})}}
+
+    def apply(self, model, lora_name, strength, lora_path=None):
+        if not lora_path and lora_name == "(none)":
+            return (model,)
+        path = Path(lora_path) if lora_path else comfy_runtime.lora_path(lora_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"LoRA file {str(path)!r} does not exist")
+        # Fail here, at the loader, for a LoRA of another model (names and shapes are checked).
+        lora.check_against(model.components.transformer, lora.read_lora_file(path))
+        return (model.with_lora(str(path), strength),)

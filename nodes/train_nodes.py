@@ -1,0 +1,216 @@
+"""Dataset, cache and training nodes. Training runs in a background job: the train node returns at once,
+the status node waits (with a progress bar and the live loss) and turns ComfyUI's interrupt into a clean
+stop with a checkpoint."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from qwen_edit_core import jobs
+from qwen_edit_core.config import load_config
+from qwen_edit_core.dataset import load_dataset
+from qwen_edit_core.lora import TARGET_PRESETS
+from qwen_edit_core.progress import Cancelled, CancelToken
+
+from . import comfy_runtime
+from .common import CATEGORY, DATASET, JOB, MODEL, DatasetHandle, device_choices, files_to_image
+
+
+def _folder(folder: str) -> Path:
+    """An absolute folder, or one relative to ComfyUI's input directory."""
+    path = Path(folder.strip()).expanduser()
+    return path if path.is_absolute() else comfy_runtime.input_dir() / path
+
+
+class QwenEditDataset:
+    """A folder of edit pairs, validated: every problem is listed (or skipped with skip_invalid)."""
+
+    CATEGORY = f"{CATEGORY}/training"
+    RETURN_TYPES = (DATASET, "STRING")
+    RETURN_NAMES = ("dataset", "summary")
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"folder": ("STRING", {"default": "my_edit_pairs", "tooltip": "absolute, or relative "
+                                                   "to ComfyUI's input folder"}),
+                             "skip_invalid": ("BOOLEAN", {"default": False})}}
+
+    def load(self, folder, skip_invalid):
+        path = _folder(folder)
+        report = load_dataset(path, skip_invalid=skip_invalid)
+        summary = (f"{len(report.examples)} pairs ({report.layout} layout), "
+                   f"{len(report.examples[0].controls)} control image(s) each; {len(report.skipped)} skipped")
+        return (DatasetHandle(path, report), summary)
+
+
+class QwenEditSyntheticDataset:
+    """Writes the demo's learnable edit (invert the colours) as pairs, so a workflow runs anywhere."""
+
+    CATEGORY = f"{CATEGORY}/training"
+    RETURN_TYPES = (DATASET, "IMAGE")
+    RETURN_NAMES = ("dataset", "example_control")
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"folder": ("STRING", {"default": "qwen_edit_demo_pairs"}),
+                             "count": ("INT", {"default": 16, "min": 2, "max": 1000}),
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1})}}
+
+    def make(self, folder, count, seed):
+        from qwen_edit_core.demo import write_dataset
+        path = _folder(folder)
+        pairs = write_dataset(path, count, seed=seed)
+        return (DatasetHandle(path, load_dataset(path)), files_to_image([pairs[0][0]]))
+
+
+def _config(model, dataset: DatasetHandle, *, output_dir: Path, resolution: int, cache_dir: str = "",
+            **sections):
+    comps = model.components
+    te = comps.text_encoder.device if comps.text_encoder is not None else "cpu"
+    vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
+    transformer = next(comps.transformer.parameters())
+    dtype = str(transformer.dtype).removeprefix("torch.")
+    base = {"model": {"pretrained_model_name_or_path": str(comps.model_dir), "dtype": dtype},
+            "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution},
+            "cache": {"dir": cache_dir or str(comfy_runtime.default_model_root() / "cache"),
+                      "text_encoder_device": str(te), "vae_encoder_device": str(vae)},
+            "train": {"output_dir": str(output_dir), "device": str(transformer.device)}}
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return load_config(overrides=base)
+
+
+class QwenEditBuildCache:
+    """Precompute latents and embeddings of a dataset (reused across runs); progress bar; interruptible."""
+
+    CATEGORY = f"{CATEGORY}/training"
+    RETURN_TYPES = (DATASET, "STRING")
+    RETURN_NAMES = ("dataset", "summary")
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (MODEL,), "dataset": (DATASET,),
+                             "resolution": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32}),
+                             "cache_dir": ("STRING", {"default": "", "tooltip": "empty: models/qwen_edit/cache"})},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    def build(self, model, dataset, resolution, cache_dir, unique_id=None):
+        from qwen_edit_core.facade import QwenImageEditTrainer
+        config = _config(model, dataset, output_dir=comfy_runtime.output_dir() / "qwen_edit_runs" / "cache",
+                         resolution=resolution, cache_dir=cache_dir)
+        trainer = QwenImageEditTrainer(config)
+        trainer.components = model.components  # reuse the loaded encoders
+        bar = comfy_runtime.progress_bar(len(dataset.report.examples), node_id=unique_id)
+        token = CancelToken()
+
+        def progress(event):
+            bar.update_absolute(event.step, event.total)
+            if comfy_runtime.interrupt_requested():
+                token.cancel()
+
+        with torch.inference_mode(False):
+            try:
+                stats = trainer.cache(list(dataset.report.examples), progress=progress, cancel=token)
+            except Cancelled:
+                comfy_runtime.raise_if_interrupted()
+                raise
+        summary = f"{stats['total']} entries: {stats['hits']} reused, {stats['computed']} computed"
+        return (DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), resolution), summary)
+
+
+class QwenEditTrain:
+    """Start LoRA training in the background and return a job handle at once."""
+
+    CATEGORY = f"{CATEGORY}/training"
+    RETURN_TYPES = (JOB,)
+    RETURN_NAMES = ("job",)
+    FUNCTION = "start"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": (MODEL,), "dataset": (DATASET,),
+            "lora_name": ("STRING", {"default": "qwen_edit_lora"}),
+            "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000}),
+            "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-5}),
+            "rank": ("INT", {"default": 16, "min": 1, "max": 512}),
+            "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0}),
+            "targets": (list(TARGET_PRESETS),),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 64}),
+            "resolution": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32}),
+            "checkpoint_every": ("INT", {"default": 250, "min": 0, "max": 1_000_000}),
+            "resume": ("BOOLEAN", {"default": False}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1}),
+            "use_cache": ("BOOLEAN", {"default": True, "tooltip": "off: encode every batch in real time"}),
+        }}
+
+    def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
+              checkpoint_every, resume, seed, use_cache):
+        name = lora_name.strip().removesuffix(".safetensors")
+        if not name or any(c in name for c in "/\\:"):
+            raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
+        out = comfy_runtime.output_dir() / "qwen_edit_runs" / name
+        cache_dir = str(dataset.cache_dir) if dataset.cache_dir else ""
+        config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
+                         model={"lora": {"rank": rank, "alpha": alpha, "targets": targets}},
+                         data={"batch_size": batch_size, "bucket_grouping": "similar"},
+                         cache={"enabled": use_cache},
+                         train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
+                                "lora_name": name},
+                         optimizer={"lr": learning_rate})
+        resume_arg = True if resume and (out / "checkpoints").is_dir() else None
+        return (jobs.REGISTRY.start(config, resume=resume_arg),)
+
+
+class QwenEditTrainStatus:
+    """Wait for (or look at) a training job: progress bar with the live loss; an interrupt stops the job
+    with a checkpoint. Returns the LoRA's name in the loras folder, the loss plot and validation images."""
+
+    CATEGORY = f"{CATEGORY}/training"
+    RETURN_TYPES = ("STRING", "STRING", "IMAGE", "IMAGE", "FLOAT")
+    RETURN_NAMES = ("lora_name", "lora_path", "loss_plot", "validation", "loss")
+    FUNCTION = "status"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"job": (JOB,), "wait": ("BOOLEAN", {"default": True})},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # the job moves on between runs
+
+    def status(self, job, wait, unique_id=None):
+        bar = comfy_runtime.progress_bar(job.config.train.max_steps, node_id=unique_id)
+
+        def tick(status):
+            bar.update_absolute(status.step, status.total)
+            comfy_runtime.send_event("qwen_edit.train", {"step": status.step, "total": status.total,
+                                                         "loss": status.loss, "state": status.state})
+            if comfy_runtime.interrupt_requested():
+                job.stop()
+                job.wait()
+                comfy_runtime.raise_if_interrupted()
+
+        status = jobs.wait_for(job, on_tick=tick) if wait else job.status()
+        if status.state == "failed":
+            raise RuntimeError(f"training failed: {status.error}")
+        name = path = ""
+        if status.lora_path is not None:
+            target = comfy_runtime.loras_dir() / status.lora_path.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(status.lora_path, target)
+            name, path = target.name, str(target)
+        loss = status.loss if status.loss is not None and math.isfinite(status.loss) else 0.0
+        text = f"{status.state}: step {status.step}/{status.total}, loss {loss:.4f}" + (f", LoRA {name}" if name else "")
+        return {"ui": {"text": [text]},
+                "result": (name, path, files_to_image([status.loss_plot] if status.loss_plot else []),
+                           files_to_image(status.validation_images), float(loss))}
