@@ -33,6 +33,7 @@ class QwenEditDataset:
     RETURN_TYPES = (DATASET, "STRING")
     RETURN_NAMES = ("dataset", "summary")
     FUNCTION = "load"
+    OUTPUT_NODE = True
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -45,7 +46,7 @@ class QwenEditDataset:
         report = load_dataset(path, skip_invalid=skip_invalid)
         summary = (f"{len(report.examples)} pairs ({report.layout} layout), "
                    f"{len(report.examples[0].controls)} control image(s) each; {len(report.skipped)} skipped")
-        return (DatasetHandle(path, report), summary)
+        return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report), summary)}
 
 
 class QwenEditSyntheticDataset:
@@ -93,6 +94,7 @@ class QwenEditBuildCache:
     RETURN_TYPES = (DATASET, "STRING")
     RETURN_NAMES = ("dataset", "summary")
     FUNCTION = "build"
+    OUTPUT_NODE = True
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -122,7 +124,8 @@ class QwenEditBuildCache:
                 comfy_runtime.raise_if_interrupted()
                 raise
         summary = f"{stats['total']} entries: {stats['hits']} reused, {stats['computed']} computed"
-        return (DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), resolution), summary)
+        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), resolution)
+        return {"ui": {"text": [summary]}, "result": (handle, summary)}
 
 
 class QwenEditTrain:
