@@ -70,9 +70,10 @@ class QwenEditSyntheticDataset:
         return (DatasetHandle(path, load_dataset(path)), files_to_image([pairs[0][0]]))
 
 
-def _config(model, dataset: DatasetHandle, *, output_dir: Path, resolution: int, cache_dir: str = "",
+def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int, cache_dir: str = "",
             **sections):
-    comps = model.components
+    """A core Config from the loaded model (its directory and devices) and the node's widgets."""
+    comps = handle.components
     te = comps.text_encoder.device if comps.text_encoder is not None else "cpu"
     vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
     transformer = next(comps.transformer.parameters())
