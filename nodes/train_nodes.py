@@ -196,13 +196,19 @@ class QwenEditTrainStatus:
         bar = comfy_runtime.progress_bar(job.config.train.max_steps, node_id=unique_id)
 
         def tick(status):
-            bar.update_absolute(status.step, status.total)
-            comfy_runtime.send_event("qwen_edit.train", {"step": status.step, "total": status.total,
-                                                         "loss": status.loss, "state": status.state})
+            # ComfyUI's progress bar raises on an interrupt: stop the job (it saves a checkpoint) first.
             if comfy_runtime.interrupt_requested():
                 job.stop()
                 job.wait()
                 comfy_runtime.raise_if_interrupted()
+            try:
+                bar.update_absolute(status.step, status.total)
+            except BaseException:
+                job.stop()
+                job.wait()
+                raise
+            comfy_runtime.send_event("qwen_edit.train", {"step": status.step, "total": status.total,
+                                                         "loss": status.loss, "state": status.state})
 
         status = jobs.wait_for(job, on_tick=tick) if wait else job.status()
         if status.state == "failed":

@@ -16,15 +16,15 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from .atomic import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -120,18 +120,7 @@ class EmbeddingCache:
         missing = [n for n in REQUIRED_TENSORS if n not in tensors]
         if missing:
             raise ValueError(f"cache entry is missing tensors {missing}")
-        path = self.path_for(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp,
-                      metadata=key.to_metadata())
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return save_safetensors(tensors, self.path_for(key), metadata=key.to_metadata())
 
     def get_or_compute(self, key: CacheKey,
                        compute: Callable[[], Mapping[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from .atomic import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
     tmp = root / f".partial-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, tmp / "adapter.safetensors")
+        save_safetensors(adapter, tmp / "adapter.safetensors")
         write_lora(tmp / "lora.safetensors")
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from .atomic import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +120,7 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
     metadata = {"format": "comfyui-lora", "rank": str(spec.rank), "alpha": str(spec.alpha),
                 "targets": json.dumps(list(spec.targets)), "base_identity": base_identity, "steps": str(steps),
                 "architecture": "qwen-image", **{k: str(v) for k, v in (extra_metadata or {}).items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return save_safetensors(tensors, path, metadata=metadata)
 
 
 @dataclass(frozen=True)

@@ -202,8 +202,9 @@ class _PaddingMeter:
 
     def flush(self) -> None:
         if self.real:
-            log.info("epoch %d: %.1f%% of image tokens were padding", self.epoch,
-                     100 * self.padded / (self.real + self.padded))
+            # Only worth a line when batches mix sizes; one-bucket batches are never padded.
+            log.log(logging.INFO if self.padded else logging.DEBUG, "epoch %d: %.1f%% of image tokens were padding",
+                    self.epoch, 100 * self.padded / (self.real + self.padded))
         self.real = self.padded = 0
 
 

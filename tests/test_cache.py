@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen_edit_core import cache as cache_mod
 from qwen_edit_core.cache import CacheKey, EmbeddingCache, component_identity
 
 
@@ -86,7 +85,8 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(cache_mod.os, "replace", boom)
+    import qwen_edit_core.atomic as atomic
+    monkeypatch.setattr(atomic.os, "replace", boom)
     with pytest.raises(OSError):
         cache.put(key, _tensors())
     assert cache.get(key) is None
@@ -96,14 +96,15 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 def test_sigkilled_writer_leaves_no_readable_corrupt_entry(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
+        import safetensors.torch as st
         from qwen_edit_core import cache as c
-        real = c.save_file
+        real = st.save_file
         def dying(tensors, path, metadata=None):
             real(tensors, path, metadata=metadata)
             with open(path, "r+b") as fh:
                 fh.truncate(1000)
             os.kill(os.getpid(), signal.SIGKILL)
-        c.save_file = dying
+        st.save_file = dying
         from tests.test_cache import _key, _tensors
         c.EmbeddingCache({str(tmp_path)!r}).put(_key(), _tensors(big=True))
     """)
