@@ -17,7 +17,7 @@ from qwen_edit_core.lora import TARGET_PRESETS
 from qwen_edit_core.progress import Cancelled, CancelToken
 
 from . import comfy_runtime
-from .common import CATEGORY, DATASET, JOB, MODEL, DatasetHandle, device_choices, files_to_image
+from .common import CATEGORY, DATASET, JOB, MODEL, DatasetHandle, files_to_image, image_to_pils
 
 
 def _folder(folder: str) -> Path:
@@ -153,21 +153,35 @@ class QwenEditTrain:
             "resume": ("BOOLEAN", {"default": False}),
             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1}),
             "use_cache": ("BOOLEAN", {"default": True, "tooltip": "off: encode every batch in real time"}),
+        }, "optional": {
+            "validation_image": ("IMAGE",),
+            "validation_prompt": ("STRING", {"default": "", "multiline": True}),
+            "validation_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
+                                         "tooltip": "0: no validation images"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
-              checkpoint_every, resume, seed, use_cache):
+              checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
+              validation_every=0):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
         out = comfy_runtime.output_dir() / "qwen_edit_runs" / name
         cache_dir = str(dataset.cache_dir) if dataset.cache_dir else ""
+        validation = {}
+        if validation_image is not None and validation_every > 0:
+            # The core validates from a file (it is cached like a training sample).
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / "validation_input.png"
+            image_to_pils(validation_image)[0].save(path)
+            validation = {"validation_every": validation_every, "validation_image": str(path),
+                          "validation_prompt": validation_prompt}
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
                          model={"lora": {"rank": rank, "alpha": alpha, "targets": targets}},
                          data={"batch_size": batch_size, "bucket_grouping": "similar"},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
-                                "lora_name": name},
+                                "lora_name": name, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         return (jobs.REGISTRY.start(config, resume=resume_arg),)
