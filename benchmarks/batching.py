@@ -7,15 +7,12 @@ runs the real transformer config with random bf16 weights on a GPU at 512^2 to 1
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from qwen_edit_core import batching, encode, lora
 from qwen_edit_core.devices import resolve_device
 
-from .common import print_table, sync
+from .common import median_time, print_table
 
 
 def _inputs(sides, text_dim, device, dtype, text_tokens):
@@ -25,8 +22,8 @@ def _inputs(sides, text_dim, device, dtype, text_tokens):
         rows, cols = h // 16, w // 16
         n = rows * cols
         text = torch.randn(text_tokens + 17 * i, text_dim, generator=g)
-        out.append((torch.randn(n, 64, generator=g).to(device, dtype), torch.randn(n, 64, generator=g).to(device, dtype),
-                    text.to(device, dtype), [(1, rows, cols), (1, rows, cols)]))
+        target, control = (torch.randn(n, 64, generator=g).to(device, dtype) for _ in range(2))
+        out.append((target, control, text.to(device, dtype), [(1, rows, cols), (1, rows, cols)]))
     return out
 
 
@@ -66,22 +63,14 @@ def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
     samples = _inputs(sides, text_dim, dev, dtype, text_tokens)
 
     def timed(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            sync(dev)
-            start = time.perf_counter()
-            fn()
-            sync(dev)
-            times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-        return statistics.median(times)
+        return median_time(lambda: (fn(), model.zero_grad(set_to_none=True)), dev, repeats)
 
     padding = _step(model, samples, dev, dtype)
     t_batch = timed(lambda: _step(model, samples, dev, dtype))
     t_single = timed(lambda: [_step(model, [s], dev, dtype) for s in samples])
     rows = [["one by one", f"{len(samples) / t_single:.2f}", "0.0%", "1.00"],
-            ["padded batch of 4", f"{len(samples) / t_batch:.2f}", f"{100 * padding:.1f}%", f"{t_single / t_batch:.2f}"]]
+            ["padded batch of 4", f"{len(samples) / t_batch:.2f}", f"{100 * padding:.1f}%",
+             f"{t_single / t_batch:.2f}"]]
     sizes = ", ".join(f"{w}x{h}" for w, h in sides)
     return print_table(f"batching: LoRA step, {'real-size' if real_size else 'tiny'} transformer, sizes {sizes}, "
                        f"{dev}, {dtype}", ["mode", "samples/s", "padding", "throughput vs one-by-one"], rows)

@@ -15,6 +15,17 @@ from . import comfy_runtime
 from .common import CATEGORY, CONDITIONING, LATENT, MODEL, device_choices, image_to_pils
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
+# Widget specs several nodes share (same names, defaults and ranges everywhere).
+PROMPT = ("STRING", {"multiline": True, "default": "make the sky purple"})
+NEGATIVE = ("STRING", {"multiline": True, "default": " "})
+STEPS = ("INT", {"default": 20, "min": 1, "max": 200})
+SEED = ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True})
+VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
+                    "tooltip": "control images are resized to this side squared in pixels"})
+
+
+def _size(name: str) -> tuple:
+    return ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16, "tooltip": f"0: {name} from the image"})
 
 
 def _controls(image, image2=None, image3=None) -> list:
@@ -79,19 +90,12 @@ class QwenEditSampler:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (MODEL,), "image": ("IMAGE",),
-            "prompt": ("STRING", {"multiline": True, "default": "make the sky purple"}),
-            "negative_prompt": ("STRING", {"multiline": True, "default": " "}),
-            "steps": ("INT", {"default": 20, "min": 1, "max": 200}),
+            "model": (MODEL,), "image": ("IMAGE",), "prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": STEPS,
             "true_cfg_scale": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1,
                                          "tooltip": "<= 1 turns CFG off (one transformer call per step)"}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-            "width": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16, "tooltip": "0: from the image"}),
-            "height": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16, "tooltip": "0: from the image"}),
-            "shift_mode": (SHIFT_MODES,),
+            "seed": SEED, "width": _size("width"), "height": _size("height"), "shift_mode": (SHIFT_MODES,),
             "uncond_device": (["same"] + device_choices(), {"tooltip": "same: batched CFG on the model's device"}),
-            "vae_side": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                                 "tooltip": "control images are resized to this side squared in pixels"}),
+            "vae_side": VAE_SIDE,
         }, "optional": {"image2": ("IMAGE",), "image3": ("IMAGE",)},
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
@@ -114,12 +118,8 @@ class QwenEditEncodePrompt:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "image": ("IMAGE",),
-                             "prompt": ("STRING", {"multiline": True, "default": "make the sky purple"}),
-                             "negative_prompt": ("STRING", {"multiline": True, "default": " "}),
-                             "width": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16}),
-                             "height": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16}),
-                             "vae_side": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32})},
+        return {"required": {"model": (MODEL,), "image": ("IMAGE",), "prompt": PROMPT, "negative_prompt": NEGATIVE,
+                             "width": _size("width"), "height": _size("height"), "vae_side": VAE_SIDE},
                 "optional": {"image2": ("IMAGE",), "image3": ("IMAGE",)}}
 
     def encode(self, model, image, prompt, negative_prompt, width, height, vae_side, image2=None, image3=None):
@@ -136,11 +136,9 @@ class QwenEditSampleConditioning:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "conditioning": (CONDITIONING,),
-                             "steps": ("INT", {"default": 20, "min": 1, "max": 200}),
+        return {"required": {"model": (MODEL,), "conditioning": (CONDITIONING,), "steps": STEPS,
                              "true_cfg_scale": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1}),
-                             "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
-                                              "control_after_generate": True}),
+                             "seed": SEED,
                              "shift_mode": (SHIFT_MODES,), "uncond_device": (["same"] + device_choices(),)},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
@@ -160,8 +158,7 @@ class QwenEditEncodeImage:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "image": ("IMAGE",),
-                             "vae_side": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32})}}
+        return {"required": {"model": (MODEL,), "image": ("IMAGE",), "vae_side": VAE_SIDE}}
 
     def encode(self, model, image, vae_side):
         comps = model.components

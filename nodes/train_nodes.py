@@ -234,7 +234,8 @@ class QwenEditTrainStatus:
             shutil.copyfile(status.lora_path, target)
             name, path = target.name, str(target)
         loss = status.loss if status.loss is not None and math.isfinite(status.loss) else 0.0
-        text = f"{status.state}: step {status.step}/{status.total}, loss {loss:.4f}" + (f", LoRA {name}" if name else "")
+        text = f"{status.state}: step {status.step}/{status.total}, loss {loss:.4f}"
+        text += f", LoRA {name}" if name else ""
         return {"ui": {"text": [text]},
                 "result": (name, path, files_to_image([status.loss_plot] if status.loss_plot else []),
                            files_to_image(status.validation_images), float(loss))}

@@ -90,7 +90,7 @@ def test_every_problem_named_at_once(tmp_path):
     message = str(err.value)
     assert f"{len(cases)} problem(s)" in message
     for name, why in cases.items():
-        line = next((l for l in message.splitlines() if f"/{name}:" in l), None)
+        line = next((row for row in message.splitlines() if f"/{name}:" in row), None)
         assert line is not None and why in line, (name, message)
 
 
