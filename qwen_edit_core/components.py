@@ -166,7 +166,8 @@ class Components:
 
 
 def load_components(name_or_path: str | Path, plan, *, which=("transformer", "vae", "text_encoder"),
-                    quantize_transformer: str = "none", quantize_text_encoder: str = "none") -> Components:
+                    quantize_transformer: str = "none", quantize_text_encoder: str = "none",
+                    transformer_file: str | Path | None = None) -> Components:
     """Load the named components on the plan's devices (the plan is already validated)."""
     model_dir = resolve_model_dir(name_or_path)
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
@@ -179,7 +180,10 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                                                quantize=quantize_text_encoder)
     if "vae" in which:
         comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype)
-    if "transformer" in which:
+    if "transformer" in which and transformer_file:
+        from .single_file import load_transformer_file
+        comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype)
+    elif "transformer" in which:
         comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
                                              quantize=quantize_transformer)
     log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())

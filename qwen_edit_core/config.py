@@ -44,6 +44,9 @@ class ModelConfig:
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer
     quantize: str = "none"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    #: a transformer as one safetensors file (ComfyUI's diffusion_models layout, bf16/fp32 or scaled fp8);
+    #: the other components still come from pretrained_model_name_or_path
+    transformer_file: str = ""
 
 
 @dataclass(frozen=True)

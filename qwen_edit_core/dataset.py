@@ -1,35 +1,81 @@
 """Folders of edit pairs: discovery, validation, aspect buckets and a resumable bucketed batch sampler.
 
-Accepted layouts (file stems match across folders; jpg/jpeg, png, webp; UTF-8 captions):
-- folders: `images/` (targets) with `control/` or `control_1/`, `control_2/`, `control_3/`; the caption of
-  `images/NAME.png` is `images/NAME.txt` (or `captions/NAME.txt`);
-- flat: `NAME.png` (target), `NAME_control.png` or `NAME_control_1.png`, `NAME_control_2.png`..., `NAME.txt`.
+Accepted layouts (images: .png, .jpg/.jpeg, .webp, any letter case; captions: UTF-8 .txt, BOM tolerated,
+surrounding whitespace stripped):
 
-Everything is validated before any work and every problem is reported at once, each naming its file.
+- folders: ``images/`` holds the targets; ``control/`` (= control 1) or ``control_1/``, ``control_2/``,
+  ``control_3/``, ... hold the control images, matched to the target by file stem (the extensions may differ).
+- flat: one folder with ``NAME.png`` (target), ``NAME_control.png`` (= control 1) or ``NAME_control_1.png``,
+  ``NAME_control_2.png``, ... and ``NAME.txt``.
+
+The caption of target ``NAME`` is ``NAME.txt`` beside the target image (``images/NAME.txt`` in the folders
+layout); if there is none, ``captions/NAME.txt`` in the dataset folder (both layouts). When both exist the one
+beside the image wins and a note says so. Hidden files (``.NAME``, e.g. macOS ``._NAME.png``) are ignored;
+other image formats (gif, bmp, tiff, ...) are reported rather than silently ignored.
+
+Everything is validated before any work and every problem is reported at once, each naming its file and what
+would be accepted: unpaired images, missing/empty/non-UTF-8 captions, images that do not decode (truncated or
+damaged), modes other than RGB, images too small or too large, and differing numbers of controls. Layout
+problems that make pairing impossible (``control/`` beside ``control_1/``, a gap in the control numbering)
+stop discovery at once, as there is nothing sensible to validate.
+
+Decisions:
+- Non-RGB modes (RGBA, LA, L, P, CMYK, I;16, ...) are problems by default: silently flattening transparency
+  or squashing 16 bits changes what the model learns. ``convert_modes=True`` accepts them; ``load_rgb`` then
+  converts (transparency composited on white, 16-bit scaled to 8-bit) and validation logs a warning per file.
+- A non-identity EXIF orientation is applied on load (``ImageOps.exif_transpose``) and is only a note: viewers,
+  ComfyUI's LoadImage and the sampler all see the image as displayed, so that is the image to train on;
+  ``EditExample.target_size`` / ``control_sizes`` are the displayed sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
+import re
+import threading
 import warnings
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Iterator, Sequence
+from typing import Hashable, Iterator, Optional, Sequence
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-LAYOUTS = ("images/ + control/ (or control_1/, control_2/, ...) with NAME.txt captions",
-           "one folder with NAME.png, NAME_control.png (or NAME_control_1.png, ...) and NAME.txt")
-MAX_CONTROLS = 3
+#: image formats people drop into dataset folders that we do not accept: reported, never silently ignored
+OTHER_IMAGE_EXTENSIONS = (".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2", ".psd",
+                          ".exr", ".ico", ".tga")
+CAPTION_EXTENSION = ".txt"
+CAPTIONS_DIR = "captions"
+LAYOUTS = ("images/ + control/ (or control_1/, control_2/, ...) matched by file name, captions as "
+           "images/NAME.txt or captions/NAME.txt",
+           "one folder with NAME.png, NAME_control.png (or NAME_control_1.png, NAME_control_2.png, ...) and "
+           "NAME.txt")
+ACCEPTED_IMAGES = "png, jpg or webp"
 
+_CONTROL_DIR = re.compile(r"^control(?:_(?P<index>\d+))?$")
+_FLAT_CONTROL = re.compile(r"^(?P<base>.+)_control(?:_(?P<index>\d+))?$", re.IGNORECASE)
+_EXIF_ORIENTATION = 0x0112
+_ROTATED_ORIENTATIONS = (5, 6, 7, 8)  # these swap width and height
+_MODE_NAMES = {"RGBA": "RGB with alpha", "LA": "greyscale with alpha", "L": "greyscale", "P": "palette",
+               "PA": "palette with alpha", "1": "1-bit", "CMYK": "CMYK", "YCbCr": "YCbCr", "LAB": "Lab",
+               "HSV": "HSV", "I": "32-bit integer", "F": "32-bit float", "I;16": "16-bit greyscale",
+               "I;16B": "16-bit greyscale", "I;16L": "16-bit greyscale", "I;16N": "16-bit greyscale"}
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+# LOAD_TRUNCATED_IMAGES is a process-wide switch; our validation flips it off for its own decode only.
+_TRUNCATION_LOCK = threading.Lock()
+
+
+# -- public data -----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class EditExample:
+    """One validated edit pair: the target, its control image(s) (in control order) and the caption."""
     name: str
     target: Path
     controls: tuple[Path, ...]
@@ -40,6 +86,7 @@ class EditExample:
 
 @dataclass(frozen=True)
 class Problem:
+    """Something wrong (or, in `DatasetReport.notes`, worth knowing) about one file."""
     path: Path
     message: str
 
@@ -49,13 +96,16 @@ class Problem:
 
 @dataclass(frozen=True)
 class DatasetReport:
+    """The valid examples, the problems skipped (`skip_invalid`), the layout ("folders" or "flat") and
+    informational notes (EXIF orientation applied, modes converted, caption precedence)."""
     examples: tuple[EditExample, ...]
     skipped: tuple[Problem, ...]
     layout: str
+    notes: tuple[Problem, ...] = ()
 
 
 class DatasetError(ValueError):
-    """Every problem of a dataset folder, one per line."""
+    """Every problem of a dataset folder: the count (or a header) first, then one problem per line."""
 
     def __init__(self, problems: Sequence[Problem], header: str = ""):
         self.problems = list(problems)
@@ -63,189 +113,455 @@ class DatasetError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _images_in(folder: Path) -> dict[str, Path]:
-    return {p.stem: p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS}
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset folder does not exist (catchable as DatasetError or FileNotFoundError)."""
 
 
-def _read_caption(path: Path, problems: list[Problem]) -> str | None:
-    if not path.is_file():
-        problems.append(Problem(path, "caption file is missing (a UTF-8 .txt beside the target image)"))
-        return None
-    try:
-        text = path.read_text(encoding="utf-8-sig").strip()
-    except UnicodeDecodeError:
-        problems.append(Problem(path, "caption is not UTF-8 text"))
-        return None
-    if not text:
-        problems.append(Problem(path, "caption is empty"))
-        return None
-    return text
+# -- discovery -------------------------------------------------------------------------------------------------
+
+# An issue is a problem tagged with the sample it disqualifies (None: a stray file, no sample to skip).
+_Issue = tuple[Optional[str], Problem]
 
 
-def _discover(folder: Path) -> tuple[str, list[tuple[str, Path, list[Path], Path]], list[Problem]]:
-    """(layout, [(name, target, controls, caption path)], pairing problems)."""
-    problems: list[Problem] = []
-    entries = []
-    if (folder / "images").is_dir():
-        control_dirs = [folder / "control"] if (folder / "control").is_dir() else []
-        control_dirs += [folder / f"control_{i}" for i in range(1, MAX_CONTROLS + 1)
-                         if (folder / f"control_{i}").is_dir()]
-        if not control_dirs:
-            raise DatasetError([Problem(folder, "has images/ but no control/ (or control_1/) folder")])
-        targets = _images_in(folder / "images")
-        controls = [_images_in(d) for d in control_dirs]
-        for stem in sorted(set().union(*controls) - set(targets)):
-            for c in controls:
-                if stem in c:
-                    problems.append(Problem(c[stem], "control image has no target in images/ with the same name"))
-        for stem, target in targets.items():
-            paths = [c.get(stem) for c in controls]
-            if any(p is None for p in paths):
-                missing = [d.name for d, p in zip(control_dirs, paths) if p is None]
-                problems.append(Problem(target, f"no control image with the same name in {', '.join(missing)}/"))
-                continue
-            caption = target.with_suffix(".txt")
-            if not caption.is_file() and (folder / "captions" / f"{stem}.txt").is_file():
-                caption = folder / "captions" / f"{stem}.txt"
-            entries.append((stem, target, paths, caption))
-        return "folders", entries, problems
-    images = _images_in(folder)
-    controls: dict[str, dict[int, Path]] = {}
-    targets = {}
-    for stem, path in images.items():
-        base, sep, tail = stem.rpartition("_control")
-        if sep and (tail == "" or (tail.startswith("_") and tail[1:].isdigit())):
-            index = int(tail[1:]) if tail else 1
-            controls.setdefault(base, {})[index] = path
+@dataclass(frozen=True)
+class _Candidate:
+    """A discovered, not yet validated sample."""
+    name: str
+    target: Path
+    controls: tuple[Path, ...]
+    captions: tuple[Path, ...]  # existing caption files in order of precedence (may be empty)
+    default_caption: Path       # where the caption is expected, for the "missing" message
+
+
+@dataclass
+class _Discovery:
+    layout: str
+    candidates: list[_Candidate] = field(default_factory=list)
+    issues: list[_Issue] = field(default_factory=list)
+    notes: list[Problem] = field(default_factory=list)
+
+
+@dataclass
+class _Listing:
+    """The images and captions of one folder, by stem. Stems shared by several images are `ambiguous`."""
+    images: dict[str, Path] = field(default_factory=dict)
+    captions: dict[str, Path] = field(default_factory=dict)
+    ambiguous: set[str] = field(default_factory=set)
+
+
+def _list_folder(folder: Path, issues: list[_Issue], name_of=lambda stem: stem) -> _Listing:
+    """Images and captions of `folder` by stem; duplicates and unaccepted formats become issues.
+    `name_of(stem)` is the sample a file belongs to (flat controls belong to their target)."""
+    listing = _Listing()
+    if not folder.is_dir():
+        return listing
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        suffix = path.suffix.lower()
+        if suffix in IMAGE_EXTENSIONS:
+            other = listing.images.setdefault(path.stem, path)
+            if other != path:
+                listing.ambiguous.add(path.stem)
+                issues.append((name_of(path.stem), Problem(path, f"has the same name as {other.name}; keep one "
+                                                                 "image per name")))
+        elif suffix == CAPTION_EXTENSION:
+            listing.captions.setdefault(path.stem, path)  # same stem, other letter case: the first wins
+        elif suffix in OTHER_IMAGE_EXTENSIONS:
+            issues.append((None, Problem(path, f"{suffix} images are not accepted; convert it to "
+                                               f"{ACCEPTED_IMAGES}")))
+    return listing
+
+
+def _captions_of(stem: str, beside: _Listing, captions_dir: _Listing) -> tuple[Path, ...]:
+    return tuple(p for p in (beside.captions.get(stem), captions_dir.captions.get(stem)) if p is not None)
+
+
+def _control_dirs(folder: Path) -> list[Path]:
+    """The control folders in control order; raises DatasetError when their numbering is ambiguous."""
+    found: dict[int, Path] = {}
+    problems = []
+    for path in sorted(p for p in folder.iterdir() if p.is_dir()):
+        match = _CONTROL_DIR.match(path.name)
+        if not match:
+            continue
+        index = int(match["index"]) if match["index"] else 1  # control/ is control 1
+        if index in found:
+            problems.append(Problem(path, f"is control {index}, like {found[index].name}/ (control/ counts as "
+                                          "control_1/); keep one of them"))
         else:
+            found[index] = path
+    if not found:
+        problems.append(Problem(folder, "has images/ but no control/ (or control_1/, control_2/, ...) folder"))
+    elif sorted(found) != list(range(1, len(found) + 1)):
+        problems.append(Problem(folder, f"control folders are numbered {sorted(found)}; accepted: control/ or "
+                                        f"control_1/ up to control_{len(found)}/ without gaps"))
+    if problems:
+        raise DatasetError(problems, header=f"{len(problems)} layout problem(s) in dataset {str(folder)!r}:")
+    return [found[i] for i in sorted(found)]
+
+
+def _discover_folders(folder: Path) -> _Discovery:
+    """Layout (a): images/ + control folders, matched by stem."""
+    found = _Discovery("folders")
+    control_dirs = _control_dirs(folder)
+    targets = _list_folder(folder / "images", found.issues)
+    controls = [_list_folder(d, found.issues) for d in control_dirs]
+    captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    for directory, listing in zip(control_dirs, controls):
+        for stem in sorted(set(listing.images) - set(targets.images) - targets.ambiguous):
+            found.issues.append((None, Problem(listing.images[stem], f"control image has no target "
+                                                                     f"images/{stem}.png/.jpg/.webp")))
+    for stem, target in targets.images.items():
+        paths = [listing.images.get(stem) for listing in controls]
+        missing = [d.name for d, p in zip(control_dirs, paths) if p is None]
+        if missing:
+            found.issues.append((stem, Problem(target, f"has no control image named {stem}.png/.jpg/.webp in "
+                                                       f"{', '.join(m + '/' for m in missing)}")))
+        if None in paths:
+            continue
+        found.candidates.append(_Candidate(stem, target, tuple(paths), _captions_of(stem, targets, captions),
+                                           target.with_suffix(CAPTION_EXTENSION)))
+    return found
+
+
+def _split_flat(listing: _Listing, issues: list[_Issue]) -> tuple[dict[str, Path], dict[str, dict[int, Path]]]:
+    """Flat file stems -> targets by name, and controls by target name and control number."""
+    targets: dict[str, Path] = {}
+    controls: dict[str, dict[int, Path]] = {}
+    for stem, path in listing.images.items():
+        match = _FLAT_CONTROL.match(stem)
+        if not match:
             targets[stem] = path
-    for base in sorted(set(controls) - set(targets)):
+            continue
+        base, index = match["base"], int(match["index"]) if match["index"] else 1  # NAME_control is control 1
+        other = controls.setdefault(base, {}).setdefault(index, path)
+        if other != path:
+            issues.append((base, Problem(path, f"is control {index} of {base}, like {other.name} ({base}_control "
+                                               f"counts as {base}_control_1); keep one of them")))
+    return targets, controls
+
+
+def _flat_sample_name(stem: str) -> str:
+    """The sample a flat-layout file belongs to: NAME for NAME and for NAME_control[_N]."""
+    match = _FLAT_CONTROL.match(stem)
+    return match["base"] if match else stem
+
+
+def _discover_flat(folder: Path) -> _Discovery:
+    """Layout (b): NAME.png, NAME_control[_N].png and NAME.txt in one folder."""
+    found = _Discovery("flat")
+    listing = _list_folder(folder, found.issues, name_of=_flat_sample_name)
+    captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    targets, controls = _split_flat(listing, found.issues)
+    for base in sorted(set(controls) - set(targets) - listing.ambiguous):
         for path in controls[base].values():
-            problems.append(Problem(path, f"control image has no target {base}.png/.jpg/.webp"))
+            found.issues.append((None, Problem(path, f"control image has no target {base}.png/.jpg/.webp")))
     for stem, target in targets.items():
-        found = controls.get(stem)
-        if not found:
-            problems.append(Problem(target, f"no control image {stem}_control.png (or {stem}_control_1.png)"))
-            continue
-        order = sorted(found)
-        if order != list(range(1, len(order) + 1)):
-            problems.append(Problem(target, f"control images are numbered {order}; expected 1..{len(order)}"))
-            continue
-        entries.append((stem, target, [found[i] for i in order], target.with_suffix(".txt")))
-    return "flat", entries, problems
+        numbered = controls.get(stem, {})
+        order = sorted(numbered)
+        if not numbered:
+            found.issues.append((stem, Problem(target, f"has no control image {stem}_control.png/.jpg/.webp "
+                                                       f"(or {stem}_control_1, {stem}_control_2, ...)")))
+        elif order != list(range(1, len(order) + 1)):
+            found.issues.append((stem, Problem(target, f"control images are numbered {order}; accepted: "
+                                                       f"{stem}_control or {stem}_control_1 up to "
+                                                       f"{stem}_control_{len(order)} without gaps")))
+        else:
+            found.candidates.append(_Candidate(stem, target, tuple(numbered[i] for i in order),
+                                               _captions_of(stem, listing, captions),
+                                               target.with_suffix(CAPTION_EXTENSION)))
+    return found
 
 
-def check_image(path: Path, *, min_side: int, max_pixels: int, convert_modes: bool) -> tuple[tuple[int, int] | None,
-                                                                                          str | None]:
-    """((w, h) as displayed, None) for a usable image, else (None, what is wrong and what is accepted)."""
+def _discover(folder: Path) -> _Discovery:
+    if (folder / "images").is_dir():
+        return _discover_folders(folder)
+    strays = [p for p in sorted(folder.iterdir()) if p.is_dir() and _CONTROL_DIR.match(p.name)]
+    if strays:
+        raise DatasetError([Problem(folder, f"has {strays[0].name}/ but no images/ folder for the targets")],
+                           header=f"1 layout problem in dataset {str(folder)!r}; accepted layouts: "
+                                  + "; ".join(LAYOUTS))
+    return _discover_flat(folder)
+
+
+def _control_count_issues(candidates: Sequence[_Candidate]) -> list[_Issue]:
+    """Every sample needs the same number of controls: the most common number wins (ties: the larger)."""
+    counts = Counter(len(c.controls) for c in candidates)
+    if len(counts) <= 1:
+        return []
+    expected = max(counts, key=lambda n: (counts[n], n))
+    return [(c.name, Problem(c.target, f"has {len(c.controls)} control image(s) but {counts[expected]} of "
+                                       f"{len(candidates)} samples have {expected}; every sample needs the same "
+                                       "number of control images"))
+            for c in candidates if len(c.controls) != expected]
+
+
+# -- validation of one file ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ImageCheck:
+    """What validating one image found: its displayed size, mode and EXIF orientation, or a problem."""
+    size: tuple[int, int] | None = None  # (w, h) as displayed
+    mode: str = ""
+    orientation: int = 1
+    problem: str | None = None
+
+
+@contextlib.contextmanager
+def _truncated_images_fail():
+    """Decode with Pillow's LOAD_TRUNCATED_IMAGES off: some hosts switch it on process-wide, and then a cut
+    file decodes silently with grey rows instead of failing here."""
+    with _TRUNCATION_LOCK:
+        previous = ImageFile.LOAD_TRUNCATED_IMAGES
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+        try:
+            yield
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = previous
+
+
+def _orientation(img: Image.Image) -> int:
+    value = img.getexif().get(_EXIF_ORIENTATION, 1)
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _decode(path: Path, max_pixels: int) -> ImageCheck:
+    """Open and fully decode `path` (the size check comes first, before any pixel is allocated)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with _truncated_images_fail(), warnings.catch_warnings():
+            # Our own max_pixels check below replaces PIL's bomb warning; its hard error (at twice
+            # Image.MAX_IMAGE_PIXELS) still fires inside open() and is reported below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as img:
                 w, h = img.size
                 if w * h > max_pixels:
-                    return None, f"{w}x{h} is larger than the {max_pixels} pixel limit (decompression bomb guard)"
+                    return ImageCheck(problem=f"{w}x{h} is {w * h} pixels, over the {max_pixels} pixel limit "
+                                              "(decompression bomb guard); accepted: at most that many pixels "
+                                              "(raise max_pixels if the image is genuine)")
                 img.load()
-                mode = img.mode
-                orientation = img.getexif().get(0x0112, 1)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        return None, "image is absurdly large (decompression bomb guard)"
+                return ImageCheck(size=(w, h), mode=img.mode, orientation=_orientation(img))
+    except Image.DecompressionBombError as err:
+        return ImageCheck(problem=f"image is absurdly large ({err}); accepted: at most {max_pixels} pixels")
     except UnidentifiedImageError:
-        return None, "not a readable image (png, jpg or webp expected)"
-    except (OSError, SyntaxError, ValueError) as err:
-        return None, f"image is truncated or damaged: {err}"
-    if mode != "RGB" and not convert_modes:
-        return None, (f"image mode {mode} is not RGB (8-bit, 3 channels); convert it, or set data.convert_modes "
-                      "to convert on load")
-    if orientation in (5, 6, 7, 8):
-        w, h = h, w
-    if min(w, h) < min_side:
-        return None, f"{w}x{h} is smaller than {min_side} px on a side"
-    return (w, h), None
+        return ImageCheck(problem=f"not a readable image; accepted: {ACCEPTED_IMAGES}")
+    except Exception as err:  # noqa: BLE001 - damaged files make decoders raise anything; name it, don't crash
+        return ImageCheck(problem=f"image is truncated or damaged ({type(err).__name__}: {err}); re-export it "
+                                  f"as {ACCEPTED_IMAGES}")
 
 
-def load_rgb(path, convert_modes: bool = False) -> Image.Image:
-    """The one way every stage opens a dataset image: EXIF orientation applied, RGB (converted only when
-    `convert_modes`, transparency composited on white)."""
-    with Image.open(path) as img:
-        img.load()
-        img = ImageOps.exif_transpose(img)
-    if img.mode == "RGB":
-        return img
-    if not convert_modes:
-        raise ValueError(f"{path}: image mode {img.mode} is not RGB; set data.convert_modes to convert it")
-    if img.mode in ("RGBA", "LA", "P", "PA"):
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    if img.mode.startswith("I;16") or img.mode == "I":
-        return img.point(lambda v: v / 256).convert("L").convert("RGB")
-    return img.convert("RGB")
+def _mode_name(mode: str) -> str:
+    return f"{mode} ({_MODE_NAMES[mode]})" if mode in _MODE_NAMES else mode
+
+
+def inspect_image(path: Path, *, min_side: int, max_pixels: int, convert_modes: bool) -> ImageCheck:
+    """Validate one image: decodes, RGB (or `convert_modes`), at least `min_side` and at most `max_pixels`."""
+    check = _decode(Path(path), max_pixels)
+    if check.problem:
+        return check
+    if check.mode != "RGB" and not convert_modes:
+        return ImageCheck(problem=f"image mode {_mode_name(check.mode)} is not accepted; it must be RGB (8-bit, "
+                                  "3 channels, no alpha): re-save it as RGB, or set convert_modes "
+                                  "(data.convert_modes) to convert it on load")
+    w, h = check.size
+    size = (h, w) if check.orientation in _ROTATED_ORIENTATIONS else (w, h)
+    if min(size) < min_side:
+        return ImageCheck(problem=f"{size[0]}x{size[1]} is too small; accepted: at least {min_side} px on each side")
+    return ImageCheck(size=size, mode=check.mode, orientation=check.orientation)
+
+
+def check_image(path: Path, *, min_side: int, max_pixels: int,
+                convert_modes: bool) -> tuple[tuple[int, int] | None, str | None]:
+    """((w, h) as displayed, None) for a usable image, else (None, what is wrong and what is accepted)."""
+    check = inspect_image(path, min_side=min_side, max_pixels=max_pixels, convert_modes=convert_modes)
+    return check.size, check.problem
+
+
+def _read_caption(candidate: _Candidate) -> tuple[str | None, Problem | None]:
+    """The stripped caption text, or the problem with it."""
+    if not candidate.captions:
+        return None, Problem(candidate.default_caption, "caption file is missing; write the edit instruction as "
+                                                        f"UTF-8 text to {candidate.default_caption.name} beside "
+                                                        f"the image (or {CAPTIONS_DIR}/"
+                                                        f"{candidate.default_caption.name})")
+    path = candidate.captions[0]
+    try:
+        # A BOM (U+FEFF) is invisible: tolerated at the start and anywhere else (e.g. concatenated files).
+        text = path.read_bytes().decode("utf-8-sig").replace("\ufeff", "").strip()
+    except UnicodeDecodeError as err:
+        return None, Problem(path, f"caption is not UTF-8 text (invalid byte at offset {err.start}); save it as "
+                                   "UTF-8")
+    except OSError as err:
+        return None, Problem(path, f"caption cannot be read ({err})")
+    if not text:
+        return None, Problem(path, "caption is empty; write the edit instruction (UTF-8 text)")
+    return text, None
+
+
+def _image_notes(path: Path, check: ImageCheck) -> list[Problem]:
+    """Informational notes about a valid image (logged, kept in DatasetReport.notes)."""
+    notes = []
+    if check.orientation != 1:
+        notes.append(Problem(path, f"EXIF orientation {check.orientation} applied on load: used as displayed, "
+                                   f"{check.size[0]}x{check.size[1]}"))
+        log.info("%s", notes[-1])
+    if check.mode != "RGB":
+        how = " (transparency composited on white)" if check.mode in _ALPHA_MODES else ""
+        notes.append(Problem(path, f"image mode {_mode_name(check.mode)} converted to RGB on load{how}"))
+        log.warning("%s", notes[-1])
+    return notes
+
+
+@dataclass(frozen=True)
+class _Limits:
+    min_side: int
+    max_pixels: int
+    convert_modes: bool
+
+
+def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | None, list[Problem], list[Problem]]:
+    """(the example or None, its problems, its notes): every image decoded, the caption read."""
+    problems, notes, sizes = [], [], []
+    for path in (candidate.target, *candidate.controls):
+        check = inspect_image(path, min_side=limits.min_side, max_pixels=limits.max_pixels,
+                              convert_modes=limits.convert_modes)
+        if check.problem:
+            problems.append(Problem(path, check.problem))
+            continue
+        sizes.append(check.size)
+        notes += _image_notes(path, check)
+    caption, caption_problem = _read_caption(candidate)
+    if caption_problem:
+        problems.append(caption_problem)
+    if len(candidate.captions) > 1:
+        notes.append(Problem(candidate.captions[1], f"ignored: {candidate.captions[0]} is the caption used"))
+    if problems:
+        return None, problems, notes
+    example = EditExample(candidate.name, candidate.target, candidate.controls, caption, sizes[0], tuple(sizes[1:]))
+    return example, problems, notes
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+def _require_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise DatasetNotFoundError([Problem(folder, f"dataset folder {what}")],
+                                   header=f"dataset folder {str(folder)!r} {what}; accepted layouts: "
+                                          + "; ".join(LAYOUTS))
+
+
+def _report_skipped(folder: Path, problems: Sequence[Problem], kept: int, dropped: int) -> None:
+    for problem in problems:
+        log.warning("skipping: %s", problem)
+    log.warning("dataset %s: skipped %d sample(s) over %d problem(s); %d sample(s) remain", folder, dropped,
+                len(problems), kept)
 
 
 def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_pixels: int = 64_000_000,
                  convert_modes: bool = False) -> DatasetReport:
-    """Discover and validate a folder of edit pairs. Raises DatasetError listing every problem, unless
-    `skip_invalid`, which drops bad samples (logged and counted in `skipped`)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DatasetError([Problem(folder, "dataset folder does not exist")],
-                           header=f"dataset folder {str(folder)!r} does not exist; accepted layouts: "
-                                  + "; ".join(LAYOUTS))
-    layout, entries, problems = _discover(folder)
-    bad = {p.path for p in problems}
-    examples = []
-    for name, target, controls, caption_path in entries:
-        own: list[Problem] = []
-        sizes = []
-        for path in (target, *controls):
-            size, message = check_image(path, min_side=min_side, max_pixels=max_pixels, convert_modes=convert_modes)
-            if message:
-                own.append(Problem(path, message))
-            sizes.append(size)
-        caption = _read_caption(caption_path, own)
-        if own:
-            problems += own
-            bad.add(target)
-            continue
-        examples.append(EditExample(name, target, tuple(controls), caption, sizes[0], tuple(sizes[1:])))
-    counts = {len(e.controls) for e in examples}
-    if len(counts) > 1:
-        most = max(counts, key=lambda n: sum(len(e.controls) == n for e in examples))
-        for e in [e for e in examples if len(e.controls) != most]:
-            problems.append(Problem(e.target, f"has {len(e.controls)} control images; the others have {most}"))
-        examples = [e for e in examples if len(e.controls) == most]
-    if not examples and not problems:
+    """Discover and validate a folder of edit pairs (see the module docstring for the layouts).
+
+    Every image is decoded and every caption read before anything is returned. Raises DatasetError listing
+    every problem, unless `skip_invalid`, which drops the samples with a problem (logged, and the problems
+    kept in `skipped`); an empty result is an error either way.
+    """
+    folder = Path(folder).expanduser()
+    _require_folder(folder)
+    found = _discover(folder)
+    if not found.candidates and not found.issues:
         raise DatasetError([Problem(folder, "no images found")],
                            header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
+    limits = _Limits(min_side, max_pixels, convert_modes)
+    issues = found.issues + _control_count_issues(found.candidates)
+    notes, checked = list(found.notes), []
+    for candidate in found.candidates:
+        example, problems, own_notes = _validate(candidate, limits)
+        issues += [(candidate.name, p) for p in problems]
+        notes += own_notes
+        if example is not None:
+            checked.append(example)
+    disqualified = {name for name, _ in issues if name is not None}
+    examples = tuple(e for e in checked if e.name not in disqualified)
+    problems = sorted((p for _, p in issues), key=lambda p: (str(p.path), p.message))
     if problems and not skip_invalid:
-        raise DatasetError(problems, header=f"{len(problems)} problem(s) in dataset {str(folder)!r} "
-                                            "(fix them, or set data.skip_invalid to skip those samples):")
+        raise DatasetError(problems, header=f"{len(problems)} problem(s) in dataset {str(folder)!r} (fix them, or "
+                                            "set skip_invalid (data.skip_invalid) to skip those samples):")
     if problems:
-        for p in problems:
-            log.warning("skipping: %s", p)
-        log.warning("skipped %d problem(s); %d samples remain", len(problems), len(examples))
+        _report_skipped(folder, problems, len(examples), len(disqualified))
     if not examples:
-        raise DatasetError(problems, header=f"no valid edit pairs left in {str(folder)!r} after skipping:")
-    return DatasetReport(tuple(examples), tuple(problems), layout)
+        raise DatasetError(problems, header=f"{len(problems)} problem(s) and no valid edit pairs left in "
+                                            f"{str(folder)!r} after skipping; accepted layouts: "
+                                            + "; ".join(LAYOUTS))
+    log.info("dataset %s: %d pair(s), %s layout, %d control image(s) each", folder, len(examples), found.layout,
+             len(examples[0].controls))
+    return DatasetReport(examples, tuple(problems), found.layout, tuple(notes))
 
+
+# -- opening images --------------------------------------------------------------------------------------------
+
+def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
+    """16-bit (and 32-bit integer/float) greyscale -> 8-bit RGB. PIL's own convert("L") clips these instead of
+    scaling them, which would turn most 16-bit images white."""
+    import numpy as np
+
+    values = np.asarray(img).astype(np.float64)
+    if img.mode.startswith("I;16") or (img.mode == "I" and values.max(initial=0) > 255):
+        values = values / 257.0  # 65535 -> 255
+    grey = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey, mode="L").convert("RGB")
+
+
+def _to_rgb(img: Image.Image, path, convert_modes: bool) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if not convert_modes:
+        raise ValueError(f"{path}: image mode {_mode_name(img.mode)} is not RGB; re-save it as RGB or set "
+                         "convert_modes (data.convert_modes) to convert it on load")
+    log.debug("%s: converting mode %s to RGB", path, img.mode)
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        return _high_depth_to_rgb(img)
+    return img.convert("RGB")
+
+
+def load_rgb(path, convert_modes: bool = False) -> Image.Image:
+    """The one way every stage opens a dataset image: EXIF orientation applied (the image as displayed), RGB.
+
+    Non-RGB images raise ValueError unless `convert_modes`: then transparency is composited on white and
+    16-bit images are scaled to 8 bits.
+    """
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img)  # a new, loaded image: the file can close
+    return _to_rgb(img, path, convert_modes)
+
+
+# -- buckets ---------------------------------------------------------------------------------------------------
 
 def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
-    """(w, h) at pixel `area` for aspect `ratio`, sides rounded to multiples of 32 (as diffusers)."""
+    """(w, h) at pixel `area` for aspect `ratio` = w / h, sides rounded to multiples of 32 with Python's round(),
+    exactly as diffusers' qwenimage `calculate_dimensions`."""
     width = math.sqrt(area * ratio)
     return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
 def bucket_for(size_wh: tuple[int, int], area: int) -> tuple[int, int]:
-    """The bucket of an image at a fixed pixel area: exactly the size the sampler would use."""
+    """The bucket (w, h) of an image of `size_wh` at a fixed pixel `area`: exactly the size the sampler uses."""
     return calculate_dimensions(area, size_wh[0] / size_wh[1])
 
 
-class BucketBatchSampler:
-    """Batches of indices with equal bucket keys; deterministic per (seed, epoch); resumable.
+# -- batch sampler ---------------------------------------------------------------------------------------------
 
-    `state_dict()` after k batches and `load_state_dict` in a new sampler continue with batch k+1 of the
-    same sequence, so a resumed run sees exactly the batches of an uninterrupted one.
+class BucketBatchSampler:
+    """Endless batches of indices with equal bucket keys; deterministic per (seed, epoch); resumable.
+
+    Each epoch groups the indices by key, shuffles each group, cuts it into batches and shuffles the batches,
+    all from a generator seeded by (seed, epoch) alone, so any epoch can be rebuilt without replaying the ones
+    before. `state_dict()` after k batches, loaded into a new sampler over the same keys, continues with batch
+    k+1 of the same sequence: a resumed run sees exactly the batches of an uninterrupted one.
     """
 
     def __init__(self, bucket_keys: Sequence[Hashable], batch_size: int, seed: int, drop_last: bool = False,
@@ -253,35 +569,43 @@ class BucketBatchSampler:
         """`sizes` (token counts per sample) switches to similar-size grouping: samples are ordered by size
         and cut into batches, so a batch may mix neighbouring sizes (padded by the trainer) instead of
         leaving many part-filled batches of one exact size."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not bucket_keys:
-            raise ValueError("no samples to batch")
+            raise ValueError("no samples to batch (bucket_keys is empty)")
+        if sizes is not None and len(sizes) != len(bucket_keys):
+            raise ValueError(f"sizes has {len(sizes)} entries for {len(bucket_keys)} samples")
         self.keys = list(bucket_keys)
         self.sizes = list(sizes) if sizes is not None else None
-        self.batch_size, self.seed, self.drop_last, self.shuffle = batch_size, seed, drop_last, shuffle
+        self.batch_size, self.seed, self.drop_last, self.shuffle = batch_size, int(seed), drop_last, shuffle
         self.epoch, self.index = 0, 0
 
+    def _rng(self, epoch: int) -> random.Random:
+        # A string seed is hashed with SHA-512: distinct (seed, epoch) pairs give independent streams, the
+        # same on every process and Python run (no PYTHONHASHSEED dependence).
+        return random.Random(f"bucket-batch-sampler:{self.seed}:{epoch}")
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = random.Random(self.seed * 1_000_003 + epoch)
-        if self.sizes is not None:
-            return self._similar_batches(rng)
+        """The batches of `epoch`, in order (the same for the same keys, batch size, seed and epoch)."""
+        rng = self._rng(epoch)
+        batches = self._similar_batches(rng) if self.sizes is not None else self._equal_batches(rng)
+        if self.shuffle:
+            rng.shuffle(batches)
+        if not batches:
+            raise ValueError(f"no full batch of {self.batch_size} in any bucket with drop_last; lower the batch "
+                             "size or add samples")
+        return batches
+
+    def _equal_batches(self, rng: random.Random) -> list[list[int]]:
         groups: dict[Hashable, list[int]] = {}
         for i, key in enumerate(self.keys):
             groups.setdefault(key, []).append(i)
         batches = []
-        for key in sorted(groups, key=repr):
+        for key in sorted(groups, key=repr):  # a fixed group order: hash order of keys may vary across runs
             members = groups[key]
             if self.shuffle:
                 rng.shuffle(members)
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start:start + self.batch_size]
-                if len(chunk) == self.batch_size or not self.drop_last:
-                    batches.append(chunk)
-        if self.shuffle:
-            rng.shuffle(batches)
-        if not batches:
-            raise ValueError(f"no full batch of {self.batch_size} in any bucket; lower batch_size or drop_last")
+            batches += self._cut(members)
         return batches
 
     def _similar_batches(self, rng: random.Random) -> list[list[int]]:
@@ -290,16 +614,16 @@ class BucketBatchSampler:
             rng.shuffle(order)
         # Stable sort by (size, bucket): equal buckets stay together, neighbours in size come next.
         order.sort(key=lambda i: (self.sizes[i], repr(self.keys[i])))
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        return self._cut(order)
+
+    def _cut(self, indices: list[int]) -> list[list[int]]:
+        batches = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
-        if self.shuffle:
-            rng.shuffle(batches)
-        if not batches:
-            raise ValueError(f"fewer than {self.batch_size} samples; lower batch_size")
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
+        """Batches from the current position on, across epochs, endlessly; the position advances as they go."""
         while True:
             batches = self.epoch_batches(self.epoch)
             while self.index < len(batches):
@@ -309,7 +633,19 @@ class BucketBatchSampler:
             self.epoch, self.index = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        """The position as plain ints: the epoch and the number of its batches already yielded (plus the
+        sample count and batch size, to warn when a resume sees other data)."""
+        return {"epoch": self.epoch, "index": self.index, "num_samples": len(self.keys),
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        """Continue from a `state_dict()`: the next batch is the one an uninterrupted run would yield next."""
+        epoch, index = state.get("epoch"), state.get("index")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, index)):
+            raise ValueError(f"sampler state needs non-negative integers 'epoch' and 'index', got {state!r}")
+        here = {"num_samples": len(self.keys), "batch_size": self.batch_size}
+        changed = {k: (state[k], v) for k, v in here.items() if k in state and state[k] != v}
+        if changed:
+            log.warning("resuming the batch order with other data (%s): batches differ from the original run",
+                        ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+        self.epoch, self.index = epoch, index

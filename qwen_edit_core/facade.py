@@ -47,7 +47,8 @@ class QwenImageEditTrainer:
         kept = self.components.transformer if keep_transformer and self.components is not None else None
         which = tuple(w for w in which if not (kept is not None and w == "transformer"))
         self.components = load_components(self.config.model.pretrained_model_name_or_path, self.plan, which=which,
-                                          quantize_transformer=self.config.model.quantize)
+                                          quantize_transformer=self.config.model.quantize,
+                                          transformer_file=self.config.model.transformer_file or None)
         if kept is not None:
             self.components.transformer = kept
         self._uncond_transformer = None
@@ -194,7 +195,8 @@ class QwenImageEditTrainer:
         if cfg.cache.enabled:
             self.cache(examples + ([val_example] if val_example else []), progress=progress, cancel=cancel)
             self.components = None  # free the encoders before the transformer loads
-            comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize)
+            comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize,
+                                    transformer_file=cfg.model.transformer_file or None)
             cache, identity = self._cache(), encoder_identity(model_dir)
             keys = [cache_key(ex, settings, identity) for ex in examples]
 
@@ -204,7 +206,8 @@ class QwenImageEditTrainer:
                     raise RuntimeError(f"cache entry of {examples[i].name} vanished from {cache.root}; run cache again")
                 return tensors
         else:
-            comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize)
+            comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize,
+                                    transformer_file=cfg.model.transformer_file or None)
 
             def load_item(i: int) -> dict:
                 return encode_example(comps, examples[i], settings)

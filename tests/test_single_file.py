@@ -1,0 +1,125 @@
+"""Transformers as ComfyUI single files: prefixes, bf16, scaled fp8, the Edit-2511 marker, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from qwen_edit_core import sampler
+from qwen_edit_core.components import load_components, load_transformer
+from qwen_edit_core.devices import DevicePlan
+from qwen_edit_core.single_file import SingleFileError, load_transformer_file
+
+CPU = torch.device("cpu")
+
+
+def _state(model_dir, dtype=torch.float32):
+    return {k: v.clone().contiguous() for k, v in
+            load_transformer(model_dir, device=CPU, dtype=dtype).state_dict().items()}
+
+
+def _output(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return model(hidden_states=torch.randn(1, 32, 64, generator=g).to(model.dtype),
+                     encoder_hidden_states=torch.randn(1, 6, 32, generator=g).to(model.dtype),
+                     timestep=torch.tensor([0.4]), img_shapes=[[(1, 4, 4), (1, 4, 4)]], return_dict=False)[0]
+
+
+def _fp8(state, new_format=False):
+    """ComfyUI-style scaled fp8: 2-D weights as e4m3fn with a per-tensor scale."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith(".weight") and value.dim() == 2:
+            scale = value.abs().max().clamp(min=1e-12) / 448.0
+            out[key] = (value / scale).to(torch.float8_e4m3fn)
+            base = key.removesuffix(".weight")
+            if new_format:
+                out[f"{base}.weight_scale"] = scale.float()
+                out[f"{base}.comfy_quant"] = torch.tensor(list(b'{"format":"float8_e4m3fn"}'), dtype=torch.uint8)
+            else:
+                out[f"{base}.scale_weight"] = scale.float()
+        else:
+            out[key] = value.to(torch.bfloat16)
+    if not new_format:
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return out
+
+
+def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_path):
+    state = {f"model.diffusion_model.{k}": v for k, v in _state(tiny_edit_dir).items()}
+    save_file(state, tmp_path / "qwen_image_edit_fp32.safetensors")
+    plan = DevicePlan.from_mapping({})
+    from_dir = load_components(tiny_edit_dir, plan)
+    from_file = load_components(tiny_edit_dir, plan, transformer_file=tmp_path / "qwen_image_edit_fp32.safetensors")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    settings = sampler.SampleSettings(num_inference_steps=3, seed=2, width=64, height=64, vae_area=64 * 64)
+    a = sampler.sample(from_dir, "blue", [image], settings)
+    b = sampler.sample(from_file, "blue", [image], settings)
+    assert torch.equal(a, b)
+
+
+def test_bf16_file_is_exact(tiny_edit_dir, tmp_path):
+    save_file(_state(tiny_edit_dir, torch.bfloat16), tmp_path / "bf16.safetensors")
+    loaded = load_transformer_file(tmp_path / "bf16.safetensors", device=CPU, dtype=torch.bfloat16)
+    reference = load_transformer(tiny_edit_dir, device=CPU, dtype=torch.bfloat16)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("new_format", [False, True])
+def test_scaled_fp8_is_upcast_within_tolerance(tiny_edit_dir, tmp_path, new_format):
+    """e4m3fn keeps 3 mantissa bits: the transformer output stays within 10% relative error (L2)."""
+    save_file(_fp8(_state(tiny_edit_dir), new_format), tmp_path / "fp8.safetensors")
+    loaded = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32)
+    reference = load_transformer(tiny_edit_dir, device=CPU, dtype=torch.float32)
+    a, b = _output(loaded), _output(reference)
+    assert ((a - b).norm() / b.norm()).item() < 0.1
+    assert loaded.transformer_blocks[0].attn.to_q.weight.dtype == torch.float32
+
+
+def test_edit_2511_marker_sets_zero_cond_t(tmp_path):
+    from qwen_edit_core.tiny import build_tiny
+    model_dir = build_tiny(tmp_path / "z", transformer_overrides={"zero_cond_t": True})
+    state = _state(model_dir)
+    state["__index_timestep_zero__"] = torch.empty(0)
+    save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, tmp_path / "2511.safetensors")
+    loaded = load_transformer_file(tmp_path / "2511.safetensors", device=CPU, dtype=torch.float32)
+    reference = load_transformer(model_dir, device=CPU, dtype=torch.float32)
+    assert loaded.config.zero_cond_t is True
+    assert torch.equal(_output(loaded), _output(reference))
+
+
+def test_bad_files_name_what_was_expected(tiny_edit_dir, tmp_path):
+    state = _state(tiny_edit_dir)
+    broken = dict(state)
+    del broken["transformer_blocks.1.attn.to_k.weight"]
+    save_file(broken, tmp_path / "missing.safetensors")
+    with pytest.raises(SingleFileError, match="transformer_blocks.1.attn.to_k.weight"):
+        load_transformer_file(tmp_path / "missing.safetensors", device=CPU, dtype=torch.float32)
+    wrong = dict(state)
+    wrong["transformer_blocks.0.img_mlp.net.2.weight"] = torch.zeros(32, 7)
+    save_file(wrong, tmp_path / "wrong.safetensors")
+    with pytest.raises(SingleFileError, match="wrong shapes"):
+        load_transformer_file(tmp_path / "wrong.safetensors", device=CPU, dtype=torch.float32)
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(4, 4)}, tmp_path / "flux.safetensors")
+    with pytest.raises(SingleFileError, match="not a Qwen-Image transformer"):
+        load_transformer_file(tmp_path / "flux.safetensors", device=CPU, dtype=torch.float32)
+    odd = dict(state)
+    odd["img_in.weight"] = torch.zeros(48, 64)
+    save_file(odd, tmp_path / "odd.safetensors")
+    with pytest.raises(SingleFileError, match="unknown Qwen-Image architecture"):
+        load_transformer_file(tmp_path / "odd.safetensors", device=CPU, dtype=torch.float32)
+    with pytest.raises(SingleFileError, match="does not exist"):
+        load_transformer_file(tmp_path / "nope.safetensors", device=CPU, dtype=torch.float32)
+
+
+def test_cli_sample_with_a_transformer_file(tiny_edit_dir, tmp_path):
+    from qwen_edit_core.cli import main
+    save_file(_state(tiny_edit_dir), tmp_path / "t.safetensors")
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "in.png")
+    assert main(["sample", "--model", str(tiny_edit_dir), "--transformer-file", str(tmp_path / "t.safetensors"),
+                 "--image", str(tmp_path / "in.png"), "--prompt", "x", "--steps", "1", "--vae-area", "4096",
+                 "--out", str(tmp_path / "o.png")]) == 0
