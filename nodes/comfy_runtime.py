@@ -60,6 +60,21 @@ def default_model_root() -> Path:
     return Path(os.environ.get("QWEN_EDIT_HOME", Path.home() / ".cache" / "qwen-edit"))
 
 
+def diffusion_model_files() -> list[str]:
+    """Single-file transformers in ComfyUI's diffusion_models folder (the core reads Qwen-Image ones)."""
+    if not in_comfy():
+        return []
+    import folder_paths
+    return [f for f in folder_paths.get_filename_list("diffusion_models") if f.endswith(".safetensors")]
+
+
+def diffusion_model_path(name: str) -> Path:
+    if not in_comfy():
+        return Path(name)
+    import folder_paths
+    return Path(folder_paths.get_full_path_or_raise("diffusion_models", name))
+
+
 def lora_files() -> list[str]:
     if not in_comfy():
         return []

@@ -15,10 +15,20 @@ from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORM
                      device_choices, model_choices, resolve_model)
 
 
-def _model_inputs(extra: dict | None = None) -> dict:
-    return {"required": {"model": (model_choices(),), **(extra or {})},
-            "optional": {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides "
-                                                                       "the list"})}}
+FROM_DIRECTORY = "(from the model directory)"
+
+
+def _model_inputs(extra: dict | None = None, transformer_file: bool = False) -> dict:
+    optional = {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides the list"})}
+    if transformer_file:
+        optional["transformer_file"] = ([FROM_DIRECTORY] + comfy_runtime.diffusion_model_files(),
+                                        {"tooltip": "a Qwen-Image transformer file of ComfyUI's diffusion_models "
+                                                    "folder (bf16 or scaled fp8) instead of the directory's"})
+    return {"required": {"model": (model_choices(),), **(extra or {})}, "optional": optional}
+
+
+def _transformer_file(name: str | None) -> Path | None:
+    return None if not name or name == FROM_DIRECTORY else comfy_runtime.diffusion_model_path(name)
 
 
 def _device(name: str, component: str) -> torch.device:
@@ -37,13 +47,15 @@ class QwenEditModelLoader:
     def INPUT_TYPES(cls):
         devices = device_choices()
         return _model_inputs({"transformer_device": (devices,), "vae_device": (devices,),
-                              "text_encoder_device": (devices,), "dtype": (DTYPES,)})
+                              "text_encoder_device": (devices,), "dtype": (DTYPES,)}, transformer_file=True)
 
-    def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path=""):
+    def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
+             transformer_file=None):
         from qwen_edit_core.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
-        return (ModelHandle(comp.load_components(resolve_model(model, path), plan)),)
+        return (ModelHandle(comp.load_components(resolve_model(model, path), plan,
+                                                 transformer_file=_transformer_file(transformer_file))),)
 
 
 class QwenEditTransformerLoader:
@@ -55,12 +67,17 @@ class QwenEditTransformerLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
-                              "quantize": (list(comp.QUANTIZE_MODES),)})
+                              "quantize": (list(comp.QUANTIZE_MODES),)}, transformer_file=True)
 
-    def load(self, model, device, dtype, quantize, path=""):
+    def load(self, model, device, dtype, quantize, path="", transformer_file=None):
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        module = comp.load_transformer(directory, device=_device(device, "transformer"),
-                                       dtype=resolve_dtype(dtype), quantize=quantize)
+        file = _transformer_file(transformer_file)
+        if file is not None:
+            from qwen_edit_core.single_file import load_transformer_file
+            module = load_transformer_file(file, device=_device(device, "transformer"), dtype=resolve_dtype(dtype))
+        else:
+            module = comp.load_transformer(directory, device=_device(device, "transformer"),
+                                           dtype=resolve_dtype(dtype), quantize=quantize)
         return ((directory, module),)
 
 

@@ -202,3 +202,20 @@ def test_node_errors_are_clear(model, env, tmp_path):
         nodes.QwenEditLoraLoader().apply(model, "(none)", 1.0, lora_path=str(tmp_path / "flux.st"))
     with pytest.raises(ValueError, match="plain file name"):
         nodes.QwenEditTrain().start(model, None, "../x", 1, 1e-3, 4, 4.0, "attn", 1, 64, 0, False, 0, True)
+
+
+def test_model_loader_takes_a_single_file_transformer(env, tmp_path):
+    from safetensors.torch import save_file
+    from nodes.common import resolve_model
+    from qwen_edit_core.components import load_transformer
+    model_dir = resolve_model(TINY_MODEL)
+    state = load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32).state_dict()
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in state.items()}, tmp_path / "q.safetensors")
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32",
+                                                      transformer_file=str(tmp_path / "q.safetensors"))
+        ((_, module),) = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "float32", "none",
+                                                              transformer_file=str(tmp_path / "q.safetensors"))
+    for key, value in state.items():
+        assert torch.equal(handle.components.transformer.state_dict()[key], value)
+        assert torch.equal(module.state_dict()[key], value)
