@@ -111,10 +111,11 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
 
-    raw, flags = read_state_dict(path)
-    config = detect_config(raw, flags, source=str(path))
-    tensors = dequantize(raw, dtype)
+    # ComfyUI calls loaders under inference mode: tensors read there could never be trained (LoRA) on.
     with torch.inference_mode(False):
+        raw, flags = read_state_dict(path)
+        config = detect_config(raw, flags, source=str(path))
+        tensors = dequantize(raw, dtype)
         with init_empty_weights():
             model = QwenImageTransformer2DModel(**config)
         expected = model.state_dict()

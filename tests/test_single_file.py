@@ -62,9 +62,11 @@ def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_pat
     assert torch.equal(a, b)
 
 
-def test_bf16_file_is_exact(tiny_edit_dir, tmp_path):
+def test_bf16_file_is_exact_and_trainable_after_inference_mode(tiny_edit_dir, tmp_path):
     save_file(_state(tiny_edit_dir, torch.bfloat16), tmp_path / "bf16.safetensors")
-    loaded = load_transformer_file(tmp_path / "bf16.safetensors", device=CPU, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        loaded = load_transformer_file(tmp_path / "bf16.safetensors", device=CPU, dtype=torch.bfloat16)
+    assert not any(p.is_inference() for p in loaded.parameters())
     reference = load_transformer(tiny_edit_dir, device=CPU, dtype=torch.bfloat16)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())
 
