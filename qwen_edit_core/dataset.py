@@ -138,7 +138,6 @@ class _Discovery:
     layout: str
     candidates: list[_Candidate] = field(default_factory=list)
     issues: list[_Issue] = field(default_factory=list)
-    notes: list[Problem] = field(default_factory=list)
 
 
 @dataclass
@@ -474,7 +473,7 @@ def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_
                            header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
     limits = _Limits(min_side, max_pixels, convert_modes)
     issues = found.issues + _control_count_issues(found.candidates)
-    notes, checked = list(found.notes), []
+    notes, checked = [], []
     for candidate in found.candidates:
         example, problems, own_notes = _validate(candidate, limits)
         issues += [(candidate.name, p) for p in problems]

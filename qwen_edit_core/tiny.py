@@ -3,7 +3,8 @@
 `build_tiny` writes a complete diffusers-layout directory (model_index.json, transformer/, vae/,
 text_encoder/, tokenizer/, processor/, scheduler/) from nothing: random weights from a seed, a byte-level
 BPE tokenizer trained on the pipelines' own templates, Qwen-Image's real scheduler config. diffusers'
-`QwenImageEditPipeline.from_pretrained` loads it offline. The same seed gives byte-identical files.
+`QwenImageEditPipeline` / `QwenImageEditPlusPipeline.from_pretrained` load it offline. The same arguments
+give byte-identical files. `transformer_config` also gives the real model's config, for in-memory benchmarks.
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def _text_config(size: str, vocab_size: int, token_ids: dict) -> dict:
 # -- tokenizer -----------------------------------------------------------------------------------------------
 def _train_tokenizer():
     """Byte-level BPE trained on the templates until every template word is one token, as in Qwen's vocab
-    (so the template prefixes come out at the pipelines' drop counts: 64 and 34)."""
+    (so the template prefixes come out at the pipelines' drop counts: 64 and 34).
+
+    Deterministic: the trainer merges until no pair is left inside any pre-token (the Qwen2 regex splits
+    the corpus into words), so each word of the corpus ends up whole; `vocab_size` is only a cap well above
+    the ~280 merges this takes. Every byte stays in the vocabulary, so any UTF-8 prompt tokenizes.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 

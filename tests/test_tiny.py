@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,11 +12,6 @@ from PIL import Image
 
 from qwen_edit_core import templates
 from qwen_edit_core.tiny import SCHEDULER_CONFIG, SPECIAL_TOKENS, build_tiny, prefix_lengths, transformer_config
-
-#: A real-width build (one real-size transformer block, a 3584-wide one-layer encoder) writes about 1.7 GB
-#: and took 9 s on 2 CPU cores; set False to check only `transformer_config("real-width")` where disk or
-#: time is short.
-BUILD_REAL_WIDTH = True
 
 
 def _digests(root):
@@ -118,17 +112,13 @@ def test_transformer_configs():
         transformer_config("huge")
 
 
-@pytest.mark.skipif(not BUILD_REAL_WIDTH, reason="BUILD_REAL_WIDTH is False (the build writes about 1.7 GB)")
-def test_real_width_build_has_matching_widths(tmp_path):
-    out = build_tiny(tmp_path / "rw", size="real-width")
-    try:
-        transformer = _config(out / "transformer/config.json")
-        assert {k: transformer[k] for k in transformer_config("real-width")} == {
-            **transformer_config("real-width"), "axes_dims_rope": [16, 56, 56]}
-        text = _config(out / "text_encoder/config.json")["text_config"]
-        assert text["hidden_size"] == transformer["joint_attention_dim"] == 3584
-        assert (text["num_hidden_layers"], text["num_attention_heads"], text["num_key_value_heads"]) == (1, 28, 4)
-        assert sum(text["rope_parameters"]["mrope_section"]) == 3584 // 28 // 2
-        assert _config(out / "vae/config.json")["base_dim"] == 16  # the VAE stays tiny
-    finally:
-        shutil.rmtree(out)  # 1.7 GB: do not leave it in pytest's kept temporary folders
+def test_real_width_configs_match_each_other():
+    """The real-width build's configs (checked without writing its 1.7 GB: CI disks may be small): the text
+    encoder's width is the transformer's joint_attention_dim and its rope sections fit its heads."""
+    from qwen_edit_core.tiny import _text_config
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    text = _text_config("real-width", 600, ids)["text_config"]
+    transformer = transformer_config("real-width")
+    assert text["hidden_size"] == transformer["joint_attention_dim"] == 3584
+    assert (text["num_hidden_layers"], text["num_attention_heads"], text["num_key_value_heads"]) == (1, 28, 4)
+    assert sum(text["rope_parameters"]["mrope_section"]) == 3584 // 28 // 2
