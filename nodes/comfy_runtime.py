@@ -75,6 +75,20 @@ def diffusion_model_path(name: str) -> Path:
     return Path(folder_paths.get_full_path_or_raise("diffusion_models", name))
 
 
+def vae_files() -> list[str]:
+    if not in_comfy():
+        return []
+    import folder_paths
+    return [f for f in folder_paths.get_filename_list("vae") if f.endswith(".safetensors")]
+
+
+def vae_path(name: str) -> Path:
+    if not in_comfy():
+        return Path(name)
+    import folder_paths
+    return Path(folder_paths.get_full_path_or_raise("vae", name))
+
+
 def lora_files() -> list[str]:
     if not in_comfy():
         return []

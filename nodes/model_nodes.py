@@ -18,17 +18,24 @@ from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORM
 FROM_DIRECTORY = "(from the model directory)"
 
 
-def _model_inputs(extra: dict | None = None, transformer_file: bool = False) -> dict:
+def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae_file: bool = False) -> dict:
     optional = {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides the list"})}
     if transformer_file:
         optional["transformer_file"] = ([FROM_DIRECTORY] + comfy_runtime.diffusion_model_files(),
                                         {"tooltip": "a Qwen-Image transformer file of ComfyUI's diffusion_models "
                                                     "folder (bf16 or scaled fp8) instead of the directory's"})
+    if vae_file:
+        optional["vae_file"] = ([FROM_DIRECTORY] + comfy_runtime.vae_files(),
+                                {"tooltip": "a Qwen-Image VAE file of ComfyUI's vae folder (qwen_image_vae)"})
     return {"required": {"model": (model_choices(),), **(extra or {})}, "optional": optional}
 
 
 def _transformer_file(name: str | None) -> Path | None:
     return None if not name or name == FROM_DIRECTORY else comfy_runtime.diffusion_model_path(name)
+
+
+def _vae_file(name: str | None) -> Path | None:
+    return None if not name or name == FROM_DIRECTORY else comfy_runtime.vae_path(name)
 
 
 def _device(name: str, component: str) -> torch.device:
@@ -47,15 +54,17 @@ class QwenEditModelLoader:
     def INPUT_TYPES(cls):
         devices = device_choices()
         return _model_inputs({"transformer_device": (devices,), "vae_device": (devices,),
-                              "text_encoder_device": (devices,), "dtype": (DTYPES,)}, transformer_file=True)
+                              "text_encoder_device": (devices,), "dtype": (DTYPES,)}, transformer_file=True,
+                             vae_file=True)
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
-             transformer_file=None):
+             transformer_file=None, vae_file=None):
         from qwen_edit_core.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
         return (ModelHandle(comp.load_components(resolve_model(model, path), plan,
-                                                 transformer_file=_transformer_file(transformer_file))),)
+                                                 transformer_file=_transformer_file(transformer_file),
+                                                 vae_file=_vae_file(vae_file))),)
 
 
 class QwenEditTransformerLoader:
@@ -89,9 +98,13 @@ class QwenEditVAELoader:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,)})
+        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,)}, vae_file=True)
 
-    def load(self, model, device, dtype, path=""):
+    def load(self, model, device, dtype, path="", vae_file=None):
+        file = _vae_file(vae_file)
+        if file is not None:
+            from qwen_edit_core.single_file import load_vae_file
+            return (load_vae_file(file, device=_device(device, "vae"), dtype=resolve_dtype(dtype)),)
         directory = comp.resolve_model_dir(resolve_model(model, path))
         return (comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)),)
 

@@ -78,7 +78,8 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
     vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
     transformer = next(comps.transformer.parameters())
     dtype = str(transformer.dtype).removeprefix("torch.")
-    base = {"model": {"pretrained_model_name_or_path": str(comps.model_dir), "dtype": dtype},
+    files = {k: str(v) for k, v in (("transformer_file", comps.transformer_file), ("vae_file", comps.vae_file)) if v}
+    base = {"model": {"pretrained_model_name_or_path": str(comps.model_dir), "dtype": dtype, **files},
             "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution},
             "cache": {"dir": cache_dir or str(comfy_runtime.default_model_root() / "cache"),
                       "text_encoder_device": str(te), "vae_encoder_device": str(vae)},

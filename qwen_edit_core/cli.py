@@ -57,7 +57,8 @@ def cmd_sample(args) -> None:
         from .devices import DevicePlan
         plan = DevicePlan.parse(args.devices).as_dict()
     overrides = {"model": {"pretrained_model_name_or_path": args.model,
-                           **({"transformer_file": args.transformer_file} if args.transformer_file else {})},
+                           **({"transformer_file": args.transformer_file} if args.transformer_file else {}),
+                           **({"vae_file": args.vae_file} if args.vae_file else {})},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="edit an image with true CFG")
     p.add_argument("--model", required=True, help="diffusers-layout model directory")
     p.add_argument("--transformer-file", help="transformer as one safetensors file (ComfyUI diffusion_models)")
+    p.add_argument("--vae-file", help="VAE as one safetensors file (ComfyUI's qwen_image_vae.safetensors)")
     p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=" ")

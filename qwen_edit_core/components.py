@@ -157,6 +157,9 @@ class Components:
     transformer: torch.nn.Module | None = None
     vae: torch.nn.Module | None = None
     text_encoder: TextEncoder | None = None
+    #: single files the transformer / VAE came from (None: the model directory)
+    transformer_file: Path | None = None
+    vae_file: Path | None = None
 
     def require(self, *names: str) -> None:
         missing = [n for n in names if getattr(self, n) is None]
@@ -167,18 +170,23 @@ class Components:
 
 def load_components(name_or_path: str | Path, plan, *, which=("transformer", "vae", "text_encoder"),
                     quantize_transformer: str = "none", quantize_text_encoder: str = "none",
-                    transformer_file: str | Path | None = None) -> Components:
+                    transformer_file: str | Path | None = None, vae_file: str | Path | None = None) -> Components:
     """Load the named components on the plan's devices (the plan is already validated)."""
     model_dir = resolve_model_dir(name_or_path)
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
     if unknown:
         raise ValueError(f"unknown component(s) {sorted(unknown)}; accepted: transformer, vae, text_encoder")
     comps = Components(model_dir=model_dir, variant=detect_variant(model_dir),
-                       scheduler_config=load_scheduler_config(model_dir))
+                       scheduler_config=load_scheduler_config(model_dir),
+                       transformer_file=Path(transformer_file) if transformer_file else None,
+                       vae_file=Path(vae_file) if vae_file else None)
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder)
-    if "vae" in which:
+    if "vae" in which and vae_file:
+        from .single_file import load_vae_file
+        comps.vae = load_vae_file(vae_file, device=plan.vae, dtype=plan.dtype)
+    elif "vae" in which:
         comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype)
     if "transformer" in which and transformer_file:
         from .single_file import load_transformer_file

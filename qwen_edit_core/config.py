@@ -47,6 +47,8 @@ class ModelConfig:
     #: a transformer as one safetensors file (ComfyUI's diffusion_models layout, bf16/fp32 or scaled fp8);
     #: the other components still come from pretrained_model_name_or_path
     transformer_file: str = ""
+    #: the VAE as one safetensors file (ComfyUI's qwen_image_vae.safetensors layout, or diffusers')
+    vae_file: str = ""
 
 
 @dataclass(frozen=True)

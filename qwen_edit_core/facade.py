@@ -48,7 +48,8 @@ class QwenImageEditTrainer:
         which = tuple(w for w in which if not (kept is not None and w == "transformer"))
         self.components = load_components(self.config.model.pretrained_model_name_or_path, self.plan, which=which,
                                           quantize_transformer=self.config.model.quantize,
-                                          transformer_file=self.config.model.transformer_file or None)
+                                          transformer_file=self.config.model.transformer_file or None,
+                                          vae_file=self.config.model.vae_file or None)
         if kept is not None:
             self.components.transformer = kept
         self._uncond_transformer = None
@@ -160,15 +161,16 @@ class QwenImageEditTrainer:
         model_dir = resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         settings = self.encode_settings(self.config.model.variant or detect_variant(model_dir))
         cache = self._cache()
-        identity = encoder_identity(model_dir)
+        identity = encoder_identity(model_dir, self.config.model.vae_file or None)
         missing = [ex for ex in examples if not cache.path_for(cache_key(ex, settings, identity)).is_file()]
         if not missing:
             log.info("cache: all %d entries present in %s; encoders not loaded", len(examples), cache.root)
             return {"total": len(examples), "hits": len(examples), "computed": 0}
         comps = self.components
         if comps is None or comps.text_encoder is None or comps.vae is None:
-            comps = load_components(model_dir, self._encoder_plan(), which=("vae", "text_encoder"))
-        return build_cache(comps, examples, cache, settings, progress=progress, cancel=cancel)
+            comps = load_components(model_dir, self._encoder_plan(), which=("vae", "text_encoder"),
+                                    vae_file=self.config.model.vae_file or None)
+        return build_cache(comps, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
 
     def fit(self, *, resume=None, progress=None, cancel=None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and
@@ -196,8 +198,9 @@ class QwenImageEditTrainer:
             self.cache(examples + ([val_example] if val_example else []), progress=progress, cancel=cancel)
             self.components = None  # free the encoders before the transformer loads
             comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize,
-                                    transformer_file=cfg.model.transformer_file or None)
-            cache, identity = self._cache(), encoder_identity(model_dir)
+                                    transformer_file=cfg.model.transformer_file or None,
+                                    vae_file=cfg.model.vae_file or None)
+            cache, identity = self._cache(), encoder_identity(model_dir, cfg.model.vae_file or None)
             keys = [cache_key(ex, settings, identity) for ex in examples]
 
             def load_item(i: int) -> dict:
@@ -207,7 +210,8 @@ class QwenImageEditTrainer:
                 return tensors
         else:
             comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize,
-                                    transformer_file=cfg.model.transformer_file or None)
+                                    transformer_file=cfg.model.transformer_file or None,
+                                    vae_file=cfg.model.vae_file or None)
 
             def load_item(i: int) -> dict:
                 return encode_example(comps, examples[i], settings)
@@ -215,7 +219,8 @@ class QwenImageEditTrainer:
         if val_example is not None:
             from .validation import Validator
             if cfg.cache.enabled:
-                val_tensors = self._cache().get(cache_key(val_example, settings, encoder_identity(model_dir)))
+                val_tensors = self._cache().get(cache_key(val_example, settings,
+                                                          encoder_identity(model_dir, cfg.model.vae_file or None)))
             else:
                 val_tensors = encode_example(comps, val_example, settings)
             validator = Validator(comps, val_tensors, out_dir, steps=cfg.train.validation_steps,
@@ -243,7 +248,8 @@ class QwenImageEditTrainer:
                            cancel=cancel, validate=validator)
         if validator is not None and validator.latent_files:
             # Training is over: a VAE may load now to turn the validation latents into images.
-            vae = comps.vae or load_components(model_dir, plan, which=("vae",)).vae
+            vae = comps.vae or load_components(model_dir, plan, which=("vae",),
+                                               vae_file=cfg.model.vae_file or None).vae
             result.validation_images = validator.decode_pending(vae)
         self._uncond_transformer = None
         return result

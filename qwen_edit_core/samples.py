@@ -53,10 +53,13 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
                     prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."))
 
 
-def encoder_identity(model_dir) -> str:
-    """Identity of the components that produce cache tensors (text encoder, processor, tokenizer, VAE)."""
-    return component_identity({name: model_dir / name for name in ("text_encoder", "tokenizer", "processor",
-                                                                   "vae")})
+def encoder_identity(model_dir, vae_file=None) -> str:
+    """Identity of the components that produce cache tensors (text encoder, processor, tokenizer, VAE; the VAE
+    may be a single file)."""
+    paths = {name: model_dir / name for name in ("text_encoder", "tokenizer", "processor", "vae")}
+    if vae_file:
+        paths["vae"] = vae_file
+    return component_identity(paths)
 
 
 @torch.no_grad()
@@ -88,9 +91,9 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
 
 
 def build_cache(components, examples: Sequence[EditExample], cache: EmbeddingCache, settings: EncodeSettings, *,
-                progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> dict[str, int]:
-    """Compute every missing entry; returns counts {"total", "hits", "computed"}."""
-    identity = encoder_identity(components.model_dir)
+                identity: str, progress: ProgressFn | None = None,
+                cancel: CancelToken | None = None) -> dict[str, int]:
+    """Compute every missing entry (keys use the encoders' `identity`); returns {"total", "hits", "computed"}."""
     hits = 0
     for i, example in enumerate(examples):
         if cancel is not None:

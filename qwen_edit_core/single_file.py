@@ -129,3 +129,60 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
         model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, assign=True)
         model.to(device)
         return model.eval().requires_grad_(False)
+
+
+# -- VAE ----------------------------------------------------------------------------------------------------
+# ComfyUI's qwen_image_vae.safetensors is its Wan 2.1 VAE layout (comfy/sd.py recognises
+# `decoder.middle.0.residual.0.gamma` and builds comfy.ldm.wan.vae.WanVAE with dim 96, z_dim 16,
+# dim_mult [1, 2, 4, 4], num_res_blocks 2). diffusers' loaders/single_file_utils.py
+# `convert_wan_vae_to_diffusers` maps that layout onto AutoencoderKLQwenImage's module names (same architecture;
+# the converter assumes num_res_blocks 2, which the real VAE and our tiny VAE have).
+VAE_PREFIXES = ("first_stage_model.", "vae.")
+WAN_VAE_MARKER = "decoder.middle.0.residual.0.gamma"
+
+
+def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
+    """A VAE file's tensors with diffusers (AutoencoderKLQwenImage) names, whichever of the two layouts."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    path = Path(path)
+    if not path.is_file():
+        raise SingleFileError(f"VAE file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
+        raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+    for prefix in VAE_PREFIXES:
+        if tensors and all(k.startswith(prefix) for k in tensors):
+            tensors = {k[len(prefix):]: v for k, v in tensors.items()}
+    if WAN_VAE_MARKER in tensors:
+        return convert_wan_vae_to_diffusers(tensors)
+    if "decoder.mid_block.resnets.0.norm1.gamma" in tensors:
+        return tensors
+    sample = ", ".join(sorted(tensors)[:4])
+    raise SingleFileError(f"{path}: not a Qwen-Image VAE (found keys like {sample}); expected ComfyUI's "
+                          f"qwen_image_vae.safetensors layout ({WAN_VAE_MARKER}) or diffusers' AutoencoderKLQwenImage")
+
+
+def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
+    """AutoencoderKLQwenImage from one file. `config` defaults to the real Qwen-Image VAE's (diffusers' class
+    defaults, latents_mean/std included) with base_dim and z_dim read from the weights."""
+    from diffusers import AutoencoderKLQwenImage
+
+    with torch.inference_mode(False):
+        tensors = read_vae_state_dict(path)
+        if config is None:
+            config = {"base_dim": tensors["encoder.conv_in.weight"].shape[0],
+                      "z_dim": tensors["post_quant_conv.weight"].shape[0]}
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+        model = AutoencoderKLQwenImage(**config)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(tensors))
+        wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+                 if k in tensors and tensors[k].shape != v.shape]
+        if missing or wrong:
+            raise SingleFileError(f"{path}: does not match a Qwen-Image VAE {config}: missing {missing[:4]}, "
+                                  f"wrong shapes {wrong[:4]}")
+        model.load_state_dict({k: tensors[k] for k in expected})
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -242,7 +242,7 @@ def _write(out: Path, variant: str, seed: int, size: str, transformer_overrides:
     with _isolated_init(seed):
         # latents_mean/std are made up (the real ones are per-channel statistics of the real VAE); distinct
         # values per channel make a normalisation bug (wrong axis, swapped mean/std) visible in tests.
-        AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+        AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                                temperal_downsample=[False, True, True], dropout=0.0,
                                latents_mean=[round(-0.3 + 0.04 * i, 4) for i in range(16)],
                                latents_std=[round(1.5 + 0.07 * i, 4) for i in range(16)],

@@ -125,3 +125,70 @@ def test_cli_sample_with_a_transformer_file(tiny_edit_dir, tmp_path):
     assert main(["sample", "--model", str(tiny_edit_dir), "--transformer-file", str(tmp_path / "t.safetensors"),
                  "--image", str(tmp_path / "in.png"), "--prompt", "x", "--steps", "1", "--vae-area", "4096",
                  "--out", str(tmp_path / "o.png")]) == 0
+
+
+def _comfy_vae_file(model_dir, path):
+    """Our tiny VAE written in ComfyUI's qwen_image_vae layout (key names from tests/data, recorded from
+    ComfyUI's own WanVAE at tiny size), through the inverse of diffusers' converter."""
+    import json
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    shapes = json.loads((Path(__file__).parent / "data" / "comfy_qwen_vae_tiny_keys.json").read_text())["keys"]
+    probe = {k: torch.full(v, float(i)) for i, (k, v) in enumerate(shapes.items())}
+    to_diffusers = {}
+    for key, value in convert_wan_vae_to_diffusers(dict(probe)).items():
+        original = next(k for k in probe if probe[k].flatten()[0].item() == value.flatten()[0].item())
+        to_diffusers[original] = key
+    state = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae").state_dict()
+    save_file({o: state[d].reshape(shapes[o]).contiguous() for o, d in to_diffusers.items()}, path)
+    return path
+
+
+def test_comfy_layout_vae_file_gives_the_same_latents_and_pixels(tiny_edit_dir, tmp_path):
+    import json
+
+    from qwen_edit_core import encode
+    from qwen_edit_core.components import load_vae
+    from qwen_edit_core.single_file import load_vae_file
+    path = _comfy_vae_file(tiny_edit_dir, tmp_path / "qwen_image_vae.safetensors")
+    config = json.loads((tiny_edit_dir / "vae" / "config.json").read_text())
+    from_file = load_vae_file(path, device=CPU, dtype=torch.float32, config=config)
+    from_dir = load_vae(tiny_edit_dir, device=CPU, dtype=torch.float32)
+    pixels = torch.rand(1, 3, 1, 64, 64) * 2 - 1
+    a, b = encode.encode_latents(from_file, pixels), encode.encode_latents(from_dir, pixels)
+    assert torch.equal(a, b)
+    assert torch.equal(encode.decode_latents(from_file, a), encode.decode_latents(from_dir, b))
+    default = load_vae_file(path, device=CPU, dtype=torch.float32)  # real latents_mean/std, tiny widths
+    assert default.config.base_dim == 16 and default.config.latents_mean[0] == -0.7571
+
+
+def test_vae_file_errors(tiny_edit_dir, tmp_path):
+    from qwen_edit_core.single_file import load_vae_file
+    save_file({"encoder.conv1.weight": torch.zeros(2, 2)}, tmp_path / "other.safetensors")
+    with pytest.raises(SingleFileError, match="not a Qwen-Image VAE"):
+        load_vae_file(tmp_path / "other.safetensors", device=CPU, dtype=torch.float32)
+    path = _comfy_vae_file(tiny_edit_dir, tmp_path / "v.safetensors")
+    from safetensors.torch import load_file
+    state = load_file(path)
+    del state["decoder.head.2.weight"]
+    save_file(state, tmp_path / "broken.safetensors")
+    with pytest.raises(SingleFileError, match="missing"):
+        load_vae_file(tmp_path / "broken.safetensors", device=CPU, dtype=torch.float32)
+
+
+def test_cli_and_training_take_a_vae_file(tiny_edit_dir, pairs_dir, tmp_path):
+    from conftest import train_config
+
+    from qwen_edit_core import QwenImageEditTrainer
+    from qwen_edit_core.cli import main
+    from qwen_edit_core.samples import encoder_identity
+    vae = _comfy_vae_file(tiny_edit_dir, tmp_path / "qwen_image_vae.safetensors")
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "in.png")
+    assert main(["sample", "--model", str(tiny_edit_dir), "--vae-file", str(vae), "--image", str(tmp_path / "in.png"),
+                 "--prompt", "x", "--steps", "1", "--vae-area", "4096", "--out", str(tmp_path / "o.png")]) == 0
+    assert encoder_identity(tiny_edit_dir, vae) != encoder_identity(tiny_edit_dir)  # a new cache entry
+    result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "run", model={
+        "vae_file": str(vae)}, train={"max_steps": 2})).fit()
+    assert result.step == 2
