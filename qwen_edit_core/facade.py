@@ -162,7 +162,8 @@ class QwenImageEditTrainer:
         settings = self.encode_settings(self.config.model.variant or detect_variant(model_dir))
         cache = self._cache()
         identity = encoder_identity(model_dir, self.config.model.vae_file or None)
-        missing = [ex for ex in examples if not cache.path_for(cache_key(ex, settings, identity)).is_file()]
+        # `contains` validates each entry's header, so a damaged one is recomputed in this same run.
+        missing = [ex for ex in examples if not cache.contains(cache_key(ex, settings, identity))]
         if not missing:
             log.info("cache: all %d entries present in %s; encoders not loaded", len(examples), cache.root)
             return {"total": len(examples), "hits": len(examples), "computed": 0}
