@@ -341,3 +341,14 @@ def test_facade_lora_save_load_merge(tiny_edit_dir, pairs_dir, tmp_path):
     fresh.load_lora(saved, scale=1.0)
     reloaded = fresh.predict(image, "invert the colors", num_inference_steps=2, seed=0)
     assert np.abs(reloaded - with_lora).max() < 1e-4 and np.abs(plain - with_lora).max() > 1e-4
+
+
+def test_continue_training_from_a_lora_file(tiny_edit_dir, pairs_dir, tmp_path):
+    """model.lora.init_from starts the adapter from a file: with a zero learning rate the run saves it back."""
+    first = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "a",
+                                              train={"max_steps": 3})).fit()
+    again = QwenImageEditTrainer(train_config(
+        tiny_edit_dir, pairs_dir, tmp_path / "b", train={"max_steps": 1},
+        model={"lora": {"rank": 4, "alpha": 4.0, "targets": "all", "init_from": str(first.lora_path)}},
+        optimizer={"lr": 0.0})).fit()
+    assert _max_diff(_lora(first.lora_path), _lora(again.lora_path)) < 1e-6
