@@ -60,48 +60,20 @@ def default_model_root() -> Path:
     return Path(os.environ.get("QWEN_EDIT_HOME", Path.home() / ".cache" / "qwen-edit"))
 
 
-def diffusion_model_files() -> list[str]:
-    """Single-file transformers in ComfyUI's diffusion_models folder (the core reads Qwen-Image ones)."""
+def folder_files(kind: str, suffix: str = "") -> list[str]:
+    """Files of a ComfyUI model folder ("diffusion_models", "vae", "loras"...), optionally by suffix."""
     if not in_comfy():
         return []
     import folder_paths
-    return [f for f in folder_paths.get_filename_list("diffusion_models") if f.endswith(".safetensors")]
+    return [f for f in folder_paths.get_filename_list(kind) if f.endswith(suffix)]
 
 
-def diffusion_model_path(name: str) -> Path:
+def folder_file_path(kind: str, name: str) -> Path:
+    """Full path of a file of a ComfyUI model folder (or `name` itself outside ComfyUI)."""
     if not in_comfy():
         return Path(name)
     import folder_paths
-    return Path(folder_paths.get_full_path_or_raise("diffusion_models", name))
-
-
-def vae_files() -> list[str]:
-    if not in_comfy():
-        return []
-    import folder_paths
-    return [f for f in folder_paths.get_filename_list("vae") if f.endswith(".safetensors")]
-
-
-def vae_path(name: str) -> Path:
-    if not in_comfy():
-        return Path(name)
-    import folder_paths
-    return Path(folder_paths.get_full_path_or_raise("vae", name))
-
-
-def lora_files() -> list[str]:
-    if not in_comfy():
-        return []
-    import folder_paths
-    return folder_paths.get_filename_list("loras")
-
-
-def lora_path(name: str) -> Path:
-    """Full path of a file of the `loras` folder (or `name` itself outside ComfyUI)."""
-    if not in_comfy():
-        return Path(name)
-    import folder_paths
-    return Path(folder_paths.get_full_path_or_raise("loras", name))
+    return Path(folder_paths.get_full_path_or_raise(kind, name))
 
 
 def loras_dir() -> Path:

@@ -21,21 +21,22 @@ FROM_DIRECTORY = "(from the model directory)"
 def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae_file: bool = False) -> dict:
     optional = {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides the list"})}
     if transformer_file:
-        optional["transformer_file"] = ([FROM_DIRECTORY] + comfy_runtime.diffusion_model_files(),
+        files = comfy_runtime.folder_files("diffusion_models", ".safetensors")
+        optional["transformer_file"] = ([FROM_DIRECTORY] + files,
                                         {"tooltip": "a Qwen-Image transformer file of ComfyUI's diffusion_models "
                                                     "folder (bf16 or scaled fp8) instead of the directory's"})
     if vae_file:
-        optional["vae_file"] = ([FROM_DIRECTORY] + comfy_runtime.vae_files(),
+        optional["vae_file"] = ([FROM_DIRECTORY] + comfy_runtime.folder_files("vae", ".safetensors"),
                                 {"tooltip": "a Qwen-Image VAE file of ComfyUI's vae folder (qwen_image_vae)"})
     return {"required": {"model": (model_choices(),), **(extra or {})}, "optional": optional}
 
 
 def _transformer_file(name: str | None) -> Path | None:
-    return None if not name or name == FROM_DIRECTORY else comfy_runtime.diffusion_model_path(name)
+    return None if not name or name == FROM_DIRECTORY else comfy_runtime.folder_file_path("diffusion_models", name)
 
 
 def _vae_file(name: str | None) -> Path | None:
-    return None if not name or name == FROM_DIRECTORY else comfy_runtime.vae_path(name)
+    return None if not name or name == FROM_DIRECTORY else comfy_runtime.folder_file_path("vae", name)
 
 
 def _device(name: str, component: str) -> torch.device:
@@ -172,14 +173,14 @@ class QwenEditLoraLoader:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "lora_name": (["(none)"] + comfy_runtime.lora_files(),),
+        return {"required": {"model": (MODEL,), "lora_name": (["(none)"] + comfy_runtime.folder_files("loras"),),
                              "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.05})},
                 "optional": {"lora_path": ("STRING", {"default": "", "forceInput": True})}}
 
     def apply(self, model, lora_name, strength, lora_path=None):
         if not lora_path and lora_name == "(none)":
             return (model,)
-        path = Path(lora_path) if lora_path else comfy_runtime.lora_path(lora_name)
+        path = Path(lora_path) if lora_path else comfy_runtime.folder_file_path("loras", lora_name)
         if not path.is_file():
             raise FileNotFoundError(f"LoRA file {str(path)!r} does not exist")
         # Fail here, at the loader, for a LoRA of another model (names and shapes are checked).

@@ -144,6 +144,11 @@ class QwenImageEditTrainer:
         root = self.config.cache.dir or str(Path(self.config.train.output_dir) / "cache")
         return EmbeddingCache(Path(root))
 
+    def _identity(self, model_dir: Path) -> str:
+        """The encoders' identity in cache keys (the VAE may come from its own file)."""
+        from .samples import encoder_identity
+        return encoder_identity(model_dir, self.config.model.vae_file or None)
+
     def _encoder_plan(self) -> DevicePlan:
         c = self.config.cache
         from .trainer import local_device
@@ -156,12 +161,12 @@ class QwenImageEditTrainer:
         """The cache stage: encode every example missing from the cache (text encoder and VAE on
         `cache.text_encoder_device` / `cache.vae_encoder_device`), then free the encoders."""
         from .components import detect_variant, load_components, resolve_model_dir
-        from .samples import build_cache, cache_key, encoder_identity
+        from .samples import build_cache, cache_key
         examples = list(examples if examples is not None else self.dataset().examples)
         model_dir = resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         settings = self.encode_settings(self.config.model.variant or detect_variant(model_dir))
         cache = self._cache()
-        identity = encoder_identity(model_dir, self.config.model.vae_file or None)
+        identity = self._identity(model_dir)
         # `contains` validates each entry's header, so a damaged one is recomputed in this same run.
         missing = [ex for ex in examples if not cache.contains(cache_key(ex, settings, identity))]
         if not missing:
@@ -178,7 +183,7 @@ class QwenImageEditTrainer:
         write it to `train.output_dir`; returns trainer.TrainResult."""
         from . import lora as lora_mod
         from .components import detect_variant, load_components, resolve_model_dir
-        from .samples import buckets, cache_key, encode_example, encoder_identity
+        from .samples import buckets, cache_key, encode_example
         from .trainer import resolve_resume, train
 
         cfg = self.config
@@ -201,7 +206,7 @@ class QwenImageEditTrainer:
             comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize,
                                     transformer_file=cfg.model.transformer_file or None,
                                     vae_file=cfg.model.vae_file or None)
-            cache, identity = self._cache(), encoder_identity(model_dir, cfg.model.vae_file or None)
+            cache, identity = self._cache(), self._identity(model_dir)
             keys = [cache_key(ex, settings, identity) for ex in examples]
 
             def load_item(i: int) -> dict:
@@ -221,7 +226,7 @@ class QwenImageEditTrainer:
             from .validation import Validator
             if cfg.cache.enabled:
                 val_tensors = self._cache().get(cache_key(val_example, settings,
-                                                          encoder_identity(model_dir, cfg.model.vae_file or None)))
+                                                          self._identity(model_dir)))
             else:
                 val_tensors = encode_example(comps, val_example, settings)
             validator = Validator(comps, val_tensors, out_dir, steps=cfg.train.validation_steps,

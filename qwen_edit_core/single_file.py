@@ -39,16 +39,21 @@ class SingleFileError(ValueError):
     """A model file this loader cannot use; the message names the file and what was expected."""
 
 
-def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors with diffusers names, flags) of a transformer file; fp8 weights not yet dequantized."""
+def _read_tensors(path, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; errors name the file and say what it should be."""
     path = Path(path)
     if not path.is_file():
-        raise SingleFileError(f"transformer file {str(path)!r} does not exist")
+        raise SingleFileError(f"{what} file {str(path)!r} does not exist")
     try:
         with safe_open(str(path), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            return {k: fh.get_tensor(k) for k in fh.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
         raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+
+
+def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors with diffusers names, flags) of a transformer file; fp8 weights not yet dequantized."""
+    tensors = _read_tensors(path, "transformer")
     out, flags = {}, {"zero_cond_t": False, "scaled_fp8": False}
     for key, value in tensors.items():
         for prefix in PREFIXES:
@@ -145,14 +150,7 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
     """A VAE file's tensors with diffusers (AutoencoderKLQwenImage) names, whichever of the two layouts."""
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
-    path = Path(path)
-    if not path.is_file():
-        raise SingleFileError(f"VAE file {str(path)!r} does not exist")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
-        raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+    tensors = _read_tensors(path, "VAE")
     for prefix in VAE_PREFIXES:
         if tensors and all(k.startswith(prefix) for k in tensors):
             tensors = {k[len(prefix):]: v for k, v in tensors.items()}
