@@ -103,6 +103,16 @@ class TrainConfig:
     validation_image: str = ""
     validation_steps: int = 8
     lora_name: str = "lora"
+    #: speed levers (qwen_edit_core/perf.py). compile: compile each transformer block (CUDA; ~30 s once)
+    compile: bool = False
+    #: with gradient_checkpointing: how many blocks recompute (-1: all); the rest keep their activations
+    checkpoint_blocks: int = -1
+    #: keep the frozen base's block linears in e4m3 with per-channel scales (fp8 matmuls on Ada/Hopper)
+    fp8_base: bool = False
+    #: blocks whose frozen weights live in pinned CPU memory and are streamed in (needs checkpointing)
+    offload_blocks: int = 0
+    #: > 0: choose gradient_checkpointing, checkpoint_blocks, fp8_base and offload_blocks to fit this many GiB
+    memory_budget_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,9 @@ class PredictConfig:
     fixed_mu: float = 1.15
     vae_area: int = 1024 * 1024
     vl_area: int = 384 * 384
+    #: compile each transformer block (CUDA; ~30 s once) and keep the base's block linears in fp8
+    compile: bool = False
+    fp8: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import batching, encode, flow
+from . import batching, encode, flow, perf
 from . import checkpoint as ckpt
 from .config import Config, to_dict
 from .dataset import BucketBatchSampler, EditExample
@@ -35,6 +35,8 @@ from .trainlog import LossLog, plot_loss
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+#: text tokens assumed by the memory planner (a long caption plus the Edit template's prefix)
+TEXT_TOKENS = 512
 PRECISIONS = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -242,8 +244,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         raise ValueError(f"train.mixed_precision {t.mixed_precision!r} is not accepted; accepted: "
                          f"{', '.join(PRECISIONS)}")
     batching.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
-    if t.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    # fp8 base, selective checkpointing, offloading, compile; `gradient_checkpointing` alone = every block.
+    perf.configure_training(transformer, t, device, tokens=max(_tokens(k) for k in bucket_keys) + TEXT_TOKENS)
     transformer.train()
     params = trainable_parameters(transformer)
     optimizer = make_optimizer(list(params.values()), config)
