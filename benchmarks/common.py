@@ -65,8 +65,10 @@ def real_transformer(device: torch.device, dtype: torch.dtype, num_layers: int |
     return model.eval().requires_grad_(False)
 
 
-def bench_components(real_size: bool, device: torch.device, dtype: torch.dtype, workdir: Path | None = None):
-    """Components for a benchmark: the tiny model, or real-width encoders with a real-size random transformer."""
+def bench_components(real_size: bool, device: torch.device, dtype: torch.dtype, workdir: Path | None = None,
+                     num_layers: int | None = None):
+    """Components for a benchmark: the tiny model, or real-width encoders with a real-size random transformer
+    (`num_layers` blocks; default the real 60)."""
     from qwen_edit_core.components import load_components
     from qwen_edit_core.devices import DevicePlan
     from qwen_edit_core.tiny import build_tiny
@@ -79,7 +81,8 @@ def bench_components(real_size: bool, device: torch.device, dtype: torch.dtype, 
     which = ("vae", "text_encoder") if real_size else ("transformer", "vae", "text_encoder")
     comps = load_components(model_dir, plan, which=which)
     if real_size:
-        comps.transformer = real_transformer(device, dtype)
+        torch.manual_seed(0)
+        comps.transformer = real_transformer(device, dtype, num_layers=num_layers)
     return comps
 
 
@@ -92,3 +95,27 @@ def print_table(title: str, header: list[str], rows: list[list]) -> str:
     text = "\n".join(lines)
     log.info("\n%s", text)
     return text
+
+
+def matmul_peaks(device: torch.device, n: int = 8192, repeats: int = 20) -> dict[str, float]:
+    """Measured TFLOP/s of an n^3 bf16 matmul and of an fp8 e4m3 `torch._scaled_mm` (rowwise scales), on random
+    data: the ceilings MFU is reported against."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+    out = {}
+    for name, fn in (("bf16", lambda: a @ b), ("fp8", lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                                                 out_dtype=torch.bfloat16))):
+        t = median_time(fn, device, repeats, warmup=3)
+        out[name] = 2 * n**3 / t / 1e12
+    return out
+
+
+def h2d_gbps(device: torch.device, gib: float = 1.0) -> float:
+    """Pinned host-to-device copy bandwidth (GB/s): what block offloading streams at."""
+    host = torch.empty(int(gib * 2**30), dtype=torch.uint8).pin_memory()
+    t = median_time(lambda: host.to(device, non_blocking=True), device, 5)
+    return host.numel() / t / 1e9

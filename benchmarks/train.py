@@ -71,14 +71,41 @@ def _real_item(device, dtype, text_tokens=1408, side=1024):
             "img_shapes": torch.tensor([[1, h // 2, w // 2], [1, h // 2, w // 2]])}
 
 
-def _reference_step_time(device, dtype, steps: int, item) -> tuple[float, float]:
+def _model_inputs(item, device, dtype):
+    from qwen_edit_core import encode
+    x0 = encode.pack(item["target_latents"][None]).to(device, dtype)
+    control = encode.pack(item["control_latents_0"][None]).to(device, dtype)
+    text = item["prompt_embeds"][None].to(device, dtype)
+    shapes = [[tuple(s) for s in item["img_shapes"].tolist()]]
+    return x0, control, text, shapes
+
+
+def fixed_batch_loss(model, item, device, dtype) -> float:
+    """The flow loss of one fixed (noise, sigma) draw: the quality guard every variant is compared on."""
+    x0, control, text, shapes = _model_inputs(item, device, dtype)
+    g = torch.Generator().manual_seed(123)
+    noise = torch.randn(x0.shape, generator=g).to(device, dtype)
+    sigma = torch.tensor([0.7], device=device, dtype=dtype)
+    hidden = torch.cat([(1 - sigma) * x0 + sigma * noise, control], dim=1)
+    with torch.enable_grad(), torch.autocast(device.type, dtype=dtype):  # the graph the training step compiled
+        pred = model(hidden_states=hidden, timestep=sigma, encoder_hidden_states=text, img_shapes=shapes,
+                     return_dict=False)[0][:, : x0.shape[1]]
+    return float((pred.detach().float() - (noise - x0).float()).pow(2).mean())
+
+
+_LAYERS: int | None = None  # set by _real for smoke runs
+
+
+def _build(device, dtype):
+    from .common import real_transformer
+    torch.manual_seed(0)  # every variant starts from the same random weights (LoRA B = 0: same function)
+    return real_transformer(device, dtype, num_layers=_LAYERS)
+
+
+def _reference(device, dtype, steps: int, item) -> dict:
     """FACTS.md §5's plain reference: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
     from peft import LoraConfig
-
-    from qwen_edit_core import encode
-
-    from .common import real_transformer
-    model = real_transformer(device, dtype)
+    model = _build(device, dtype)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     model.enable_gradient_checkpointing()
     model.train()
@@ -86,10 +113,8 @@ def _reference_step_time(device, dtype, steps: int, item) -> tuple[float, float]
     for p in params:
         p.data = p.data.float()
     opt = torch.optim.AdamW(params, lr=1e-4)
-    x0 = encode.pack(item["target_latents"][None]).to(device, dtype)
-    control = encode.pack(item["control_latents_0"][None]).to(device, dtype)
-    text = item["prompt_embeds"][None].to(device, dtype)
-    shapes = [[tuple(s) for s in item["img_shapes"].tolist()]]
+    loss0 = fixed_batch_loss(model, item, device, dtype)
+    x0, control, text, shapes = _model_inputs(item, device, dtype)
     times = []
     reset_peak(device)
     for _ in range(steps):
@@ -107,47 +132,110 @@ def _reference_step_time(device, dtype, steps: int, item) -> tuple[float, float]
         opt.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    peak = peak_gib(device)
+    out = {"s": statistics.median(times[1:]), "peak": peak_gib(device), "loss": loss0}
     del model, opt
-    torch.cuda.empty_cache()
-    return statistics.median(times[1:]), peak
+    _free(device)
+    return out
 
 
-def _ours_step_time(device, dtype, steps: int, item) -> tuple[float, float]:
+def _free(device) -> None:
+    import gc
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+#: our trainer's configurations, one lever added at a time (train section overrides)
+VARIANTS = {
+    "ours (checkpointing)": {"gradient_checkpointing": True},
+    "+ compile": {"gradient_checkpointing": True, "compile": True},
+    "+ fp8 base": {"gradient_checkpointing": True, "compile": True, "fp8_base": True},
+    "+ selective checkpointing (budget 76)": {"compile": True, "fp8_base": True, "memory_budget_gb": 76},
+    "memory_budget_gb 16": {"compile": True, "memory_budget_gb": 16},
+}
+
+
+def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
+    side = item["target_latents"].shape[-1] * 8
     from qwen_edit_core import lora
     from qwen_edit_core.config import load_config
     from qwen_edit_core.trainer import train
 
-    from .common import real_transformer
-    model = real_transformer(device, dtype)
+    model = _build(device, dtype)
     lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16, targets=lora.TARGET_PRESETS["attn-img"]))
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
     work = Path(tempfile.mkdtemp(prefix="qwen-edit-bench-real-"))
+    # lr 0: the step does the same work, and the weights stay those of the fixed-batch loss below.
     config = load_config(overrides={"train": {"output_dir": str(work), "max_steps": steps, "device": str(device),
-                                              "mixed_precision": "bf16", "gradient_checkpointing": True},
-                                    "logging": {"plot": False}})
+                                              "mixed_precision": "bf16", **train_overrides},
+                                    "optimizer": {"lr": 0.0}, "logging": {"plot": False}})
     reset_peak(device)
-    times = _step_times(lambda p: train(config, model, lambda i: item, [None], [((1024, 1024), ((1024, 1024),))],
+    compile_start = time.perf_counter()
+    times = _step_times(lambda p: train(config, model, lambda i: item, [None], [((side, side), ((side, side),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
-    return statistics.median(times), peak_gib(device)
+    total = time.perf_counter() - compile_start
+    out = {"s": statistics.median(times), "peak": peak_gib(device), "first_step": total - sum(times)}
+    out["loss"] = fixed_batch_loss(model, item, device, dtype)
+    del model
+    _free(device)
+    return out
 
 
-def _real(device: str, steps: int) -> str:
+def step_flops(img_tokens=8192, txt_tokens=1408, dim=3072, layers=60) -> float:
+    """Model FLOPs of one LoRA training step without recomputation: forward, plus the input gradients of
+    the frozen linears (1x their forward) and attention's backward (2x its forward); LoRA terms are < 0.1%."""
+    tokens = img_tokens + txt_tokens
+    linear = 2 * layers * tokens * (4 * dim * dim + 2 * dim * 4 * dim)
+    attention = 4 * layers * tokens * tokens * dim
+    return 2 * linear + 3 * attention
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def _real(device: str, steps: int, variants: list[str] | None = None, *, layers: int | None = None,
+          side: int = 1024, text_tokens: int = 1408) -> str:
+    """`layers`/`side`/`text_tokens` shrink the run for a smoke test of the plumbing (any device)."""
+    from .common import matmul_peaks
     dev = resolve_device(device, component="bench device")
-    if dev.type != "cuda":
+    if dev.type != "cuda" and layers is None:
         raise ValueError("--real-size needs a CUDA device (the real transformer is 41 GiB in bf16)")
+    global _LAYERS
+    _LAYERS = layers
     dtype = torch.bfloat16
-    item = _real_item(dev, dtype)
-    t_ref, m_ref = _reference_step_time(dev, dtype, steps, item)
-    t_ours, m_ours = _ours_step_time(dev, dtype, steps, item)
-    rows = [["diffusers + peft reference (no mask)", f"{t_ref:.3f}", f"{m_ref:.1f}", "1.00"],
-            ["qwen_edit_core trainer (cached)", f"{t_ours:.3f}", f"{m_ours:.1f}", f"{t_ref / t_ours:.2f}"]]
-    return print_table(f"train: real-size random transformer, 1024^2 Edit, batch 1, bf16, LoRA r16, {dev}",
-                       ["implementation", "median s/step", "peak GiB", "speed vs reference"], rows)
+    item = _real_item(dev, dtype, text_tokens=text_tokens, side=side)
+    peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
+    log.info("measured matmul peaks: %s", peaks)
+    flops = step_flops(img_tokens=2 * (side // 16) ** 2, txt_tokens=text_tokens, layers=layers or 60)
+    ref = _reference(dev, dtype, steps, item)
+    results = [("diffusers + peft reference (no mask)", ref)]
+    for name in variants or list(VARIANTS):
+        try:
+            results.append((name, _ours(dev, dtype, steps, item, VARIANTS[name])))
+        except Exception as err:  # noqa: BLE001 - a failed lever is reported in the table, the others still run
+            log.exception("variant %s failed", name)
+            results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
+            _free(dev)
+    rows = []
+    for name, r in results:
+        if "error" in r:
+            rows.append([name, "failed", "-", "-", "-", "-", r["error"]])
+            continue
+        rows.append([name, f"{r['s']:.3f}", "-" if r["peak"] is None else f"{r['peak']:.1f}", f"{100 * flops / r['s'] / peaks['bf16'] / 1e12:.0f}%",
+                     f"{ref['s'] / r['s']:.2f}", f"{100 * (r['loss'] - ref['loss']) / ref['loss']:+.2f}%",
+                     f"{r.get('first_step', 0):.0f}"])
+    return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({2 * (side // 16) ** 2} image + "
+                       f"{text_tokens} text tokens), batch 1, "
+                       f"bf16, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
+                       f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
+                       ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference",
+                        "fixed-batch loss vs reference", "first step s (compile)"], rows)
 
 
-def run(real_size: bool = False, device: str = "cpu", steps: int = 10) -> str:
-    return _real(device, steps) if real_size else _tiny(steps)
+def run(real_size: bool = False, device: str = "cpu", steps: int = 10, variants: list[str] | None = None) -> str:
+    return _real(device, steps, variants) if real_size else _tiny(steps)

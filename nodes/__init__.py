@@ -7,7 +7,7 @@ from . import comfy_runtime
 from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditModelLoader, QwenEditSchedulerLoader,
                           QwenEditTextEncoderLoader, QwenEditTransformerLoader, QwenEditVAELoader)
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
-                           QwenEditSampler)
+                           QwenEditSampler, QwenEditSpeed)
 from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
                           QwenEditTrainStatus)
 
@@ -15,6 +15,7 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditModelLoader, QwenEditTransformerLoader, QwenEditVAELoader, QwenEditTextEncoderLoader,
     QwenEditSchedulerLoader, QwenEditAssembleModel, QwenEditLoraLoader,
     QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
+    QwenEditSpeed,
     QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -30,6 +31,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditDecodeLatent": "Qwen Edit: Decode Latent (VAE)",
     "QwenEditSampler": "Qwen Edit: Sampler (true CFG)",
     "QwenEditSampleConditioning": "Qwen Edit: Sample Conditioning",
+    "QwenEditSpeed": "Qwen Edit: Sampling Speed (fp8, compile, attention)",
     "QwenEditDataset": "Qwen Edit: Dataset From Folder",
     "QwenEditSyntheticDataset": "Qwen Edit: Synthetic Demo Dataset",
     "QwenEditBuildCache": "Qwen Edit: Build Cache",

@@ -36,6 +36,8 @@ class ModelHandle:
     loras: tuple[tuple[str, float], ...] = ()
     #: uncond replicas for split CFG, by device (shared between handles over the same transformer)
     replicas: dict = field(default_factory=dict, compare=False)
+    #: attention kernel tried first when sampling (QwenEditSpeed; perf.ATTENTION_KERNELS)
+    attention: str = "auto"
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
         return replace(self, loras=self.loras + ((path, strength),))

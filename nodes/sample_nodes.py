@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from qwen_edit_core import encode, lora, sampler
+from qwen_edit_core import encode, lora, perf, sampler
 from qwen_edit_core.components import replicate
 from qwen_edit_core.devices import resolve_device
 from qwen_edit_core.progress import Cancelled, CancelToken
@@ -52,6 +52,7 @@ def _preview(latents: torch.Tensor, width: int, height: int):
 def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, uncond_device: str, unique_id=None):
     comps = model.components
     lora.activate(comps.transformer, model.loras)
+    settings = dataclasses.replace(settings, attention=model.attention)
     replica = None
     main_device = next(comps.transformer.parameters()).device
     if settings.do_cfg and uncond_device not in ("same", str(main_device)):
@@ -189,3 +190,32 @@ class QwenEditDecodeLatent:
         if len({tuple(i.shape) for i in images}) > 1:
             raise ValueError("latents of different sizes cannot form one IMAGE batch; decode them separately")
         return (torch.cat(images),)
+
+
+class QwenEditSpeed:
+    """Sampling speed levers for a loaded model: fp8 matmuls for the base's block linears (Ada/Hopper GPUs),
+    compiled transformer blocks, and the attention kernel tried first. fp8 and compile change the loaded
+    transformer in place and stay until it is reloaded; LoRAs still load and switch on top."""
+
+    CATEGORY = f"{CATEGORY}/sampling"
+    RETURN_TYPES = (MODEL,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": (MODEL,),
+            "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 base weights, fp8 matmuls: ~1.6x faster "
+                                                             "linears, half the weight memory; LoRAs stay bf16"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
+            "attention": (list(perf.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+        }}
+
+    def apply(self, model, fp8, compile, attention):
+        transformer = model.components.transformer
+        device = next(transformer.parameters()).device
+        with torch.inference_mode(False):
+            perf.configure_inference(transformer, device, fp8=fp8, compile=compile)
+        model.replicas.clear()  # replicas were copied from the transformer before this change
+        return (dataclasses.replace(model, attention=attention),)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, perf
 from qwen_edit_core.config import load_config
 from qwen_edit_core.dataset import load_dataset
 from qwen_edit_core.lora import TARGET_PRESETS
@@ -159,11 +159,18 @@ class QwenEditTrain:
             "validation_prompt": ("STRING", {"default": "", "multiline": True}),
             "validation_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
                                          "tooltip": "0: no validation images"}),
+            "memory_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
+                                           "tooltip": "> 0: pick checkpointing, fp8 and CPU offload to fit this "
+                                                      "many GiB of GPU memory (16 fits 1024^2 Edit)"}),
+            "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
+                                                                  "the LoRA trains in bf16/fp32"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),
+            "attention": (list(perf.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
               checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
-              validation_every=0):
+              validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto"):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -182,7 +189,8 @@ class QwenEditTrain:
                          data={"batch_size": batch_size, "bucket_grouping": "similar"},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
-                                "lora_name": name, **validation},
+                                "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,
+                                "compile": compile, "attention": attention, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         return (jobs.REGISTRY.start(config, resume=resume_arg),)

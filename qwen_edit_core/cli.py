@@ -61,6 +61,8 @@ def cmd_sample(args) -> None:
                            **({"vae_file": args.vae_file} if args.vae_file else {})},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
+                             **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
+                             **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
                              **({"vl_area": args.vl_area} if args.vl_area else {})}}
     config = load_config(args.config, overrides=overrides)
@@ -134,7 +136,8 @@ def cmd_bench(args) -> None:
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
     else:
         from benchmarks.train import run
-        run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3))
+        run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
+            variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
     p.add_argument("--config", help="YAML config whose predict section gives defaults")
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls for the base's block linears (Ada/Hopper)")
+    p.add_argument("--compile", action="store_true", help="compile each transformer block (~30 s once)")
+    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
+                   help="attention kernel tried first (cudnn: fastest on Hopper)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_sample)
 
@@ -193,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of benchmarks/train.py "
+                   "VARIANTS to run after the reference (default: all)")
     p.set_defaults(func=cmd_bench)
     return parser
 

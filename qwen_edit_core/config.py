@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+#: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
+AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
 
 class ConfigError(ValueError):
     """A config key or value that is not accepted; the message names its dotted path."""
@@ -113,6 +115,8 @@ class TrainConfig:
     offload_blocks: int = 0
     #: > 0: choose gradient_checkpointing, checkpoint_blocks, fp8_base and offload_blocks to fit this many GiB
     memory_budget_gb: float = 0.0
+    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS); "cudnn" is fastest on Hopper
+    attention: AttentionKernel = "auto"
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,8 @@ class PredictConfig:
     #: compile each transformer block (CUDA; ~30 s once) and keep the base's block linears in fp8
     compile: bool = False
     fp8: bool = False
+    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS)
+    attention: AttentionKernel = "auto"
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,11 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     if hint is Any:
         return tuple(value) if isinstance(value, list) else value
+    if origin is typing.Literal:
+        options = typing.get_args(hint)
+        if value not in options:
+            raise ConfigError(f"{path}: {value!r} is not accepted; accepted: {', '.join(map(str, options))}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:

@@ -36,6 +36,7 @@ class QwenImageEditTrainer:
             if predict.uncond_device else None
         self.components: Components | None = None
         self._uncond_transformer = None
+        self._predict_ready = False
 
     # -- loading -----------------------------------------------------------------------------------------
     def load_model(self, which: Sequence[str] = ("transformer", "vae", "text_encoder"), *,
@@ -53,12 +54,20 @@ class QwenImageEditTrainer:
         if kept is not None:
             self.components.transformer = kept
         self._uncond_transformer = None
+        self._predict_ready = False
         return self.components
 
     def setup_predict(self) -> None:
-        """Ready the loaded components for sampling (eval mode; the uncond replica for split CFG)."""
+        """Ready the loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the
+        transformer in place (qwen_edit_core.perf; it stays so until reloaded); the uncond replica for split
+        CFG. `predict` calls it on first use."""
         comps = self._require()
         comps.transformer.eval()
+        p = self.config.predict
+        if p.fp8 or p.compile:
+            from . import perf
+            perf.configure_inference(comps.transformer, self.plan.transformer, fp8=p.fp8, compile=p.compile)
+        self._predict_ready = True
         if self.config.predict.cfg_mode == "split":
             device = self.uncond_device or self.plan.transformer
             self._uncond_transformer = replicate(comps.transformer, device)
@@ -84,8 +93,9 @@ class QwenImageEditTrainer:
         settings = sampler.SampleSettings(
             num_inference_steps=num_inference_steps, true_cfg_scale=true_cfg_scale, negative_prompt=negative_prompt,
             seed=seed, width=width, height=height, cfg_mode=p.cfg_mode, shift_mode=p.shift_mode,
-            fixed_mu=p.fixed_mu, vae_area=p.vae_area, vl_area=p.vl_area)
-        if settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None:
+            fixed_mu=p.fixed_mu, vae_area=p.vae_area, vl_area=p.vl_area, attention=p.attention)
+        if not self._predict_ready or (settings.do_cfg and settings.cfg_mode == "split"
+                                       and self._uncond_transformer is None):
             self.setup_predict()
         images = list(prompt_image) if isinstance(prompt_image, (list, tuple)) else [prompt_image]
         image = sampler.sample(comps, prompt, images, settings, uncond_transformer=self._uncond_transformer,

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from . import perf
 from .atomic import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,30 @@ class LoraSpec:
             raise ValueError(f"LoRA init {self.init!r} is not accepted; accepted: {', '.join(INITS)}")
 
 
-def adaptable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+#: layers a LoRA can sit on: plain Linears and the fp8 base layers of perf.quantize_fp8
+_BASE_TYPES = (torch.nn.Linear, perf.Fp8Linear)
+
+
+def _lora_config(**kwargs):
+    """A peft LoraConfig that also wraps `perf.Fp8Linear` bases, with peft's own LoRA Linear layer (it needs
+    only the base's forward, `in_features` and `out_features`; peft/tuners/lora/config.py
+    `_register_custom_module`, its documented extension point for layer types peft does not know)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+    config = LoraConfig(**kwargs)
+    config._register_custom_module({perf.Fp8Linear: PeftLoraLinear})
+    return config
+
+
+def _add_adapter(transformer, config, adapter_name: str) -> None:
+    """diffusers' `add_adapter`, without peft's "unsupported layer type" warning for our fp8 base layers
+    (supported through `_lora_config`'s mapping)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*Fp8Linear")
+        transformer.add_adapter(config, adapter_name=adapter_name)
+
+
+def adaptable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{module path: its base Linear} for every Linear a LoRA can sit on; a peft-wrapped layer counts under its
     own path (its base_layer and lora_A/lora_B children are not listed)."""
     out = {}
@@ -107,9 +132,9 @@ def adaptable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
         if _PEFT_PARTS.intersection(name.split(".")):
             continue
         base = getattr(module, "base_layer", None)
-        if isinstance(base, torch.nn.Linear):
+        if isinstance(base, _BASE_TYPES):
             out[name] = base
-        elif isinstance(module, torch.nn.Linear):
+        elif isinstance(module, _BASE_TYPES):
             out[name] = module
     return out
 
@@ -140,12 +165,11 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     paths (`to_out.0` hits `attn.to_out.0` only), and the adapter is created on exactly those paths.
 
     LoRA A is initialised from torch's global RNG: seed it for reproducible runs."""
-    from peft import LoraConfig
     modules = _matching_modules(transformer, spec.targets)
     _refuse_inference_tensors(transformer)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+    config = _lora_config(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         init_lora_weights=True if spec.init == "default" else "gaussian", target_modules=modules)
-    transformer.add_adapter(config, adapter_name=adapter_name)
+    _add_adapter(transformer, config, adapter_name)
     trainable = {id(p) for layer in adapter_layers(transformer, adapter_name).values()
                  for p in (*layer.lora_A[adapter_name].parameters(), *layer.lora_B[adapter_name].parameters())}
     for param in transformer.parameters():
@@ -386,14 +410,13 @@ def _pattern_config(values: dict[str, float]) -> tuple[float, dict[str, float]]:
 
 def _new_adapter(transformer, weights: LoraWeights, adapter_name: str, strength: float) -> None:
     """Create a peft adapter shaped like the file (per-module ranks; alpha = file scale * rank * strength)."""
-    from peft import LoraConfig
     rank, rank_pattern = _pattern_config({n: layer.rank for n, layer in weights.layers.items()})
     alpha, alpha_pattern = _pattern_config({n: layer.scale * layer.rank * strength
                                             for n, layer in weights.layers.items()})
-    config = LoraConfig(r=int(rank), lora_alpha=alpha, target_modules=list(weights.layers),
+    config = _lora_config(r=int(rank), lora_alpha=alpha, target_modules=list(weights.layers),
                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
     with torch.random.fork_rng(devices=[]):  # the init is overwritten: do not consume the caller's RNG
-        transformer.add_adapter(config, adapter_name=adapter_name)
+        _add_adapter(transformer, config, adapter_name)
     layers = adapter_layers(transformer, adapter_name)
     with torch.no_grad():
         for name, layer in weights.layers.items():
@@ -516,6 +539,10 @@ def lora_delta(weights: LoraWeights, module: str) -> torch.Tensor:
 def merge_lora(transformer) -> None:
     """Fold the active adapters, at their current strengths, into the base weights (faster sampling, no LoRA
     matmuls); `unmerge_lora` restores the base. Do not train or change the stack while merged."""
+    if any(isinstance(m, perf.Fp8Linear) for m in transformer.modules()):
+        raise ValueError("merge_lora: the transformer's base is in fp8 (perf.quantize_fp8, predict.fp8); a LoRA "
+                         "cannot be folded into it. Sample unmerged (the LoRA runs beside the fp8 base) or "
+                         "reload the model without fp8")
     for layer in _tuner_layers(transformer):
         if not layer.disable_adapters:
             layer.merge()

@@ -67,8 +67,11 @@ class _Fp8Matmul(torch.autograd.Function):
 class Fp8Linear(nn.Module):
     """A frozen linear layer kept in e4m3 with one fp32 scale per output channel (half the bytes of bf16).
 
-    Its tensors are buffers named `weight_fp8` and `weight_scale` (not `weight`), so peft layers wrapping it
-    do not mistake the fp8 dtype for the compute dtype of their adapters.
+    Its tensors are named `weight_fp8` and `weight_scale` (not `weight`), so peft layers wrapping it do not
+    mistake the fp8 dtype for the compute dtype of their adapters. The scale is a frozen Parameter, not a
+    buffer: peft places a new adapter on the device of its base layer's first parameter
+    (peft/tuners/lora/model.py `_replace_module`), so LoRAs can be added after quantization
+    (`lora.inject_lora`, `lora.load_lora_into`).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -76,7 +79,7 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = _quantize_rows(linear.weight.detach())
         self.register_buffer("weight_fp8", weight)
-        self.register_buffer("weight_scale", scale)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +167,33 @@ def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = Non
             block.compile(fullgraph=True, dynamic=False, mode=mode)
             count += 1
     return count
+
+
+# --- attention kernel -----------------------------------------------------------------------------------------
+
+#: `train.attention` / `predict.attention` values: which fused SDPA kernel runs first. "auto" is torch's own
+#: order (flash, then memory-efficient, then cuDNN on most builds); "cudnn" puts cuDNN's kernel first, which
+#: on Hopper is the fastest for Qwen's 24 heads x 128 dims (FACTS.md §5: attention is ~1/3 of a 1 MP step).
+ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+def attention_kernel(name: str):
+    """A context manager under which `F.scaled_dot_product_attention` prefers kernel `name`, falling back to
+    the others when it cannot run the call (CPU, a mask the kernel rejects). No global state is changed.
+
+    Wrap the forward and the backward pass of a step: a checkpointed block's recompute runs in the backward.
+    """
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {name!r} is not accepted; accepted: {', '.join(ATTENTION_KERNELS)}")
+    if name == "auto":
+        return contextlib.nullcontext()
+    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    first = order.pop(name)
+    return sdpa_kernel([first, *order.values()], set_priority=True)
 
 
 # --- block offloading -----------------------------------------------------------------------------------------
@@ -306,7 +336,7 @@ class SpeedPlan:
 
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
-                    activation_factor: float = 40.0) -> MemoryEstimate:
+                    activation_factor: float = 24.0) -> MemoryEstimate:
     """A step's device memory: resident weights, saved activations and a fixed working set.
 
     A non-checkpointed block saves about `activation_factor` x tokens x dim bf16 values (measured on an H100 at
@@ -324,15 +354,17 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     return MemoryEstimate(weights=weights, activations=activations, fixed=fixed)
 
 
-def plan_for_budget(budget_gb: float, **model) -> SpeedPlan:
-    """The fastest settings whose estimate fits `budget_gb`, trying in order of cost: bf16 then fp8 base with
-    the fewest checkpointed blocks, then fp8 with every block checkpointed and the fewest offloaded blocks.
+def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, **model) -> SpeedPlan:
+    """The fastest settings whose estimate fits `budget_gb`, trying in order of cost: the fewest checkpointed
+    blocks with a bf16 base (skipped when `prefer_fp8`), then with an fp8 base, then fp8 with every block
+    checkpointed and the fewest offloaded blocks. An fp8 base is faster but changes the numbers slightly, so
+    it is taken only when asked for (`train.fp8_base`) or when bf16 does not fit.
 
     `model`: the keyword arguments of `estimate_memory` other than fp8, n_checkpointed and n_offloaded.
     """
     budget = budget_gb * 2**30
     n = model["n_blocks"]
-    for fp8 in (False, True):
+    for fp8 in ((True,) if prefer_fp8 else (False, True)):
         for n_ckpt in range(0, n + 1):
             est = estimate_memory(fp8=fp8, n_checkpointed=n_ckpt, n_offloaded=0, **model)
             if est.total <= budget:
@@ -379,7 +411,8 @@ def configure_training(transformer, train, device: torch.device, tokens: int) ->
     fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
         train.offload_blocks
     if train.memory_budget_gb > 0:
-        plan = plan_for_budget(train.memory_budget_gb, tokens=tokens, **model_sizes(transformer))
+        plan = plan_for_budget(train.memory_budget_gb, prefer_fp8=train.fp8_base, tokens=tokens,
+                               **model_sizes(transformer))
         fp8, ckpt, n_off = plan.fp8, plan.checkpoint_blocks, plan.offload_blocks
         log.info("memory_budget_gb %.1f: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", train.memory_budget_gb, fp8, "all" if ckpt < 0 else ckpt, n_off,
@@ -387,13 +420,20 @@ def configure_training(transformer, train, device: torch.device, tokens: int) ->
     return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile)
 
 
-def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool) -> Levers:
-    """fp8 base weights and compiled blocks for sampling (LoRAs already loaded stay in their own dtype)."""
-    return _apply(transformer, torch.device(device), fp8=fp8, n_checkpointed=None, n_offloaded=0, compile=compile)
+def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool,
+                        compile_mode: str | None = None) -> Levers:
+    """fp8 base weights and compiled blocks for sampling, in place (LoRAs stay in their own dtype and can
+    still be loaded, switched and scaled afterwards). `compile_mode="reduce-overhead"` adds CUDA graphs.
+    Idempotent: a transformer already in fp8 or compiled stays so."""
+    already = getattr(transformer, "_qwen_edit_compiled", False)
+    levers = _apply(transformer, torch.device(device), fp8=fp8, n_checkpointed=None, n_offloaded=0,
+                    compile=compile and not already, compile_mode=compile_mode)
+    transformer._qwen_edit_compiled = already or compile
+    return levers
 
 
 def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
-           compile: bool) -> Levers:
+           compile: bool, compile_mode: str | None = None) -> Levers:
     n_blocks = len(transformer.transformer_blocks)
     if fp8 and not has_fp8(transformer):
         if not fp8_matmul_supported(device):
@@ -415,7 +455,7 @@ def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offl
         transformer._qwen_edit_offloader = None
     if offloaded:
         transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, offloaded, device)
-    compiled = compile_blocks(transformer, skip=offloaded) if compile else 0
+    compiled = compile_blocks(transformer, skip=offloaded, mode=compile_mode) if compile else 0
     levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=tuple(offloaded),
                     compiled=compiled)
     log.info("transformer levers: fp8 base %s, %d/%d blocks checkpointed, %d offloaded, %d compiled",

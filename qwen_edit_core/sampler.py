@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from . import encode
+from . import encode, perf
 from .encode import PromptEmbeds
 from .flow import mu_from_scheduler_config
 from .progress import CancelToken, Progress, ProgressFn
@@ -49,8 +49,13 @@ class SampleSettings:
     fixed_mu: float = 1.15
     vae_area: int = 1024 * 1024
     vl_area: int = 384 * 384
+    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS): "cudnn" is fastest on Hopper
+    attention: str = "auto"
 
     def validate(self) -> None:
+        if self.attention not in perf.ATTENTION_KERNELS:
+            raise ValueError(f"attention {self.attention!r} is not accepted; accepted: "
+                             f"{', '.join(perf.ATTENTION_KERNELS)}")
         if self.cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
         if self.shift_mode not in SHIFT_MODES:
@@ -236,13 +241,14 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
              len(timesteps), settings.true_cfg_scale, settings.cfg_mode if settings.do_cfg else "off", mu, seed)
     denoiser = _Denoiser(transformer, cond, settings, uncond_transformer)
     try:
-        for i, t in enumerate(timesteps):
-            if cancel is not None:
-                cancel.check()
-            velocity = denoiser(latents, t)
-            latents = scheduler.step(velocity, t, latents, return_dict=False)[0].to(dtype)
-            if progress is not None:
-                progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+        with perf.attention_kernel(settings.attention):
+            for i, t in enumerate(timesteps):
+                if cancel is not None:
+                    cancel.check()
+                velocity = denoiser(latents, t)
+                latents = scheduler.step(velocity, t, latents, return_dict=False)[0].to(dtype)
+                if progress is not None:
+                    progress(Progress("sample", i + 1, len(timesteps), preview=latents))
     finally:
         denoiser.close()
     return latents
@@ -300,6 +306,13 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
     latents = [initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype)
                for s, c in zip(seeds, conds)]
     schedules = [make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2] for x in latents]
+    with perf.attention_kernel(settings.attention):
+        latents = _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel)
+    return [decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
+
+
+def _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel) -> list[torch.Tensor]:
+    """The Euler loop of `sample_batch`: one transformer call per step for every sample and CFG branch."""
     total = settings.num_inference_steps
     for i in range(total):
         if cancel is not None:
@@ -315,4 +328,4 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
                    for (sched, _), v, t, x in zip(schedules, preds, ts, latents)]
         if progress is not None:
             progress(Progress("sample", i + 1, total))
-    return [decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
+    return latents

@@ -308,7 +308,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
                                 control_dropout=config.data.prompt_image_dropout_rate, device=device,
                                 dtype=base_dtype)
                 with dist.no_sync(model, micro == accum - 1), torch.autocast(
-                        device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+                        device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None), \
+                        perf.attention_kernel(t.attention):  # around backward too: checkpoint recompute
                     loss, _ = flow_loss(model, batch, config, scheduler_config)
                     # Each rank averages its share; DDP averages ranks; equal shares make it the global mean.
                     scaler.scale(loss * len(mine) * world / len(indices) / accum).backward()
