@@ -76,6 +76,15 @@ def folder_file_path(kind: str, name: str) -> Path:
     return Path(folder_paths.get_full_path_or_raise(kind, name))
 
 
+def comfyui_dir() -> Path | None:
+    """The running ComfyUI's installation (the folder holding its `comfy` package, where it keeps its bundled
+    tokenizers, comfy/text_encoders/qwen25_tokenizer/); None outside ComfyUI."""
+    if not in_comfy():
+        return None
+    import comfy
+    return Path(list(comfy.__path__)[0]).resolve().parent
+
+
 def loras_dir() -> Path:
     if not in_comfy():
         return Path(os.environ.get("QWEN_EDIT_LORAS", Path.cwd() / "loras"))

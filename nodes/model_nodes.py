@@ -18,7 +18,8 @@ from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORM
 FROM_DIRECTORY = "(from the model directory)"
 
 
-def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae_file: bool = False) -> dict:
+def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae_file: bool = False,
+                  text_encoder_file: bool = False) -> dict:
     optional = {"path": ("STRING", {"default": "", "tooltip": "a diffusers-layout directory; overrides the list"})}
     if transformer_file:
         files = comfy_runtime.folder_files("diffusion_models", ".safetensors")
@@ -28,6 +29,12 @@ def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae
     if vae_file:
         optional["vae_file"] = ([FROM_DIRECTORY] + comfy_runtime.folder_files("vae", ".safetensors"),
                                 {"tooltip": "a Qwen-Image VAE file of ComfyUI's vae folder (qwen_image_vae)"})
+    if text_encoder_file:  # added last: saved workflows keep widget values by position
+        files = comfy_runtime.folder_files("text_encoders", ".safetensors")
+        optional["text_encoder_file"] = ([FROM_DIRECTORY] + files,
+                                         {"tooltip": "a Qwen2.5-VL text encoder file of ComfyUI's text_encoders "
+                                                     "folder (qwen_2.5_vl_7b, bf16 or scaled fp8); its tokenizer "
+                                                     "is the directory's processor/, else ComfyUI's own"})
     return {"required": {"model": (model_choices(),), **(extra or {})}, "optional": optional}
 
 
@@ -37,6 +44,10 @@ def _transformer_file(name: str | None) -> Path | None:
 
 def _vae_file(name: str | None) -> Path | None:
     return None if not name or name == FROM_DIRECTORY else comfy_runtime.folder_file_path("vae", name)
+
+
+def _text_encoder_file(name: str | None) -> Path | None:
+    return None if not name or name == FROM_DIRECTORY else comfy_runtime.folder_file_path("text_encoders", name)
 
 
 def _device(name: str, component: str) -> torch.device:
@@ -56,16 +67,18 @@ class QwenEditModelLoader:
         devices = device_choices()
         return _model_inputs({"transformer_device": (devices,), "vae_device": (devices,),
                               "text_encoder_device": (devices,), "dtype": (DTYPES,)}, transformer_file=True,
-                             vae_file=True)
+                             vae_file=True, text_encoder_file=True)
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
-             transformer_file=None, vae_file=None):
+             transformer_file=None, vae_file=None, text_encoder_file=None):
         from qwen_edit_core.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
         return (ModelHandle(comp.load_components(resolve_model(model, path), plan,
                                                  transformer_file=_transformer_file(transformer_file),
-                                                 vae_file=_vae_file(vae_file))),)
+                                                 vae_file=_vae_file(vae_file),
+                                                 text_encoder_file=_text_encoder_file(text_encoder_file),
+                                                 comfyui_dir=comfy_runtime.comfyui_dir())),)
 
 
 class QwenEditTransformerLoader:
@@ -111,7 +124,7 @@ class QwenEditVAELoader:
 
 
 class QwenEditTextEncoderLoader:
-    """Qwen2.5-VL with its tokenizer and processor."""
+    """Qwen2.5-VL with its tokenizer and processor (weights from the directory or a text_encoders file)."""
 
     CATEGORY = f"{CATEGORY}/loaders"
     RETURN_TYPES = (TEXT_ENCODER,)
@@ -121,12 +134,13 @@ class QwenEditTextEncoderLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
-                              "quantize": (list(comp.QUANTIZE_MODES),)})
+                              "quantize": (list(comp.QUANTIZE_MODES),)}, text_encoder_file=True)
 
-    def load(self, model, device, dtype, quantize, path=""):
+    def load(self, model, device, dtype, quantize, path="", text_encoder_file=None):
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        return (comp.load_text_encoder(directory, device=_device(device, "text_encoder"),
-                                       dtype=resolve_dtype(dtype), quantize=quantize),)
+        return (comp.load_text_encoder(directory, device=_device(device, "text_encoder"), dtype=resolve_dtype(dtype),
+                                       quantize=quantize, text_encoder_file=_text_encoder_file(text_encoder_file),
+                                       comfyui_dir=comfy_runtime.comfyui_dir()),)
 
 
 class QwenEditSchedulerLoader:
@@ -160,7 +174,9 @@ class QwenEditAssembleModel:
     def assemble(self, transformer, vae, text_encoder, scheduler):
         directory, variant, config = scheduler
         return (ModelHandle(comp.Components(model_dir=Path(directory), variant=variant, scheduler_config=config,
-                                            transformer=transformer[1], vae=vae, text_encoder=text_encoder)),)
+                                            transformer=transformer[1], vae=vae, text_encoder=text_encoder,
+                                            text_encoder_file=text_encoder.weights_file,
+                                            comfyui_dir=comfy_runtime.comfyui_dir())),)
 
 
 class QwenEditLoraLoader:

@@ -78,7 +78,9 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
     vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
     transformer = next(comps.transformer.parameters())
     dtype = str(transformer.dtype).removeprefix("torch.")
-    files = {k: str(v) for k, v in (("transformer_file", comps.transformer_file), ("vae_file", comps.vae_file)) if v}
+    files = {k: str(v) for k, v in (("transformer_file", comps.transformer_file), ("vae_file", comps.vae_file),
+                                    ("text_encoder_file", comps.text_encoder_file),
+                                    ("comfyui_dir", comps.comfyui_dir)) if v}
     base = {"model": {"pretrained_model_name_or_path": str(comps.model_dir), "dtype": dtype, **files},
             "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution},
             "cache": {"dir": cache_dir or str(comfy_runtime.default_model_root() / "cache"),

@@ -56,9 +56,9 @@ def cmd_sample(args) -> None:
     if args.devices:
         from .devices import DevicePlan
         plan = DevicePlan.parse(args.devices).as_dict()
-    overrides = {"model": {"pretrained_model_name_or_path": args.model,
-                           **({"transformer_file": args.transformer_file} if args.transformer_file else {}),
-                           **({"vae_file": args.vae_file} if args.vae_file else {})},
+    files = {key: getattr(args, key) for key in ("transformer_file", "vae_file", "text_encoder_file",
+                                                  "comfyui_models_dir", "comfyui_dir") if getattr(args, key)}
+    overrides = {"model": {"pretrained_model_name_or_path": args.model, **files},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="diffusers-layout model directory")
     p.add_argument("--transformer-file", help="transformer as one safetensors file (ComfyUI diffusion_models)")
     p.add_argument("--vae-file", help="VAE as one safetensors file (ComfyUI's qwen_image_vae.safetensors)")
+    p.add_argument("--text-encoder-file",
+                   help="text encoder as one safetensors file (ComfyUI's text_encoders/qwen_2.5_vl_7b*.safetensors)")
+    p.add_argument("--comfyui-models-dir",
+                   help="ComfyUI models folder: the --*-file options may then be file names of its subfolders")
+    p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer serves "
+                                         "--text-encoder-file when --model has no processor/")
     p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=" ")

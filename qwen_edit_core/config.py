@@ -51,6 +51,16 @@ class ModelConfig:
     transformer_file: str = ""
     #: the VAE as one safetensors file (ComfyUI's qwen_image_vae.safetensors layout, or diffusers')
     vae_file: str = ""
+    #: the text encoder as one safetensors file (ComfyUI's text_encoders/qwen_2.5_vl_7b*.safetensors, bf16/fp32
+    #: or scaled fp8); its tokenizer comes from the model directory's processor/, else from comfyui_dir
+    text_encoder_file: str = ""
+    #: a ComfyUI models folder: transformer_file / vae_file / text_encoder_file may then be bare file names of its
+    #: diffusion_models/, vae/ and text_encoders/ folders
+    comfyui_models_dir: str = ""
+    #: a ComfyUI installation whose bundled Qwen2.5 tokenizer (comfy/text_encoders/qwen25_tokenizer/) serves a
+    #: text encoder file when the model directory has no processor/; empty: the parent of comfyui_models_dir
+    #: when it is a ComfyUI installation (inside ComfyUI the nodes pass the running one)
+    comfyui_dir: str = ""
 
 
 @dataclass(frozen=True)

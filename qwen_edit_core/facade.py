@@ -48,14 +48,23 @@ class QwenImageEditTrainer:
         kept = self.components.transformer if keep_transformer and self.components is not None else None
         which = tuple(w for w in which if not (kept is not None and w == "transformer"))
         self.components = load_components(self.config.model.pretrained_model_name_or_path, self.plan, which=which,
-                                          quantize_transformer=self.config.model.quantize,
-                                          transformer_file=self.config.model.transformer_file or None,
-                                          vae_file=self.config.model.vae_file or None)
+                                          quantize_transformer=self.config.model.quantize, **self.model_files())
         if kept is not None:
             self.components.transformer = kept
         self._uncond_transformer = None
         self._predict_ready = False
         return self.components
+
+    def model_files(self) -> dict:
+        """The single files and the ComfyUI installation of `model.*`, as load_components takes them:
+        transformer_file, vae_file, text_encoder_file (bare names are looked up in model.comfyui_models_dir) and
+        comfyui_dir (model.comfyui_dir, else the installation holding model.comfyui_models_dir, if it is one)."""
+        from .components import comfyui_dir_near, resolve_model_file
+        m = self.config.model
+        files = {f"{name}_file": resolve_model_file(getattr(m, f"{name}_file"), name, m.comfyui_models_dir)
+                 for name in ("transformer", "vae", "text_encoder")}
+        comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comfyui_dir_near(m.comfyui_models_dir)
+        return {**files, "comfyui_dir": comfyui}
 
     def setup_predict(self) -> None:
         """Ready the loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the
@@ -155,9 +164,13 @@ class QwenImageEditTrainer:
         return EmbeddingCache(Path(root))
 
     def _identity(self, model_dir: Path) -> str:
-        """The encoders' identity in cache keys (the VAE may come from its own file)."""
+        """The encoders' identity in cache keys (the VAE and the text encoder may come from their own files, the
+        processor from ComfyUI's bundled tokenizer)."""
+        from .components import processor_source
         from .samples import encoder_identity
-        return encoder_identity(model_dir, self.config.model.vae_file or None)
+        files = self.model_files()
+        return encoder_identity(model_dir, files["vae_file"], files["text_encoder_file"],
+                                processor_source(model_dir, files["comfyui_dir"]))
 
     def _encoder_plan(self) -> DevicePlan:
         c = self.config.cache
@@ -185,7 +198,7 @@ class QwenImageEditTrainer:
         comps = self.components
         if comps is None or comps.text_encoder is None or comps.vae is None:
             comps = load_components(model_dir, self._encoder_plan(), which=("vae", "text_encoder"),
-                                    vae_file=self.config.model.vae_file or None)
+                                    **self.model_files())
         return build_cache(comps, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
 
     def fit(self, *, resume=None, progress=None, cancel=None):
@@ -214,8 +227,7 @@ class QwenImageEditTrainer:
             self.cache(examples + ([val_example] if val_example else []), progress=progress, cancel=cancel)
             self.components = None  # free the encoders before the transformer loads
             comps = load_components(model_dir, plan, which=("transformer",), quantize_transformer=cfg.model.quantize,
-                                    transformer_file=cfg.model.transformer_file or None,
-                                    vae_file=cfg.model.vae_file or None)
+                                    **self.model_files())
             cache, identity = self._cache(), self._identity(model_dir)
             keys = [cache_key(ex, settings, identity) for ex in examples]
 
@@ -225,9 +237,7 @@ class QwenImageEditTrainer:
                     raise RuntimeError(f"cache entry of {examples[i].name} vanished from {cache.root}; run cache again")
                 return tensors
         else:
-            comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize,
-                                    transformer_file=cfg.model.transformer_file or None,
-                                    vae_file=cfg.model.vae_file or None)
+            comps = load_components(model_dir, plan, quantize_transformer=cfg.model.quantize, **self.model_files())
 
             def load_item(i: int) -> dict:
                 return encode_example(comps, examples[i], settings)
@@ -264,8 +274,7 @@ class QwenImageEditTrainer:
                            cancel=cancel, validate=validator)
         if validator is not None and validator.latent_files:
             # Training is over: a VAE may load now to turn the validation latents into images.
-            vae = comps.vae or load_components(model_dir, plan, which=("vae",),
-                                               vae_file=cfg.model.vae_file or None).vae
+            vae = comps.vae or load_components(model_dir, plan, which=("vae",), **self.model_files()).vae
             result.validation_images = validator.decode_pending(vae)
         self._uncond_transformer = None
         return result

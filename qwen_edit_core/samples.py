@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -53,12 +54,14 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
                     prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."))
 
 
-def encoder_identity(model_dir, vae_file=None) -> str:
-    """Identity of the components that produce cache tensors (text encoder, processor, tokenizer, VAE; the VAE
-    may be a single file)."""
+def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor_dir=None) -> str:
+    """Identity of the components that produce cache tensors (text encoder, processor, tokenizer, VAE). The VAE
+    and the text encoder may be single files and the processor another folder (ComfyUI's bundled tokenizer); a
+    model directory's own subfolders give the same identity as before these existed."""
     paths = {name: model_dir / name for name in ("text_encoder", "tokenizer", "processor", "vae")}
-    if vae_file:
-        paths["vae"] = vae_file
+    for name, path in (("vae", vae_file), ("text_encoder", text_encoder_file), ("processor", processor_dir)):
+        if path:
+            paths[name] = Path(path)
     return component_identity(paths)
 
 
