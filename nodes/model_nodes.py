@@ -101,7 +101,7 @@ class QwenEditTransformerLoader:
         else:
             module = comp.load_transformer(directory, device=_device(device, "transformer"),
                                            dtype=resolve_dtype(dtype), quantize=quantize)
-        return ((directory, module),)
+        return ((directory, module, file),)  # the file travels on: cache identity, training config
 
 
 class QwenEditVAELoader:
@@ -118,9 +118,9 @@ class QwenEditVAELoader:
         file = _vae_file(vae_file)
         if file is not None:
             from qwen_edit_core.single_file import load_vae_file
-            return (load_vae_file(file, device=_device(device, "vae"), dtype=resolve_dtype(dtype)),)
+            return ((load_vae_file(file, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), file),)
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        return (comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)),)
+        return ((comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), None),)
 
 
 class QwenEditTextEncoderLoader:
@@ -173,8 +173,12 @@ class QwenEditAssembleModel:
 
     def assemble(self, transformer, vae, text_encoder, scheduler):
         directory, variant, config = scheduler
+        _, transformer_module, transformer_file = transformer
+        vae_module, vae_file = vae
         return (ModelHandle(comp.Components(model_dir=Path(directory), variant=variant, scheduler_config=config,
-                                            transformer=transformer[1], vae=vae, text_encoder=text_encoder,
+                                            transformer=transformer_module, vae=vae_module,
+                                            text_encoder=text_encoder, transformer_file=transformer_file,
+                                            vae_file=vae_file,
                                             text_encoder_file=text_encoder.weights_file,
                                             comfyui_dir=comfy_runtime.comfyui_dir())),)
 

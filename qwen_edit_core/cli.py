@@ -57,7 +57,7 @@ def cmd_sample(args) -> None:
         from .devices import DevicePlan
         plan = DevicePlan.parse(args.devices).as_dict()
     files = {key: getattr(args, key) for key in ("transformer_file", "vae_file", "text_encoder_file",
-                                                  "comfyui_models_dir", "comfyui_dir") if getattr(args, key)}
+                                                  "comfyui_models_dir", "comfyui_dir", "transformer_fp8") if getattr(args, key)}
     overrides = {"model": {"pretrained_model_name_or_path": args.model, **files},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="edit an image with true CFG")
     p.add_argument("--model", required=True, help="diffusers-layout model directory")
     p.add_argument("--transformer-file", help="transformer as one safetensors file (ComfyUI diffusion_models)")
+    p.add_argument("--transformer-fp8", choices=["auto", "keep", "upcast"],
+                   help="a scaled-fp8 --transformer-file: keep its weights in fp8 or upcast them (auto: keep on "
+                        "GPUs that compute in fp8)")
     p.add_argument("--vae-file", help="VAE as one safetensors file (ComfyUI's qwen_image_vae.safetensors)")
     p.add_argument("--text-encoder-file",
                    help="text encoder as one safetensors file (ComfyUI's text_encoders/qwen_2.5_vl_7b*.safetensors)")

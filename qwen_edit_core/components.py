@@ -256,12 +256,14 @@ class Components:
 def load_components(name_or_path: str | Path, plan, *, which=("transformer", "vae", "text_encoder"),
                     quantize_transformer: str = "none", quantize_text_encoder: str = "none",
                     transformer_file: str | Path | None = None, vae_file: str | Path | None = None,
-                    text_encoder_file: str | Path | None = None, comfyui_dir: str | Path | None = None) -> Components:
+                    text_encoder_file: str | Path | None = None, comfyui_dir: str | Path | None = None,
+                    transformer_fp8: str = "auto") -> Components:
     """Load the named components on the plan's devices (the plan is already validated).
 
     `transformer_file` / `vae_file` / `text_encoder_file`: single files (ComfyUI's layouts) in place of the
     directory's subfolders; `comfyui_dir`: a ComfyUI installation whose bundled tokenizer serves the text
-    encoder when the directory has no processor/."""
+    encoder when the directory has no processor/; `transformer_fp8`: keep a scaled-fp8 transformer file's
+    weights in fp8 or upcast them (single_file.FP8_MODES)."""
     model_dir = resolve_model_dir(name_or_path)
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
     if unknown:
@@ -283,7 +285,8 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
         comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype)
     if "transformer" in which and transformer_file:
         from .single_file import load_transformer_file
-        comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype)
+        comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
+                                                  fp8=transformer_fp8)
     elif "transformer" in which:
         comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
                                              quantize=quantize_transformer)

@@ -61,6 +61,9 @@ class ModelConfig:
     #: text encoder file when the model directory has no processor/; empty: the parent of comfyui_models_dir
     #: when it is a ComfyUI installation (inside ComfyUI the nodes pass the running one)
     comfyui_dir: str = ""
+    #: a scaled-fp8 transformer_file: "keep" its block linears in fp8 (fp8 matmuls, half the memory of bf16),
+    #: "upcast" them to dtype, or "auto" (keep on CUDA GPUs that compute in fp8, upcast elsewhere)
+    transformer_fp8: typing.Literal["auto", "keep", "upcast"] = "auto"
 
 
 @dataclass(frozen=True)

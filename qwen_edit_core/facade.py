@@ -57,14 +57,15 @@ class QwenImageEditTrainer:
 
     def model_files(self) -> dict:
         """The single files and the ComfyUI installation of `model.*`, as load_components takes them:
-        transformer_file, vae_file, text_encoder_file (bare names are looked up in model.comfyui_models_dir) and
-        comfyui_dir (model.comfyui_dir, else the installation holding model.comfyui_models_dir, if it is one)."""
+        transformer_file, vae_file, text_encoder_file (bare names are looked up in model.comfyui_models_dir),
+        comfyui_dir (model.comfyui_dir, else the installation holding model.comfyui_models_dir, if it is one) and
+        transformer_fp8."""
         from .components import comfyui_dir_near, resolve_model_file
         m = self.config.model
         files = {f"{name}_file": resolve_model_file(getattr(m, f"{name}_file"), name, m.comfyui_models_dir)
                  for name in ("transformer", "vae", "text_encoder")}
         comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comfyui_dir_near(m.comfyui_models_dir)
-        return {**files, "comfyui_dir": comfyui}
+        return {**files, "comfyui_dir": comfyui, "transformer_fp8": m.transformer_fp8}
 
     def setup_predict(self) -> None:
         """Ready the loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the

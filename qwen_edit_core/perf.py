@@ -30,7 +30,7 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 
 # --- fp8 base weights --------------------------------------------------------------------------------------
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 values and fp32 scales (rows, 1) so that x ~= values * scales, one scale per row."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -48,7 +48,7 @@ class _Fp8Matmul(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) or not x.is_cuda else torch.bfloat16
         if rows.shape[0] >= 16 and rows.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
-            x8, x_scale = _quantize_rows(rows)
+            x8, x_scale = quantize_rows(rows)
             y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(),
                                  out_dtype=out_dtype)
         else:  # too small or oddly shaped for the fp8 kernel (e.g. the timestep modulation's one row)
@@ -77,7 +77,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scale = _quantize_rows(linear.weight.detach())
+        weight, scale = quantize_rows(linear.weight.detach())
         self.register_buffer("weight_fp8", weight)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())

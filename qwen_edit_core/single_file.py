@@ -9,8 +9,11 @@ Layout, learned from ComfyUI's and diffusers' own source:
   `default_ref_method == "index_timestep_zero"`) marks Edit-2511: `zero_cond_t=True` in diffusers.
 - Scaled fp8 (comfy/model_detection.py: a `scaled_fp8` key; comfy/ops.py: per-layer `.scale_weight`, weight
   = fp8 * scale_weight, optional `.scale_input`) and the newer per-layer `.weight_scale` + `.comfy_quant` form.
-  fp8 weights are upcast at load to the requested dtype (w = fp8.float() * scale). Keeping them in fp8 for fp8
-  matmuls is a GPU path (issue 7), not taken here.
+  fp8 weights are either upcast at load to the requested dtype (w = fp8.float() * scale), or kept: the block
+  linears become `perf.Fp8Linear` holding the file's e4m3 bytes unchanged with the per-tensor scale as their
+  per-channel scales (the same effective weights), and run fp8 matmuls. `fp8="auto"` keeps them where the
+  device computes in fp8 (CUDA, compute capability >= 8.9) and upcasts elsewhere; the log says which, with
+  the weights' memory (the real transformer: about 20 GiB kept against 41 GiB in bf16).
 The architecture is read from the shapes and matched against the configs shipped in
 `data/transformer_architectures.json`.
 """
@@ -129,18 +132,72 @@ def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "
                           f"(shipped in {ARCHITECTURES.name})")
 
 
-def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
-    """A frozen QwenImageTransformer2DModel from one safetensors file, on `device` in `dtype`."""
+FP8_MODES = ("auto", "keep", "upcast")
+
+
+def keeps_fp8(mode: str, tensors: dict[str, torch.Tensor], device: torch.device) -> bool:
+    """Whether a file's fp8 weights stay in fp8 (`mode` "auto": where the device computes in fp8)."""
+    from . import perf
+    if mode not in FP8_MODES:
+        raise ValueError(f"fp8 mode {mode!r} is not accepted; accepted: {', '.join(FP8_MODES)}")
+    if mode == "upcast" or not any(v.dtype == torch.float8_e4m3fn for v in tensors.values()):
+        return False
+    device = torch.device(device)
+    if mode == "auto":
+        return device.type == "cuda" and perf.fp8_matmul_supported(device)
+    if not perf.fp8_matmul_supported(device):
+        raise ValueError(f"model.transformer_fp8 'keep' needs fp8 matmuls (CUDA compute capability >= 8.9); "
+                         f"{device} has none: use 'upcast' or 'auto'")
+    return True
+
+
+def _fp8_state(tensors: dict[str, torch.Tensor], fp8_modules: set[str], dtype: torch.dtype) -> dict:
+    """The state dict of a model whose `fp8_modules` are `perf.Fp8Linear`: their e4m3 weights as stored (the
+    per-tensor scale broadcast to per-channel scales: the same effective weights), other weights in those
+    modules quantized per channel, everything else upcast as `dequantize` does."""
+    from . import perf
+    scales = {k[: -len(s)]: v for k, v in tensors.items() for s in _SCALE_SUFFIXES if k.endswith(s)}
+    rest = {}
+    out = {}
+    for key, value in tensors.items():
+        module, _, leaf = key.rpartition(".")
+        if module not in fp8_modules or leaf != "weight":
+            rest[key] = value
+            continue
+        scale = scales.get(module)
+        if value.dtype == torch.float8_e4m3fn and (scale is None or scale.numel() in (1, value.shape[0])):
+            scale = torch.ones(()) if scale is None else scale.float()
+            out[f"{module}.weight_fp8"] = value
+            out[f"{module}.weight_scale"] = scale.reshape(-1, 1).expand(value.shape[0], 1).contiguous()
+        else:
+            weight = value.float() * (scale.float() if scale is not None and value.dtype in _FP8 else 1.0)
+            out[f"{module}.weight_fp8"], out[f"{module}.weight_scale"] = perf.quantize_rows(weight)
+    return {**dequantize(rest, dtype), **out}
+
+
+def _bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
+    """A frozen QwenImageTransformer2DModel from one safetensors file, on `device` in `dtype`; a scaled-fp8
+    file's block linears stay in fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc)."""
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
+
+    from . import perf
 
     # ComfyUI calls loaders under inference mode: tensors read there could never be trained (LoRA) on.
     with torch.inference_mode(False):
         raw, flags = read_state_dict(path)
         config = detect_config(raw, flags, source=str(path))
-        tensors = dequantize(raw, dtype)
+        keep = keeps_fp8(fp8, raw, device)
         with init_empty_weights():
-            model = QwenImageTransformer2DModel(**config)
+            model = QwenImageTransformer2DModel(**config).requires_grad_(False)
+            if keep:
+                perf.quantize_fp8(model)
+        fp8_modules = {n for n, m in model.named_modules() if isinstance(m, perf.Fp8Linear)}
+        tensors = _fp8_state(raw, fp8_modules, dtype) if keep else dequantize(raw, dtype)
         expected = model.state_dict()
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
@@ -151,6 +208,11 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
                                   f"unexpected {unexpected[:4]}, wrong shapes {wrong[:4]}")
         model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, assign=True)
         model.to(device)
+        if any(v.dtype in _FP8 for v in raw.values()):
+            upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
+            log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path,
+                     "kept in fp8 (fp8 matmuls)" if keep else f"upcast to {dtype}", _bytes(model) / 2**30, device,
+                     upcast / 2**30, dtype)
         return model.eval().requires_grad_(False)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nodes
-from nodes.common import TINY_MODEL, ModelHandle
+from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle
 from qwen_edit_core import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,8 +214,22 @@ def test_model_loader_takes_a_single_file_transformer(env, tmp_path):
     with torch.inference_mode():
         (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32",
                                                       transformer_file=str(tmp_path / "q.safetensors"))
-        ((_, module),) = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "float32", "none",
-                                                              transformer_file=str(tmp_path / "q.safetensors"))
+        transformer = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "float32", "none",
+                                                             transformer_file=str(tmp_path / "q.safetensors"))[0]
+        (vae,) = nodes.QwenEditVAELoader().load(TINY_MODEL, "cpu", "float32")
+        (te,) = nodes.QwenEditTextEncoderLoader().load(TINY_MODEL, "cpu", "float32", "none")
+        (scheduler,) = nodes.QwenEditSchedulerLoader().load(TINY_MODEL)
+        (assembled,) = nodes.QwenEditAssembleModel().assemble(transformer, vae, te, scheduler)
+    module = transformer[1]
     for key, value in state.items():
         assert torch.equal(handle.components.transformer.state_dict()[key], value)
         assert torch.equal(module.state_dict()[key], value)
+    # The file travels through Assemble Model into the training config (it sets the cache identity).
+    from nodes.train_nodes import _config
+    from qwen_edit_core.dataset import load_dataset
+    from conftest import make_pairs
+    make_pairs(tmp_path / "data", n=2)
+    dataset = DatasetHandle(tmp_path / "data", load_dataset(tmp_path / "data"))
+    config = _config(assembled, dataset, output_dir=tmp_path / "out", resolution=64)
+    assert assembled.components.transformer_file == tmp_path / "q.safetensors"
+    assert config.model.transformer_file == str(tmp_path / "q.safetensors") and not config.model.vae_file

@@ -192,3 +192,29 @@ def test_cli_and_training_take_a_vae_file(tiny_edit_dir, pairs_dir, tmp_path):
     result = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "run", model={
         "vae_file": str(vae)}, train={"max_steps": 2})).fit()
     assert result.step == 2
+
+
+def test_scaled_fp8_kept_in_fp8_holds_the_files_bytes_and_half_the_memory(tiny_edit_dir, tmp_path):
+    """fp8="keep": block linears hold the file's e4m3 bytes unchanged (the same effective weights as the
+    upcast path), take a quarter of the fp32 memory, run fp8 matmuls within 2% of the upcast output, and
+    take a LoRA; "auto" upcasts on the CPU."""
+    from qwen_edit_core import lora, perf
+    from qwen_edit_core.single_file import _bytes
+    state = _fp8(_state(tiny_edit_dir))
+    save_file(state, tmp_path / "fp8.safetensors")
+    kept = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="keep")
+    upcast = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="upcast")
+    auto = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32)
+    assert perf.has_fp8(kept) and not perf.has_fp8(upcast) and not perf.has_fp8(auto)
+    layer = kept.transformer_blocks[0].attn.to_q
+    key = "transformer_blocks.0.attn.to_q"
+    assert torch.equal(layer.weight_fp8.view(torch.uint8), state[f"{key}.weight"].view(torch.uint8))
+    assert torch.equal(layer.dequantized(torch.float32), upcast.transformer_blocks[0].attn.to_q.weight)
+    block_bytes = lambda m: _bytes(m.transformer_blocks)  # noqa: E731
+    assert block_bytes(kept) < 0.3 * block_bytes(upcast)
+    a, b = _output(kept), _output(upcast)
+    assert ((a - b).norm() / b.norm()).item() < 0.02
+    lora.inject_lora(kept, lora.LoraSpec(rank=2, alpha=2.0, targets=lora.TARGET_PRESETS["attn"]))
+    assert kept.transformer_blocks[0].attn.to_q.base_layer is layer
+    with pytest.raises(ValueError, match="fp8 mode 'fast' is not accepted"):
+        load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="fast")
