@@ -233,3 +233,18 @@ def test_model_loader_takes_a_single_file_transformer(env, tmp_path):
     config = _config(assembled, dataset, output_dir=tmp_path / "out", resolution=64)
     assert assembled.components.transformer_file == tmp_path / "q.safetensors"
     assert config.model.transformer_file == str(tmp_path / "q.safetensors") and not config.model.vae_file
+
+
+def test_speed_node_applies_fp8_and_the_attention_kernel_to_a_fresh_model(env):
+    from qwen_edit_core import perf
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
+        (plain,) = nodes.QwenEditSampler().sample(handle, *args)
+        (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
+        (image,) = nodes.QwenEditSampler().sample(fast, *args)
+    assert fast.attention == "math" and perf.has_fp8(fast.components.transformer)
+    assert float((image - plain).abs().mean()) < 0.002
+    spec = nodes.QwenEditSpeed.INPUT_TYPES()["required"]
+    assert list(spec) == ["model", "fp8", "compile", "attention"]
+    assert tuple(spec["attention"][0]) == perf.ATTENTION_KERNELS

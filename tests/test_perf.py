@@ -240,3 +240,12 @@ def test_predict_fp8_stays_close_to_the_full_precision_edit_and_takes_loras_afte
     assert err < 0.5 * float(abs(without - expected).mean())  # the LoRA's effect is there
     with pytest.raises(ValueError, match="base is in fp8"):
         lora.merge_lora(fast.components.transformer)
+
+
+def test_predict_compile_and_attention_kernel_keep_the_edit(tiny_edit_dir):
+    """predict.compile (each block compiled) and predict.attention give the plain sampler's edit."""
+    expected = _edit(_trainer(tiny_edit_dir))
+    fast = _trainer(tiny_edit_dir, compile=True, attention="efficient")
+    got = _edit(fast)
+    assert fast.components.transformer._qwen_edit_compiled
+    assert float(abs(got - expected).max()) < 1e-4
