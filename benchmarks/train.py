@@ -154,6 +154,7 @@ VARIANTS = {
     "+ fp8 base": {"gradient_checkpointing": True, "compile": True, "fp8_base": True},
     "+ cuDNN attention": {"gradient_checkpointing": True, **_FAST},
     "+ selective checkpointing (budget 76)": {**_FAST, "memory_budget_gb": 76},
+    "+ fp8 backward": {**_FAST, "memory_budget_gb": 76, "fp8_backward": True},
     "memory_budget_gb 16": {**_FAST, "memory_budget_gb": 16},
 }
 

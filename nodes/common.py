@@ -97,3 +97,14 @@ def files_to_image(paths) -> torch.Tensor:
     first = Image.open(paths[0]).convert("RGB")
     images = [first] + [Image.open(p).convert("RGB").resize(first.size) for p in paths[1:]]
     return pils_to_image(images)
+
+
+def has_control_after_generate(name: str, spec: tuple) -> bool:
+    """Whether ComfyUI's frontend adds a "control after generate" widget after this input (saved workflows
+    then store one more widget value): an INT input's explicit `control_after_generate` option, else True
+    for inputs named seed or noise_seed (the frontend's rule; comfyui-frontend widgets/useIntWidget)."""
+    options = spec[1] if len(spec) > 1 else {}
+    if spec[0] != "INT":
+        return bool(options.get("control_after_generate"))
+    return bool(options.get("control_after_generate", name in ("seed", "noise_seed")))
+

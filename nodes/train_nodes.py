@@ -61,7 +61,8 @@ class QwenEditSyntheticDataset:
     def INPUT_TYPES(cls):
         return {"required": {"folder": ("STRING", {"default": "qwen_edit_demo_pairs"}),
                              "count": ("INT", {"default": 16, "min": 2, "max": 1000}),
-                             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1})}}
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
+                                              "control_after_generate": False})}}
 
     def make(self, folder, count, seed):
         from qwen_edit_core.demo import write_dataset
@@ -154,7 +155,8 @@ class QwenEditTrain:
             "resolution": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32}),
             "checkpoint_every": ("INT", {"default": 250, "min": 0, "max": 1_000_000}),
             "resume": ("BOOLEAN", {"default": False}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1}),
+            # no "control after generate": a training seed must not change between queued runs (resume)
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": False}),
             "use_cache": ("BOOLEAN", {"default": True, "tooltip": "off: encode every batch in real time"}),
         }, "optional": {
             "validation_image": ("IMAGE",),

@@ -89,7 +89,7 @@ def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 class JointAttnProcessor:
     """Qwen's joint text+image attention with per-sample RoPE and a key mask over padded text and image
-    tokens. `calls` counts which path ran ("fused": no mask; "masked")."""
+    tokens. `calls` counts which path ran ("fused": no mask; "masked") in eager (uncompiled) calls."""
 
     def __init__(self) -> None:
         self.calls = {"fused": 0, "masked": 0}
@@ -118,7 +118,10 @@ class JointAttnProcessor:
         query, key, value = (torch.cat([t, i], dim=1) for t, i in zip(txt, img))
         mask = joint_key_mask(encoder_hidden_states_mask, image_mask, encoder_hidden_states.shape[:2],
                               hidden_states.shape[:2], hidden_states.device)
-        self.calls["fused" if mask is None else "masked"] += 1
+        if not torch.compiler.is_compiling():
+            # Counted in eager runs only: in a compiled block the count would be a guard that changes on every
+            # call, recompiling the block each time until dynamo's recompile limit fails the fullgraph compile.
+            self.calls["fused" if mask is None else "masked"] += 1
         out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
         out = out.flatten(2, 3).to(query.dtype)
         n_text = encoder_hidden_states.shape[1]

@@ -130,6 +130,9 @@ class TrainConfig:
     memory_budget_gb: float = 0.0
     #: which fused attention kernel goes first (perf.ATTENTION_KERNELS); "cudnn" is fastest on Hopper
     attention: AttentionKernel = "auto"
+    #: with an fp8 base: the base's input gradients as fp8 matmuls too (e4m3, per-row scales; faster,
+    #: slightly noisier gradients)
+    fp8_backward: bool = False
 
 
 @dataclass(frozen=True)

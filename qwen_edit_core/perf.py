@@ -36,32 +36,48 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def _fp8_shapes_ok(rows: int, k: int, n: int) -> bool:
+    """The fp8 kernel wants 16-aligned dims and enough rows to pay for quantizing them."""
+    return rows >= 16 and k % 16 == 0 and n % 16 == 0
+
+
 class _Fp8Matmul(torch.autograd.Function):
     """y = x @ W^T with W in e4m3 (per-output-channel scales) and x quantized per token on the fly.
 
-    Backward returns only the input's gradient (the base is frozen), computed in x's dtype against the
-    dequantized weight: gradients keep bf16 precision, and no transposed fp8 copy of W has to be stored.
+    Backward returns only the input's gradient (the base is frozen). By default it is computed in x's dtype
+    against the dequantized weight (gradients keep bf16 precision; no fp8 copy of W^T is stored). With
+    `fp8_grad` it runs as an fp8 matmul too: dx = (g * s) @ W8, the output-channel scales s folded into the
+    gradient before it is quantized per row (the torchao "rowwise" recipe's e4m3 gradients), against a
+    transient column-major copy of W8 (1 byte per weight, freed after the call).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, scale):
+    def forward(ctx, x, weight, scale, fp8_grad: bool):
         rows = x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) or not x.is_cuda else torch.bfloat16
-        if rows.shape[0] >= 16 and rows.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+        if _fp8_shapes_ok(rows.shape[0], rows.shape[1], weight.shape[0]):
             x8, x_scale = quantize_rows(rows)
             y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(),
                                  out_dtype=out_dtype)
         else:  # too small or oddly shaped for the fp8 kernel (e.g. the timestep modulation's one row)
             y = F.linear(rows.to(out_dtype), (weight.to(out_dtype) * scale.to(out_dtype)))
         ctx.save_for_backward(weight, scale)
+        ctx.fp8_grad = fp8_grad
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         weight, scale = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        grad_x = (g * scale.t().to(g.dtype)) @ weight.to(g.dtype)
-        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None
+        if ctx.fp8_grad and _fp8_shapes_ok(g.shape[0], weight.shape[0], weight.shape[1]):
+            g8, g_scale = quantize_rows(g.float() * scale.t())
+            out_dtype = g.dtype if g.dtype in (torch.bfloat16, torch.float16) or not g.is_cuda else torch.bfloat16
+            ones = torch.ones(1, weight.shape[1], device=g.device, dtype=torch.float32)
+            grad_x = torch._scaled_mm(g8, weight.t().contiguous().t(), scale_a=g_scale, scale_b=ones,
+                                      out_dtype=out_dtype).to(g.dtype)
+        else:
+            grad_x = (g * scale.t().to(g.dtype)) @ weight.to(g.dtype)
+        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -74,6 +90,9 @@ class Fp8Linear(nn.Module):
     (`lora.inject_lora`, `lora.load_lora_into`).
     """
 
+    #: compute the input gradient with an fp8 matmul too (`quantize_fp8(..., fp8_backward=True)`)
+    fp8_backward: bool = False
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -83,7 +102,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8Matmul.apply(x, self.weight_fp8, self.weight_scale)
+        y = _Fp8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.fp8_backward)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -93,9 +112,10 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
 
 
-def quantize_fp8(transformer: nn.Module) -> int:
+def quantize_fp8(transformer: nn.Module, fp8_backward: bool = False) -> int:
     """Replace every frozen `nn.Linear` inside the transformer blocks (peft's base layers included) by an
-    `Fp8Linear`. Run it after the LoRA is injected: adapters stay in their own dtype. Returns the count.
+    `Fp8Linear`; adapters stay in their own dtype. Returns the count. `fp8_backward` sets every fp8 layer's
+    input-gradient matmul to fp8 too (layers already in fp8 included).
 
     The embedders and the output projection stay as they are: they are a few MB and the first and last
     layers are the most precision-sensitive.
@@ -109,6 +129,9 @@ def quantize_fp8(transformer: nn.Module) -> int:
                     count += 1
     if count == 0 and not has_fp8(transformer):
         raise ValueError("quantize_fp8: no frozen nn.Linear found in transformer.transformer_blocks")
+    for module in transformer.modules():
+        if isinstance(module, Fp8Linear):
+            module.fp8_backward = fp8_backward
     return count
 
 
@@ -409,8 +432,8 @@ class Levers:
 
 
 def configure_training(transformer, train, device: torch.device, tokens: int) -> Levers:
-    """Apply `train.{memory_budget_gb, fp8_base, gradient_checkpointing, checkpoint_blocks, offload_blocks,
-    compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence of a step."""
+    """Apply `train.{memory_budget_gb, fp8_base, fp8_backward, gradient_checkpointing, checkpoint_blocks,
+    offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence of a step."""
     device = torch.device(device)
     fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
         train.offload_blocks
@@ -421,7 +444,8 @@ def configure_training(transformer, train, device: torch.device, tokens: int) ->
         log.info("memory_budget_gb %.1f: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", train.memory_budget_gb, fp8, "all" if ckpt < 0 else ckpt, n_off,
                  plan.estimate.total / 2**30)
-    return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile)
+    return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile,
+                  fp8_backward=train.fp8_backward)
 
 
 def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool,
@@ -437,13 +461,13 @@ def configure_inference(transformer, device: torch.device, *, fp8: bool, compile
 
 
 def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
-           compile: bool, compile_mode: str | None = None) -> Levers:
+           compile: bool, compile_mode: str | None = None, fp8_backward: bool = False) -> Levers:
     n_blocks = len(transformer.transformer_blocks)
-    if fp8 and not has_fp8(transformer):
-        if not fp8_matmul_supported(device):
-            raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
-                             "none: turn fp8 off")
-        quantize_fp8(transformer)
+    if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
+        raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
+                         "none: turn fp8 off")
+    if fp8 or has_fp8(transformer):  # idempotent; sets the backward mode of layers already in fp8 too
+        quantize_fp8(transformer, fp8_backward=fp8_backward)
     offloaded = offload_indices(n_blocks, n_offloaded)
     if offloaded and n_checkpointed is not None and checkpointed_indices(n_blocks, n_checkpointed) != list(
             range(n_blocks)):

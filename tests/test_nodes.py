@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nodes
-from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle
+from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle, has_control_after_generate
 from qwen_edit_core import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def _socket_and_widget_inputs(node_type):
         for name, value in spec.get(group, {}).items():
             options = value[1] if len(value) > 1 else {}
             if (isinstance(value[0], list) or value[0] in WIDGET_TYPES) and not options.get("forceInput"):
-                widgets += 2 if options.get("control_after_generate") else 1
+                widgets += 2 if has_control_after_generate(name, value) else 1
             else:
                 sockets[name] = value[0]
     return sockets, widgets

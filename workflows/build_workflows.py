@@ -15,6 +15,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 from nodes.common import TINY_MODEL  # noqa: E402
+from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 BUILTIN = {  # the built-in ComfyUI nodes the workflows use: inputs (name, type, is_widget), outputs
@@ -47,8 +48,8 @@ def has_control_after_generate(node_type: str, name: str) -> bool:
     spec = NODE_CLASS_MAPPINGS[node_type].INPUT_TYPES()
     for group in ("required", "optional"):
         value = spec.get(group, {}).get(name)
-        if value is not None and len(value) > 1 and value[1].get("control_after_generate"):
-            return True
+        if value is not None:
+            return control_after_generate(name, value)
     return False
 
 
