@@ -129,10 +129,14 @@ def quantize_fp8(transformer: nn.Module, fp8_backward: bool = False) -> int:
                     count += 1
     if count == 0 and not has_fp8(transformer):
         raise ValueError("quantize_fp8: no frozen nn.Linear found in transformer.transformer_blocks")
+    _set_fp8_backward(transformer, fp8_backward)
+    return count
+
+
+def _set_fp8_backward(transformer: nn.Module, enabled: bool) -> None:
     for module in transformer.modules():
         if isinstance(module, Fp8Linear):
-            module.fp8_backward = fp8_backward
-    return count
+            module.fp8_backward = enabled
 
 
 def has_fp8(module: nn.Module) -> bool:
@@ -466,8 +470,10 @@ def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offl
     if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
         raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
                          "none: turn fp8 off")
-    if fp8 or has_fp8(transformer):  # idempotent; sets the backward mode of layers already in fp8 too
-        quantize_fp8(transformer, fp8_backward=fp8_backward)
+    if fp8:
+        quantize_fp8(transformer, fp8_backward=fp8_backward)  # idempotent
+    else:  # layers already in fp8 (a scaled-fp8 file kept in fp8) still take the backward mode
+        _set_fp8_backward(transformer, fp8_backward)
     offloaded = offload_indices(n_blocks, n_offloaded)
     if offloaded and n_checkpointed is not None and checkpointed_indices(n_blocks, n_checkpointed) != list(
             range(n_blocks)):
