@@ -90,6 +90,29 @@ def _apply_variant(name: str, comps, dev, settings: sampler.SampleSettings) -> s
     return settings
 
 
+def step_hygiene(fn, device: torch.device) -> tuple[int, int]:
+    """(host syncs, new CUDA memory segments) of one call of `fn` after a warm-up call: the denoising step
+    should need neither (torch.cuda.set_sync_debug_mode warns at each synchronizing op; a new segment is a
+    cudaMalloc). (-1, -1) off CUDA."""
+    import warnings
+    if device.type != "cuda":
+        return -1, -1
+    fn()
+    sync(device)
+    segments = torch.cuda.memory_stats(device)["segment.all.allocated"]
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sync(device)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs, torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
+
+
 def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None = None, side: int = 1024,
           full: bool = True) -> str:
     """`layers`/`side` shrink the run for a smoke test of the plumbing (any device); `full=False` skips the
@@ -152,6 +175,20 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
                 rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])
             if name == "ours, no mask" and full:
                 full_edit("qwen_edit_core sampler, plain", lambda s=settings: sampler.sample(comps, PROMPT, [image], s))
+        # The whole Euler step as the loop runs it (guided velocity + scheduler update), with every lever on.
+        scheduler, timesteps, _ = sampler.make_timesteps(comps.scheduler_config, settings, latents.shape[1], dev)
+        denoiser = sampler._Denoiser(comps.transformer, cond, settings)
+
+        state = {"latents": latents, "i": 0}
+
+        def euler_step():  # as sampler.denoise's loop body: steps 1 (warm-up) and 2 (measured)
+            t = timesteps[state["i"]]
+            with perf.attention_kernel(settings.attention):
+                velocity = denoiser(state["latents"], t)
+            state["latents"] = scheduler.step(velocity, t, state["latents"], return_dict=False)[0].to(dtype)
+            state["i"] += 1
+        syncs, segments = step_hygiene(euler_step, dev)
+        log.info("one Euler step with every lever: %d host syncs, %d new CUDA segments", syncs, segments)
     if full:
         full_edit("qwen_edit_core sampler, all levers above", lambda: sampler.sample(comps, PROMPT, [image],
                                                                                       settings))
@@ -163,6 +200,8 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
             table.append([name, f"{s:.3f}", _gib(peak), f"{100 * flops / s / peaks['bf16'] / 1e12:.0f}%",
                           f"{t_ref / s:.2f}"])
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    table.append(["one Euler step, every lever: host syncs / new CUDA segments", f"{syncs} / {segments}" if
+                  syncs >= 0 else "- (CUDA only)", "-", "-", "-"])
     text = print_table(
         f"sample step (cond + uncond): random real-size transformer ({layers or 60} blocks), {side}^2 Edit "
         f"({tokens[0]} / {tokens[1]} tokens), bf16, {dev} ({name}); MFU against the measured bf16 peak "
