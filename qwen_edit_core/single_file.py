@@ -132,6 +132,18 @@ def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "
                           f"(shipped in {ARCHITECTURES.name})")
 
 
+def check_state_dict(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], problem: str) -> None:
+    """Raise SingleFileError(`problem`: the first missing and unexpected keys and wrong shapes) unless
+    `tensors` has exactly the keys and shapes of `expected`."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+             if k in tensors and tensors[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        raise SingleFileError(f"{problem}: missing {missing[:4]}, unexpected {unexpected[:4]}, "
+                              f"wrong shapes {wrong[:4]}")
+
+
 FP8_MODES = ("auto", "keep", "upcast")
 
 
@@ -198,14 +210,7 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8
                 perf.quantize_fp8(model)
         fp8_modules = {n for n, m in model.named_modules() if isinstance(m, perf.Fp8Linear)}
         tensors = _fp8_state(raw, fp8_modules, dtype) if keep else dequantize(raw, dtype)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-                 if k in tensors and tensors[k].shape != v.shape]
-        if missing or unexpected or wrong:
-            raise SingleFileError(f"{path}: does not match the detected architecture: missing {missing[:4]}, "
-                                  f"unexpected {unexpected[:4]}, wrong shapes {wrong[:4]}")
+        check_state_dict(tensors, model.state_dict(), f"{path}: does not match the detected architecture")
         model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, assign=True)
         model.to(device)
         if any(v.dtype in _FP8 for v in raw.values()):
@@ -423,13 +428,7 @@ def load_text_encoder_file(path, *, device: torch.device, dtype: torch.dtype, to
             expected = Qwen2_5_VLForConditionalGeneration(config).state_dict()
         if config.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-                 if k in tensors and tensors[k].shape != v.shape]
-        if missing or unexpected or wrong:
-            raise SingleFileError(f"{path}: does not match the detected Qwen2.5-VL architecture: missing "
-                                  f"{missing[:4]}, unexpected {unexpected[:4]}, wrong shapes {wrong[:4]}")
+        check_state_dict(tensors, expected, f"{path}: does not match the detected Qwen2.5-VL architecture")
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(None, config=config, state_dict=tensors,
                                                                    dtype=dtype)
         if flags["scaled_fp8"]:

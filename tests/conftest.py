@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,3 +54,29 @@ def train_config(model_dir, data_dir, out_dir, cache_dir=None, **sections):
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return load_config(overrides=base)
+
+
+def scaled_fp8(state, new_format=False, fp8_bias=False):
+    """ComfyUI-style scaled fp8 (comfy/ops.py): 2-D linear weights as e4m3fn with a 0-d float32 scale
+    (`.scale_weight` + a `scaled_fp8` marker key, or the newer `.weight_scale` + `.comfy_quant`); embeddings,
+    norms, biases and the patch-embedding conv in bf16, or the linear biases in fp8 without a scale (`fp8_bias`,
+    the dtype ComfyUI's scaled_fp8_ops module itself gives them)."""
+    linear = {k.removesuffix(".weight") for k, v in state.items() if k.endswith(".weight") and v.dim() == 2}
+    out = {}
+    for key, value in state.items():
+        if fp8_bias and key.endswith(".bias") and key.removesuffix(".bias") in linear:
+            out[key] = value.to(torch.float8_e4m3fn)
+        elif key.endswith(".weight") and value.dim() == 2 and "embed_tokens" not in key:
+            scale = value.abs().max().clamp(min=1e-12) / 448.0
+            out[key] = (value / scale).to(torch.float8_e4m3fn)
+            base = key.removesuffix(".weight")
+            if new_format:
+                out[f"{base}.weight_scale"] = scale.float()
+                out[f"{base}.comfy_quant"] = torch.tensor(list(b'{"format":"float8_e4m3fn"}'), dtype=torch.uint8)
+            else:
+                out[f"{base}.scale_weight"] = scale.float()
+        else:
+            out[key] = value.to(torch.bfloat16)
+    if not new_format:
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return out

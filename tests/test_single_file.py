@@ -13,6 +13,8 @@ from qwen_edit_core.components import load_components, load_transformer
 from qwen_edit_core.devices import DevicePlan
 from qwen_edit_core.single_file import SingleFileError, load_transformer_file
 
+from conftest import scaled_fp8
+
 CPU = torch.device("cpu")
 
 
@@ -27,26 +29,6 @@ def _output(model, seed=0):
         return model(hidden_states=torch.randn(1, 32, 64, generator=g).to(model.dtype),
                      encoder_hidden_states=torch.randn(1, 6, 32, generator=g).to(model.dtype),
                      timestep=torch.tensor([0.4]), img_shapes=[[(1, 4, 4), (1, 4, 4)]], return_dict=False)[0]
-
-
-def _fp8(state, new_format=False):
-    """ComfyUI-style scaled fp8: 2-D weights as e4m3fn with a per-tensor scale."""
-    out = {}
-    for key, value in state.items():
-        if key.endswith(".weight") and value.dim() == 2:
-            scale = value.abs().max().clamp(min=1e-12) / 448.0
-            out[key] = (value / scale).to(torch.float8_e4m3fn)
-            base = key.removesuffix(".weight")
-            if new_format:
-                out[f"{base}.weight_scale"] = scale.float()
-                out[f"{base}.comfy_quant"] = torch.tensor(list(b'{"format":"float8_e4m3fn"}'), dtype=torch.uint8)
-            else:
-                out[f"{base}.scale_weight"] = scale.float()
-        else:
-            out[key] = value.to(torch.bfloat16)
-    if not new_format:
-        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    return out
 
 
 def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_path):
@@ -74,7 +56,7 @@ def test_bf16_file_is_exact_and_trainable_after_inference_mode(tiny_edit_dir, tm
 @pytest.mark.parametrize("new_format", [False, True])
 def test_scaled_fp8_is_upcast_within_tolerance(tiny_edit_dir, tmp_path, new_format):
     """e4m3fn keeps 3 mantissa bits: the transformer output stays within 10% relative error (L2)."""
-    save_file(_fp8(_state(tiny_edit_dir), new_format), tmp_path / "fp8.safetensors")
+    save_file(scaled_fp8(_state(tiny_edit_dir), new_format), tmp_path / "fp8.safetensors")
     loaded = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32)
     reference = load_transformer(tiny_edit_dir, device=CPU, dtype=torch.float32)
     a, b = _output(loaded), _output(reference)
@@ -200,7 +182,7 @@ def test_scaled_fp8_kept_in_fp8_holds_the_files_bytes_and_half_the_memory(tiny_e
     take a LoRA; "auto" upcasts on the CPU."""
     from qwen_edit_core import lora, perf
     from qwen_edit_core.single_file import _bytes
-    state = _fp8(_state(tiny_edit_dir))
+    state = scaled_fp8(_state(tiny_edit_dir))
     save_file(state, tmp_path / "fp8.safetensors")
     kept = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="keep")
     upcast = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="upcast")
