@@ -165,7 +165,7 @@ class QwenEditTrain:
                                          "tooltip": "0: no validation images"}),
             "memory_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
                                            "tooltip": "> 0: pick checkpointing, fp8 and CPU offload to fit this "
-                                                      "many GiB of GPU memory (16 fits 1024^2 Edit)"}),
+                                                      "many GiB of GPU memory (estimated; 16 for 1024^2 Edit)"}),
             "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
                                                                   "the LoRA trains in bf16/fp32"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),

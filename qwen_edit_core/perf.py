@@ -5,8 +5,9 @@ Each lever is a small function over a diffusers `QwenImageTransformer2DModel` (w
 layers) that changes only this model instance, through public APIs: module replacement, diffusers'
 `enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `nn.Module.compile`, forward hooks.
 
-Why these (measured on an H100 at 1024^2 Edit, BENCHMARKS.md): the frozen base's linear layers hold ~65% of
-the FLOPs and fp8 matmuls run them ~1.6x faster than bf16; recomputing every block costs a full extra
+Why these (from FACTS.md §5's H100 measurements at 1024^2 Edit; our own real-size numbers are pending a GPU,
+BENCHMARKS.md): the frozen base's linear layers hold ~65% of the FLOPs and fp8 matmuls ran ~1.6x faster
+than bf16 at their shapes; recomputing every block costs a full extra
 forward per step when memory would hold many blocks' activations; the blocks' elementwise work (modulation,
 RMSNorm, RoPE, GELU, fp8 quantization) is launch- and bandwidth-bound until compiled into few kernels.
 """
@@ -36,6 +37,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def _fp8_out_dtype(t: torch.Tensor) -> torch.dtype:
+    """The fp8 kernel's output dtype: the input's half-precision dtype; bf16 for fp32 inputs on CUDA (its fp8
+    kernel does not write fp32 there; the CPU reference kernel does)."""
+    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) or not t.is_cuda else torch.bfloat16
+
+
 def _fp8_shapes_ok(rows: int, k: int, n: int) -> bool:
     """The fp8 kernel wants 16-aligned dims and enough rows to pay for quantizing them."""
     return rows >= 16 and k % 16 == 0 and n % 16 == 0
@@ -54,7 +61,7 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, scale, fp8_grad: bool):
         rows = x.reshape(-1, x.shape[-1])
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) or not x.is_cuda else torch.bfloat16
+        out_dtype = _fp8_out_dtype(x)
         if _fp8_shapes_ok(rows.shape[0], rows.shape[1], weight.shape[0]):
             x8, x_scale = quantize_rows(rows)
             y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(),
@@ -71,10 +78,9 @@ class _Fp8Matmul(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         if ctx.fp8_grad and _fp8_shapes_ok(g.shape[0], weight.shape[0], weight.shape[1]):
             g8, g_scale = quantize_rows(g.float() * scale.t())
-            out_dtype = g.dtype if g.dtype in (torch.bfloat16, torch.float16) or not g.is_cuda else torch.bfloat16
             ones = torch.ones(1, weight.shape[1], device=g.device, dtype=torch.float32)
             grad_x = torch._scaled_mm(g8, weight.t().contiguous().t(), scale_a=g_scale, scale_b=ones,
-                                      out_dtype=out_dtype).to(g.dtype)
+                                      out_dtype=_fp8_out_dtype(g)).to(g.dtype)
         else:
             grad_x = (g * scale.t().to(g.dtype)) @ weight.to(g.dtype)
         return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
@@ -204,17 +210,22 @@ def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = Non
 ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
+def check_attention_kernel(name: str) -> None:
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {name!r} is not accepted; accepted: {', '.join(ATTENTION_KERNELS)}")
+
+
 def attention_kernel(name: str):
     """A context manager under which `F.scaled_dot_product_attention` prefers kernel `name`, falling back to
-    the others when it cannot run the call (CPU, a mask the kernel rejects). No global state is changed.
+    the others when it cannot run the call (CPU, a mask the kernel rejects). torch's SDPA backend flags are
+    set for the duration of the block and restored on exit (`torch.nn.attention.sdpa_kernel`).
 
     Wrap the forward and the backward pass of a step: a checkpointed block's recompute runs in the backward.
     """
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    if name not in ATTENTION_KERNELS:
-        raise ValueError(f"attention kernel {name!r} is not accepted; accepted: {', '.join(ATTENTION_KERNELS)}")
+    check_attention_kernel(name)
     if name == "auto":
         return contextlib.nullcontext()
     order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -437,7 +448,8 @@ class Levers:
 
 def configure_training(transformer, train, device: torch.device, tokens: int) -> Levers:
     """Apply `train.{memory_budget_gb, fp8_base, fp8_backward, gradient_checkpointing, checkpoint_blocks,
-    offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence of a step."""
+    offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence
+    of a step."""
     device = torch.device(device)
     fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
         train.offload_blocks

@@ -53,9 +53,7 @@ class SampleSettings:
     attention: str = "auto"
 
     def validate(self) -> None:
-        if self.attention not in perf.ATTENTION_KERNELS:
-            raise ValueError(f"attention {self.attention!r} is not accepted; accepted: "
-                             f"{', '.join(perf.ATTENTION_KERNELS)}")
+        perf.check_attention_kernel(self.attention)
         if self.cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
         if self.shift_mode not in SHIFT_MODES:
