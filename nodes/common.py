@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core.components import Components
-from qwen_edit_core.devices import available_devices
+from qwen_edit_core.model.components import Components
+from qwen_edit_core.model.devices import available_devices
 
 from . import comfy_runtime
 
@@ -36,7 +36,7 @@ class ModelHandle:
     loras: tuple[tuple[str, float], ...] = ()
     #: uncond replicas for split CFG, by device (shared between handles over the same transformer)
     replicas: dict = field(default_factory=dict, compare=False)
-    #: attention kernel tried first when sampling (QwenEditSpeed; perf.ATTENTION_KERNELS)
+    #: attention kernel tried first when sampling (QwenEditSpeed; speed.ATTENTION_KERNELS)
     attention: str = "auto"
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
@@ -46,7 +46,7 @@ class ModelHandle:
 @dataclass(frozen=True)
 class DatasetHandle:
     folder: Path
-    report: object  # qwen_edit_core.dataset.DatasetReport
+    report: object  # qwen_edit_core.data.dataset.DatasetReport
     cache_dir: Path | None = None
     resolution: int | None = None
 
@@ -65,7 +65,7 @@ def resolve_model(name: str, path: str = "") -> Path:
     if path and path.strip():
         return Path(path.strip()).expanduser()
     if name == TINY_MODEL:
-        from qwen_edit_core.tiny import build_tiny
+        from qwen_edit_core.model.tiny import build_tiny
         target = comfy_runtime.default_model_root() / "qwen-edit-tiny"
         if not (target / "model_index.json").is_file():
             build_tiny(target)
@@ -78,7 +78,7 @@ def resolve_model(name: str, path: str = "") -> Path:
 
 def image_to_pils(image: torch.Tensor) -> list:
     """ComfyUI IMAGE (B, H, W, C) in [0, 1] -> PIL images."""
-    from qwen_edit_core.encode import to_pil
+    from qwen_edit_core.model.encode import to_pil
     return [to_pil(row) for row in image]
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core import components as comp
-from qwen_edit_core import lora
-from qwen_edit_core.devices import resolve_device, resolve_dtype
+from qwen_edit_core.model import components as comp
+from qwen_edit_core.adapters import lora
+from qwen_edit_core.model.devices import resolve_device, resolve_dtype
 
 from . import comfy_runtime
 from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORMER, VAE, ModelHandle,
@@ -71,7 +71,7 @@ class QwenEditModelLoader:
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
              transformer_file=None, vae_file=None, text_encoder_file=None):
-        from qwen_edit_core.devices import DevicePlan
+        from qwen_edit_core.model.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
         return (ModelHandle(comp.load_components(resolve_model(model, path), plan,
@@ -96,7 +96,7 @@ class QwenEditTransformerLoader:
         directory = comp.resolve_model_dir(resolve_model(model, path))
         file = _transformer_file(transformer_file)
         if file is not None:
-            from qwen_edit_core.single_file import load_transformer_file
+            from qwen_edit_core.model.single_file import load_transformer_file
             module = load_transformer_file(file, device=_device(device, "transformer"), dtype=resolve_dtype(dtype))
         else:
             module = comp.load_transformer(directory, device=_device(device, "transformer"),
@@ -117,7 +117,7 @@ class QwenEditVAELoader:
     def load(self, model, device, dtype, path="", vae_file=None):
         file = _vae_file(vae_file)
         if file is not None:
-            from qwen_edit_core.single_file import load_vae_file
+            from qwen_edit_core.model.single_file import load_vae_file
             return ((load_vae_file(file, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), file),)
         directory = comp.resolve_model_dir(resolve_model(model, path))
         return ((comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), None),)

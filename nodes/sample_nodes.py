@@ -6,10 +6,13 @@ import dataclasses
 
 import torch
 
-from qwen_edit_core import encode, lora, perf, sampler
-from qwen_edit_core.components import replicate
-from qwen_edit_core.devices import resolve_device
-from qwen_edit_core.progress import Cancelled, CancelToken
+from qwen_edit_core.model import encode
+from qwen_edit_core.adapters import lora
+from qwen_edit_core import speed
+from qwen_edit_core.sample import sampler
+from qwen_edit_core.model.components import replicate
+from qwen_edit_core.model.devices import resolve_device
+from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from . import comfy_runtime
 from .common import CATEGORY, CONDITIONING, LATENT, MODEL, device_choices, image_to_pils
@@ -209,13 +212,13 @@ class QwenEditSpeed:
             "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 base weights, fp8 matmuls: ~1.6x faster "
                                                              "linears, half the weight memory; LoRAs stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
-            "attention": (list(perf.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def apply(self, model, fp8, compile, attention):
         transformer = model.components.transformer
         device = next(transformer.parameters()).device
         with torch.inference_mode(False):
-            perf.configure_inference(transformer, device, fp8=fp8, compile=compile)
+            speed.configure_inference(transformer, device, fp8=fp8, compile=compile)
         model.replicas.clear()  # replicas were copied from the transformer before this change
         return (dataclasses.replace(model, attention=attention),)

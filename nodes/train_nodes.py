@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core import jobs, perf
+from qwen_edit_core import jobs
+from qwen_edit_core import speed
 from qwen_edit_core.config import load_config
-from qwen_edit_core.dataset import load_dataset
-from qwen_edit_core.lora import TARGET_PRESETS
-from qwen_edit_core.progress import Cancelled, CancelToken
+from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.adapters.lora import TARGET_PRESETS
+from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from . import comfy_runtime
 from .common import CATEGORY, DATASET, JOB, MODEL, DatasetHandle, files_to_image, image_to_pils
@@ -109,7 +110,7 @@ class QwenEditBuildCache:
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def build(self, model, dataset, resolution, cache_dir, unique_id=None):
-        from qwen_edit_core.facade import QwenImageEditTrainer
+        from qwen_edit_core.api import QwenImageEditTrainer
         config = _config(model, dataset, output_dir=comfy_runtime.output_dir() / "qwen_edit_runs" / "cache",
                          resolution=resolution, cache_dir=cache_dir)
         trainer = QwenImageEditTrainer(config)
@@ -169,7 +170,7 @@ class QwenEditTrain:
             "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
                                                                   "the LoRA trains in bf16/fp32"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),
-            "attention": (list(perf.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,

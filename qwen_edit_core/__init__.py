@@ -3,7 +3,7 @@
 Never imports ComfyUI. `from qwen_edit_core import QwenImageEditTrainer, load_config` is the scripting API.
 """
 
-from .config import Config, load_config
-from .facade import QwenImageEditTrainer
+from qwen_edit_core.config import Config, load_config
+from qwen_edit_core.api import QwenImageEditTrainer
 
 __all__ = ["Config", "QwenImageEditTrainer", "load_config"]

@@ -18,17 +18,17 @@ log = logging.getLogger("qwen_edit_core.cli")
 def _user_errors() -> tuple[type[BaseException], ...]:
     from PIL import UnidentifiedImageError
 
-    from .components import ModelNotFoundError
-    from .config import ConfigError
-    from .devices import DeviceError
-    from .encode import EncodeError
-    from .single_file import SingleFileError
+    from qwen_edit_core.model.components import ModelNotFoundError
+    from qwen_edit_core.config import ConfigError
+    from qwen_edit_core.model.devices import DeviceError
+    from qwen_edit_core.model.encode import EncodeError
+    from qwen_edit_core.model.single_file import SingleFileError
     return (ConfigError, DeviceError, EncodeError, ModelNotFoundError, SingleFileError, FileNotFoundError,
             UnidentifiedImageError, ValueError)
 
 
 def cmd_tiny(args) -> None:
-    from .tiny import build_tiny
+    from qwen_edit_core.model.tiny import build_tiny
     out = build_tiny(args.out_dir, variant=args.variant, seed=args.seed, size=args.size)
     log.info("tiny %s model written to %s", args.variant, out)
 
@@ -48,13 +48,13 @@ def _progress_bar(total_desc: str):
 
 
 def cmd_sample(args) -> None:
-    from .config import load_config
-    from .encode import open_image
-    from .facade import QwenImageEditTrainer
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.model.encode import open_image
+    from qwen_edit_core.api import QwenImageEditTrainer
 
     plan = {}
     if args.devices:
-        from .devices import DevicePlan
+        from qwen_edit_core.model.devices import DevicePlan
         plan = DevicePlan.parse(args.devices).as_dict()
     files = {key: getattr(args, key) for key in ("transformer_file", "vae_file", "text_encoder_file",
                                                   "comfyui_models_dir", "comfyui_dir", "transformer_fp8") if getattr(args, key)}
@@ -84,17 +84,17 @@ def cmd_sample(args) -> None:
 
 
 def cmd_cache(args) -> None:
-    from .config import load_config
-    from .facade import QwenImageEditTrainer
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.api import QwenImageEditTrainer
     trainer = QwenImageEditTrainer(load_config(args.config))
     stats = trainer.cache(progress=_progress_bar("cache"))
     log.info("cache: %(total)d entries, %(hits)d reused, %(computed)d computed", stats)
 
 
 def cmd_train(args) -> None:
-    from .config import load_config
-    from .facade import QwenImageEditTrainer
-    from .progress import CancelToken
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.api import QwenImageEditTrainer
+    from qwen_edit_core.common.progress import CancelToken
     trainer = QwenImageEditTrainer(load_config(args.config))
     resume = True if args.resume == "" else args.resume
     bar = _train_bar()
@@ -123,19 +123,19 @@ def _train_bar():
 
 
 def cmd_demo(args) -> None:
-    from .demo import run_demo
+    from qwen_edit_core.demo import run_demo
     run_demo(Path(args.out))
 
 
 def cmd_bench(args) -> None:
     if args.what == "sample":
-        from benchmarks.sample import run
+        from qwen_edit_core.bench.sample import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
     elif args.what == "batching":
-        from benchmarks.batching import run
+        from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
     else:
-        from benchmarks.train import run
+        from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
             variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
 
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of benchmarks/train.py "
+    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
                    "VARIANTS to run after the reference (default: all)")
     p.set_defaults(func=cmd_bench)
     return parser

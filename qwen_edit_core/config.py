@@ -118,7 +118,7 @@ class TrainConfig:
     validation_image: str = ""
     validation_steps: int = 8
     lora_name: str = "lora"
-    #: speed levers (qwen_edit_core/perf.py). compile: compile each transformer block (CUDA; ~30 s once)
+    #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
     #: with gradient_checkpointing: how many blocks recompute (-1: all); the rest keep their activations
     checkpoint_blocks: int = -1

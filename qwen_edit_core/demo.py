@@ -54,7 +54,7 @@ def write_dataset(folder: Path, n: int, seed: int) -> list[tuple[Path, Path]]:
 
 
 def _config(model_dir: Path, data: Path, out_dir: Path):
-    from .config import load_config
+    from qwen_edit_core.config import load_config
     return load_config(overrides={
         "model": {"pretrained_model_name_or_path": str(model_dir), "lora": {"rank": 16, "alpha": 16.0,
                                                                              "targets": "all"}},
@@ -70,8 +70,9 @@ def _config(model_dir: Path, data: Path, out_dir: Path):
 def _evaluate(trainer, held_out, steps: int = 20) -> dict:
     """Sample each held-out control (CFG off, fixed seed); distances to the target's latents and to the VAE
     reconstruction of the target."""
-    from . import encode, sampler
-    from .encode import open_image
+    from qwen_edit_core.model import encode
+    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.model.encode import open_image
     comps = trainer.components
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, negative_prompt=None, seed=0,
                                       vae_area=SIZE * SIZE)
@@ -106,8 +107,8 @@ def _to_pil(image: torch.Tensor) -> Image.Image:
 
 def run_demo(out_dir: Path) -> dict:
     """Run the whole job into `out_dir`; returns the metrics (also written to metrics.json)."""
-    from .facade import QwenImageEditTrainer
-    from .tiny import build_tiny
+    from qwen_edit_core.api import QwenImageEditTrainer
+    from qwen_edit_core.model.tiny import build_tiny
 
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)

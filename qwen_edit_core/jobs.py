@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config
-from .progress import CancelToken, Progress
+from qwen_edit_core.config import Config
+from qwen_edit_core.common.progress import CancelToken, Progress
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TrainingJob:
     def _run(self) -> None:
         import torch
 
-        from .facade import QwenImageEditTrainer
+        from qwen_edit_core.api import QwenImageEditTrainer
         try:
             # A new thread starts outside inference mode; say so anyway, training needs autograd.
             with torch.inference_mode(False):
@@ -102,7 +102,7 @@ class TrainingJob:
             return list(self._history)
 
     def status(self) -> JobStatus:
-        from .checkpoint import latest_checkpoint
+        from qwen_edit_core.train.checkpoint import latest_checkpoint
         with self._lock:
             result = self._result
             found = latest_checkpoint(Path(self.config.train.output_dir) / "checkpoints")

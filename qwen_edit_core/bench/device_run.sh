@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The real-size benchmarks of BENCHMARKS.md ("Real size: speed and memory levers") on a lent GPU machine,
+# one part per call (each fits the device tool's 10-minute limit on an H100):
+#   bash qwen_edit_core/bench/device_run.sh targets | sample | levers1 | levers2   (in that order of priority: the
+#   first two measure the targets, the last two each lever alone; ~5-8 minutes each)
+# Writes <part>.log and device.txt under $OUT (the device tool brings that folder back).
+# The device image has torch, transformers, peft, accelerate and pyyaml but not diffusers: carry wheels in
+# .whl/ (git-ignored), fetched on the development machine with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
+set -euo pipefail
+part=${1:?usage: device_run.sh targets|sample|levers1|levers2}
+out=${OUT:-/tmp/qwen-edit-bench}
+mkdir -p "$out"
+if ! python3 -c "import diffusers" 2>/dev/null; then
+    ls .whl/*.whl >/dev/null || { echo "no diffusers and no .whl/ wheels: see this script's header" >&2; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, diffusers, transformers, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+} > "$out/device.txt" 2>&1
+bench="python3 -m qwen_edit_core.cli bench"
+case $part in
+    targets) $bench train --real-size --device cuda:0 --steps 6 \
+                 --variants "+ fp8 backward,memory_budget_gb 16" ;;
+    sample)  $bench sample --real-size --device cuda:0 --steps 50 --repeats 3 ;;
+    levers1) $bench train --real-size --device cuda:0 --steps 6 \
+                 --variants "ours (checkpointing),+ compile,+ fp8 base" ;;
+    levers2) $bench train --real-size --device cuda:0 --steps 6 \
+                 --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
+    *) echo "unknown part $part: targets, sample, levers1 or levers2" >&2; exit 2 ;;
+esac 2>&1 | tee "$out/$part.log"

@@ -1,0 +1,230 @@
+"""`qwen-edit bench sample`: our sampler against diffusers' QwenImageEditPipeline on the same components.
+
+Tiny (CPU): both on the tiny model, the same control image, prompt, seed and steps; median time of each.
+`--real-size` (GPU): the real transformer config with random bf16 weights (real-width one-layer encoders) at
+1024^2 Edit, in one process: (1) one sampler step, cond + uncond, for the diffusers reference (two forwards
+with the prompt mask, as the pipeline calls them) and for our sampler with one lever added at a time
+(no mask when nothing is padded, cuDNN attention, compiled blocks, fp8 base, CUDA graphs); (2) a full
+`--steps` edit (default 50) of the diffusers pipeline, of our plain sampler and of our fastest setting, with
+the fast output's distance to the plain one (the quality guard). MFU is against a bf16 matmul peak measured
+in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from qwen_edit_core import speed
+from qwen_edit_core.sample import sampler
+from qwen_edit_core.model.devices import resolve_device
+
+from qwen_edit_core.bench.common import (bench_components, matmul_peaks, median_time, peak_gib, print_table, reset_peak, sync)
+
+log = logging.getLogger(__name__)
+
+PROMPT, NEGATIVE = "make the sky purple", " "
+
+
+def _pipeline(comps):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+    te = comps.text_encoder
+    return QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler_config),
+                                 vae=comps.vae, text_encoder=te.model, tokenizer=te.processor.tokenizer,
+                                 processor=te.processor, transformer=comps.transformer)
+
+
+def _image(side: int) -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8))
+
+
+def _tiny(device: str, steps: int, repeats: int) -> str:
+    dev = resolve_device(device, component="bench device")
+    dtype = torch.float32
+    comps = bench_components(False, dev, dtype)
+    pipe = _pipeline(comps)
+    image = _image(1024)
+
+    def reference():
+        pipe(image=image, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps,
+             generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+
+    rows = []
+    reset_peak(dev)
+    t_ref = median_time(reference, dev, repeats)
+    rows.append(["diffusers QwenImageEditPipeline", "sequential", f"{t_ref:.3f}", _gib(peak_gib(dev)), "1.00"])
+    for mode in ("sequential", "batched"):
+        settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
+                                          seed=0, cfg_mode=mode)
+        reset_peak(dev)
+        t = median_time(lambda: sampler.sample(comps, PROMPT, [image], settings), dev, repeats)
+        rows.append(["qwen_edit_core sampler", mode, f"{t:.3f}", _gib(peak_gib(dev)), f"{t_ref / t:.2f}"])
+    title = f"sample: tiny transformer, 1024^2 control, {steps} steps, true CFG 4.0, {dev}, {dtype}"
+    return print_table(title, ["implementation", "cfg", "median s", "peak GiB", "speed vs reference"], rows)
+
+
+def forward_flops(tokens: int, layers: int = 60, dim: int = 3072) -> float:
+    """Model FLOPs of one transformer forward over `tokens` joint tokens (linears and attention)."""
+    return 2 * layers * tokens * 12 * dim * dim + 4 * layers * tokens * tokens * dim
+
+
+#: sampler levers, each added on top of the previous row (speed.configure_inference changes the model in place)
+STEP_VARIANTS = ("ours, no mask", "+ cuDNN attention", "+ compiled blocks", "+ fp8 base",
+                 "+ CUDA graphs (reduce-overhead)")
+
+
+def _apply_variant(name: str, comps, dev, settings: sampler.SampleSettings) -> sampler.SampleSettings:
+    if name == "+ cuDNN attention":
+        return dataclasses.replace(settings, attention="cudnn")
+    if name == "+ compiled blocks":
+        speed.configure_inference(comps.transformer, dev, fp8=False, compile=True)
+    elif name == "+ fp8 base":
+        speed.configure_inference(comps.transformer, dev, fp8=True, compile=True)
+    elif name == "+ CUDA graphs (reduce-overhead)":
+        speed.compile_blocks(comps.transformer, mode="reduce-overhead")
+    return settings
+
+
+def step_hygiene(fn, device: torch.device) -> tuple[int, int]:
+    """(host syncs, new CUDA memory segments) of one call of `fn` after a warm-up call: the denoising step
+    should need neither (torch.cuda.set_sync_debug_mode warns at each synchronizing op; a new segment is a
+    cudaMalloc). (-1, -1) off CUDA."""
+    import warnings
+    if device.type != "cuda":
+        return -1, -1
+    fn()
+    sync(device)
+    segments = torch.cuda.memory_stats(device)["segment.all.allocated"]
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sync(device)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs, torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
+
+
+def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None = None, side: int = 1024,
+          full: bool = True) -> str:
+    """`layers`/`side` shrink the run for a smoke test of the plumbing (any device); `full=False` skips the
+    full edits."""
+    dev = resolve_device(device, component="bench device")
+    if dev.type != "cuda" and layers is None:
+        raise ValueError("--real-size needs a CUDA device (the real transformer is 41 GiB in bf16)")
+    dtype = torch.bfloat16
+    comps = bench_components(True, dev, dtype, num_layers=layers)
+    comps.transformer.eval()
+    peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
+    image = _image(side)
+    settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
+                                      seed=0, vae_area=side * side)
+    cond = sampler.build_conditioning(comps, PROMPT, [image], settings)
+    latents = sampler.initial_noise(0, cond.width, cond.height, comps.transformer.config.in_channels // 4, dev,
+                                    dtype)
+    t = torch.tensor(500.0, device=dev)
+    tokens = [latents.shape[1] + cond.control_tokens.shape[1] + e.embeds.shape[1] for e in (cond.cond, cond.uncond)]
+    flops = sum(forward_flops(n, layers or 60) for n in tokens)
+    full_rows, outputs = [], {}
+
+    def full_edit(label, fn):
+        reset_peak(dev)
+        sync(dev)
+        start = time.perf_counter()
+        out = fn()
+        sync(dev)
+        full_rows.append([label, f"{time.perf_counter() - start:.2f}", _gib(peak_gib(dev))])
+        outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
+
+    if full:
+        pipe = _pipeline(comps)
+        full_edit("diffusers QwenImageEditPipeline", lambda: pipe(
+            image=image, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(0), output_type="np").images)
+
+    def reference_step():
+        for e in (cond.cond, cond.uncond):  # the pipeline passes its prompt mask (all ones here)
+            hidden = torch.cat([latents, cond.control_tokens], dim=1)
+            comps.transformer(hidden_states=hidden, timestep=t.expand(1).to(dtype) / 1000,
+                              encoder_hidden_states=e.embeds, encoder_hidden_states_mask=e.mask,
+                              img_shapes=[cond.img_shapes], return_dict=False)
+
+    rows = []
+    with torch.no_grad():
+        reset_peak(dev)
+        t_ref = median_time(reference_step, dev, repeats)
+        rows.append(["diffusers model, prompt mask (as the pipeline)", t_ref, peak_gib(dev)])
+        for name in STEP_VARIANTS:
+            try:
+                settings = _apply_variant(name, comps, dev, settings)
+                denoiser = sampler._Denoiser(comps.transformer, cond, settings)
+                with speed.attention_kernel(settings.attention):
+                    reset_peak(dev)
+                    rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
+                                 peak_gib(dev)])
+            except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
+                log.exception("sampler lever %s failed", name)
+                rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])
+            if name == "ours, no mask" and full:
+                full_edit("qwen_edit_core sampler, plain", lambda s=settings: sampler.sample(comps, PROMPT, [image], s))
+        # The whole Euler step as the loop runs it (guided velocity + scheduler update), with every lever on.
+        scheduler, timesteps, _ = sampler.make_timesteps(comps.scheduler_config, settings, latents.shape[1], dev)
+        denoiser = sampler._Denoiser(comps.transformer, cond, settings)
+
+        state = {"latents": latents, "i": 0}
+
+        def euler_step():  # as sampler.denoise's loop body: steps 1 (warm-up) and 2 (measured)
+            t = timesteps[state["i"]]
+            with speed.attention_kernel(settings.attention):
+                velocity = denoiser(state["latents"], t)
+            state["latents"] = scheduler.step(velocity, t, state["latents"], return_dict=False)[0].to(dtype)
+            state["i"] += 1
+        syncs, segments = step_hygiene(euler_step, dev)
+        log.info("one Euler step with every lever: %d host syncs, %d new CUDA segments", syncs, segments)
+    if full:
+        full_edit("qwen_edit_core sampler, all levers above", lambda: sampler.sample(comps, PROMPT, [image],
+                                                                                      settings))
+    table = []
+    for name, s, peak in rows:
+        if isinstance(s, str):
+            table.append([name, s, "-", "-", "-"])
+        else:
+            table.append([name, f"{s:.3f}", _gib(peak), f"{100 * flops / s / peaks['bf16'] / 1e12:.0f}%",
+                          f"{t_ref / s:.2f}"])
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    table.append(["one Euler step, every lever: host syncs / new CUDA segments", f"{syncs} / {segments}" if
+                  syncs >= 0 else "- (CUDA only)", "-", "-", "-"])
+    text = print_table(
+        f"sample step (cond + uncond): random real-size transformer ({layers or 60} blocks), {side}^2 Edit "
+        f"({tokens[0]} / {tokens[1]} tokens), bf16, {dev} ({name}); MFU against the measured bf16 peak "
+        f"{peaks['bf16']:.0f} TFLOP/s; step = {flops:.2e} FLOPs",
+        ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference"], table)
+    if full:
+        base, plain = full_rows[0], outputs["qwen_edit_core sampler, plain"]
+        for row in full_rows:
+            row.append(f"{float(base[1]) / float(row[1]):.2f}")
+            row.append(f"{np.abs(outputs[row[0]] - plain).mean():.4f}" if outputs[row[0]].shape == plain.shape
+                       else "-")
+        text += "\n\n" + print_table(
+            f"full edit: {steps} steps, true CFG 4.0, {side}^2, {dev}", ["implementation", "s", "peak GiB",
+                                                                       "speed vs pipeline",
+                                                                       "mean |output - plain| (0-1 image)"],
+            full_rows)
+    return text
+
+
+def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
+    return _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)
+
+
+def _gib(value):
+    return "-" if value is None else f"{value:.1f}"

@@ -1,0 +1,1 @@
+"""Lowest layer: whole-or-nothing files and progress/cancel events. Imports nothing else of the core."""

@@ -1,0 +1,394 @@
+"""Content-addressed on-disk embedding cache: one safetensors file per sample.
+
+This module stores, names and validates entries; it never calls a model. The caller passes a function
+that computes an entry's tensors on a miss (`samples.encode_example` in this project).
+
+Naming. An entry lives at `root/<digest[:2]>/<digest>.safetensors`, where `digest` is the sha256 of a
+`CacheKey`: the sha256 of every image file's bytes (target, then each control), the caption, the identity
+of the encoders (`component_identity`), the VAE and VL areas, the target and control buckets, the template
+and its prefix length, the dtype and the format version. Entries are therefore shared across runs and
+datasets (the same image bytes + caption + settings hit), and any change to a key field makes a new entry.
+
+On-disk format (format version 1).
+  Tensors, all contiguous, on the CPU:
+    `target_latents`        (C, 1, h, w)   normalized, unpacked VAE latents, key dtype
+    `control_latents_{i}`   (C, 1, h_i, w_i) for each control i in 0..n-1, key dtype
+    `prompt_embeds`         (S, D)  valid tokens only, key dtype
+    `empty_prompt_embeds`   (S0, D) the empty caption with the same control image(s) (caption dropout)
+    `img_shapes`            (1 + n, 3) int64, packed units: (1, h // 2, w // 2) of each latent above
+  No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
+  (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
+  `format_version` included.
+
+Trust. Reading checks the header, the metadata against the requested key, the tensor names, dtypes, ranks
+and `img_shapes`; a truncated, damaged, stale (other key), old-format or incomplete file is logged,
+removed and reported as a miss, so it is recomputed and never trusted. Writing goes through
+`atomic.save_safetensors`: a temporary name unique per process and call in the entry's folder, fsync, then
+`os.replace`, so readers and concurrent writers never see a partial file under an entry's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import operator
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qwen_edit_core.common.files import save_safetensors
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+#: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
+CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
+EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
+#: Weight files are identified by name and size, every other file by content (see `component_identity`).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".sft")
+#: safetensors header dtype names -> torch dtypes (to validate an entry from its header alone).
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                  "U8": torch.uint8, "BOOL": torch.bool}
+_STRING_FIELDS = ("caption", "component_identity", "template", "dtype")
+_INT_FIELDS = ("vae_area", "vl_area", "prefix_len", "format_version")
+
+
+def control_names(n_controls: int) -> tuple[str, ...]:
+    """`control_latents_0` .. `control_latents_{n-1}`."""
+    return tuple(f"control_latents_{i}" for i in range(n_controls))
+
+
+def float_dtype(name: str) -> torch.dtype:
+    """The torch floating dtype named `name` ("float32", "bfloat16", ...); ValueError otherwise."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"cache key dtype {name!r} is not a torch floating dtype (e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that changes an entry's tensors. `image_hashes`: sha256 of the target file's bytes, then of
+    each control file's; buckets are (width, height) in pixels; `template` is the variant ("edit" or
+    "edit-plus"); `dtype` names the float dtype of latents and embeddings."""
+
+    image_hashes: tuple[str, ...]
+    caption: str
+    component_identity: str
+    vae_area: int
+    vl_area: int
+    target_bucket: tuple[int, int]
+    control_buckets: tuple[tuple[int, int], ...]
+    template: str
+    prefix_len: int
+    dtype: str
+    format_version: int = CACHE_FORMAT_VERSION
+
+    def __post_init__(self):
+        # Normalize lists (from JSON or a caller) to tuples so equal keys compare and hash equal.
+        set_field = object.__setattr__
+        if isinstance(self.image_hashes, str):
+            raise TypeError("CacheKey.image_hashes must be a sequence of hex digests, not one string")
+        set_field(self, "image_hashes", tuple(str(h) for h in self.image_hashes))
+        set_field(self, "target_bucket", _pair(self.target_bucket, "target_bucket"))
+        set_field(self, "control_buckets", tuple(_pair(b, "control_buckets") for b in self.control_buckets))
+        for name in _INT_FIELDS:
+            set_field(self, name, _integer(getattr(self, name), name))
+        for name in _STRING_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"CacheKey.{name} must be a str, got {type(getattr(self, name)).__name__}")
+        if len(self.image_hashes) != 1 + len(self.control_buckets):
+            raise ValueError(f"CacheKey has {len(self.image_hashes)} image hashes for 1 target and "
+                             f"{len(self.control_buckets)} control bucket(s)")
+        float_dtype(self.dtype)
+
+    @property
+    def n_controls(self) -> int:
+        return len(self.control_buckets)
+
+    def canonical(self) -> str:
+        """A canonical JSON of every field (sorted keys): the text hashed by `digest`."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, ensure_ascii=False)
+
+    def digest(self) -> str:
+        """sha256 hex of `canonical()`: the entry's file name."""
+        return hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()
+
+    def to_metadata(self) -> dict[str, str]:
+        """One safetensors metadata string per field: strings as they are, the rest as JSON."""
+        return {f.name: _field_text(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> "CacheKey":
+        """The key stored by `to_metadata`; ValueError or TypeError if a field is absent or malformed."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in metadata:
+                raise ValueError(f"cache metadata lacks the key field {f.name!r}")
+            text = metadata[f.name]
+            values[f.name] = text if f.name in _STRING_FIELDS else json.loads(text)
+        return cls(**values)
+
+
+def _field_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _integer(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"CacheKey.{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"CacheKey.{name} must be an int, got {type(value).__name__}") from None
+
+
+def _pair(value: Any, name: str) -> tuple[int, int]:
+    pair = tuple(_integer(v, name) for v in value)
+    if len(pair) != 2:
+        raise ValueError(f"CacheKey.{name} entries must be (width, height), got {value!r}")
+    return pair
+
+
+def hash_file(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 hex of a file's bytes, read in chunks (images can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def component_identity(paths: Mapping[str, Path]) -> str:
+    """A short stable hash (16 hex) identifying the components that produce cache tensors.
+
+    `paths` maps a component name to a diffusers subfolder (text_encoder/, vae/, tokenizer/, processor/) or
+    to a single weight file. Config, tokenizer and processor files are hashed by CONTENT; weight files
+    (`WEIGHT_SUFFIXES`) by relative name and SIZE only. Reading gigabytes of weights for every cache run
+    would cost far more than the encoding it saves, and a different checkpoint of the same architecture
+    ships a different size, file name or config (sharded index). This is the rule DESIGN.md states for the
+    cache key. Modification times never count (a copy or `touch` keeps the identity). Hidden files and
+    folders are skipped (e.g. the hub's `.cache/` download records, which change on every download). An
+    absent path contributes a fixed marker, so a model without e.g. processor/ still has a stable identity.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(paths):
+        for line in _identity_lines(name, Path(paths[name])):
+            digest.update(line.encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def _identity_lines(name: str, path: Path) -> list[str]:
+    if not path.exists():
+        return [f"{name}:absent"]
+    if path.is_file():
+        return [f"{name}/{path.name}:{_file_fingerprint(path)}"]
+    files = sorted(p for p in path.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    return [f"{name}/{p.relative_to(path).as_posix()}:{_file_fingerprint(p)}" for p in files]
+
+
+def _file_fingerprint(path: Path) -> str:
+    if path.name.lower().endswith(WEIGHT_SUFFIXES):
+        return f"size={path.stat().st_size}"
+    return f"sha256={hash_file(path)}"
+
+
+class EmbeddingCache:
+    """Entries under `root/<digest[:2]>/<digest>.safetensors`, shared across runs, datasets and processes.
+
+    Counters (`stats()`): `hits` and `misses` of `get` (and so of `get_or_compute`); `recomputed` counts
+    entries found damaged, stale or incomplete and removed (they are computed again on the next
+    `get_or_compute`).
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.hits = self.misses = self.recomputed = 0
+
+    def path_for(self, key: CacheKey) -> Path:
+        """Where `key`'s entry lives (the first two hex digits shard the folder)."""
+        digest = key.digest()
+        return self.root / digest[:2] / f"{digest}.safetensors"
+
+    def get(self, key: CacheKey) -> dict[str, torch.Tensor] | None:
+        """The entry's CPU tensors, or None when absent or not trustworthy (then the bad file is removed)."""
+        path = self.path_for(key)
+        seen = _stat(path)
+        if seen is None:
+            self.misses += 1
+            return None
+        tensors, problem = _read(path, key, load=True)
+        if problem is not None:
+            tensors = None  # release the file's memory map before removing it (Windows refuses otherwise)
+            self._reject(path, seen, problem)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return tensors
+
+    def contains(self, key: CacheKey) -> bool:
+        """Whether a valid entry exists, checked from the file's header and `img_shapes` alone (no latents or
+        embeddings are read); a bad entry is removed like in `get`. Counts neither hit nor miss."""
+        path = self.path_for(key)
+        seen = _stat(path)
+        if seen is None:
+            return False
+        _, problem = _read(path, key, load=False)
+        if problem is not None:
+            self._reject(path, seen, problem)
+        return problem is None
+
+    def put(self, key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> Path:
+        """Validate and write an entry atomically; returns its path. ValueError names what is wrong."""
+        return self._write(key, prepare_tensors(key, tensors))
+
+    def get_or_compute(self, key: CacheKey, compute: Callable[[], Mapping[str, torch.Tensor]]
+                       ) -> tuple[dict[str, torch.Tensor], bool]:
+        """(tensors, hit): the stored entry, or `compute()` written to the cache. A miss returns the tensors
+        exactly as stored (CPU, contiguous, key dtype), so a hit and a miss give the same numbers."""
+        found = self.get(key)
+        if found is not None:
+            return found, True
+        tensors = prepare_tensors(key, compute())
+        self._write(key, tensors)
+        return tensors, False
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "recomputed": self.recomputed}
+
+    def _write(self, key: CacheKey, tensors: dict[str, torch.Tensor]) -> Path:
+        # Concurrent writers of one key write equal content; each uses its own temporary file and the last
+        # rename wins, so the entry's name only ever points at a whole file.
+        path = save_safetensors(tensors, self.path_for(key), metadata=key.to_metadata())
+        log.debug("cache: wrote %s", path)
+        return path
+
+    def _reject(self, path: Path, seen: os.stat_result, problem: str) -> None:
+        log.warning("cache entry %s is %s; removing it, it will be recomputed", path, problem)
+        self.recomputed += 1
+        try:
+            # Another process may have just renamed a good entry over the bad one: remove only what we read.
+            if _same_file(_stat(path), seen):
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("could not remove bad cache entry %s: %s", path, err)
+
+
+def prepare_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as stored: on the CPU, contiguous, floats in the key's dtype, `img_shapes` int64.
+    ValueError if a name is missing or unexpected, or a dtype, rank or shape is wrong."""
+    if key.format_version != CACHE_FORMAT_VERSION:
+        raise ValueError(f"this code writes cache format {CACHE_FORMAT_VERSION}, not {key.format_version}")
+    dtype = float_dtype(key.dtype)
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        if name == "img_shapes" and not tensor.is_floating_point():
+            tensor = tensor.to(torch.int64)
+        elif name != "img_shapes" and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.contiguous()
+    problem = check_tensors(key, out)
+    if problem is not None:
+        raise ValueError(f"cache entry {key.digest()[:12]} not written: {problem}")
+    return out
+
+
+def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """What is wrong with an entry's tensors for `key` (None if nothing). Works on meta tensors too, except
+    that `img_shapes` must hold its values."""
+    latents = ("target_latents",) + control_names(key.n_controls)
+    expected = set(CACHE_TENSORS) | set(latents)
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        return f"missing tensors {missing}" if missing else f"holding unexpected tensors {unexpected}"
+    dtype = float_dtype(key.dtype)
+    for name in latents + EMBEDDING_TENSORS:
+        if tensors[name].dtype != dtype:
+            return f"holding {name} of dtype {tensors[name].dtype}, not {dtype}"
+    return _check_embeddings(tensors) or _check_latents(tensors, latents)
+
+
+def _check_embeddings(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    prompt, empty = tensors["prompt_embeds"], tensors["empty_prompt_embeds"]
+    if prompt.dim() != 2 or empty.dim() != 2:
+        return f"holding prompt embeddings of shapes {tuple(prompt.shape)} and {tuple(empty.shape)}, not (S, D)"
+    if prompt.shape[1] != empty.shape[1]:
+        return f"holding prompt embeddings of widths {prompt.shape[1]} and {empty.shape[1]}"
+    return None
+
+
+def _check_latents(tensors: Mapping[str, torch.Tensor], latents: tuple[str, ...]) -> str | None:
+    channels = tensors["target_latents"].shape[0] if tensors["target_latents"].dim() else None
+    for name in latents:
+        shape = tuple(tensors[name].shape)
+        if len(shape) != 4 or shape[1] != 1 or shape[0] != channels:
+            return f"holding {name} of shape {shape}, not ({channels}, 1, h, w)"
+    shapes = tensors["img_shapes"]
+    if shapes.dtype != torch.int64 or tuple(shapes.shape) != (len(latents), 3):
+        return f"holding img_shapes {shapes.dtype} {tuple(shapes.shape)}, not int64 ({len(latents)}, 3)"
+    # img_shapes is in packed units (2x2 latent patches); it must describe the stored latents.
+    expected = [[1, tensors[n].shape[2] // 2, tensors[n].shape[3] // 2] for n in latents]
+    if shapes.tolist() != expected:
+        return f"holding img_shapes {shapes.tolist()} for latents that pack to {expected}"
+    return None
+
+
+def _read(path: Path, key: CacheKey, *, load: bool) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """(tensors, problem). One `safe_open` (what `safetensors.torch.load_file` does, never torch.load) so the
+    metadata and the tensors come from the same file; the key is checked before any tensor is read. With
+    `load=False` tensors are meta tensors built from the header (only `img_shapes` is read)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            problem = _check_metadata(key, fh.metadata() or {})
+            if problem is not None:
+                return None, problem
+            tensors = {name: _tensor_or_meta(fh, name, load) for name in fh.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as err:
+        return None, f"unreadable ({type(err).__name__}: {err})"
+    return tensors, check_tensors(key, tensors)
+
+
+def _tensor_or_meta(fh, name: str, load: bool) -> torch.Tensor:
+    if load or name == "img_shapes":
+        return fh.get_tensor(name)
+    view = fh.get_slice(name)
+    dtype = _HEADER_DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise ValueError(f"tensor {name} has unsupported dtype {view.get_dtype()}")
+    return torch.empty(view.get_shape(), dtype=dtype, device="meta")
+
+
+def _check_metadata(key: CacheKey, metadata: Mapping[str, str]) -> str | None:
+    if metadata.get("format_version") != str(CACHE_FORMAT_VERSION):
+        return f"of format {metadata.get('format_version')!r}, not {CACHE_FORMAT_VERSION}"
+    try:
+        stored = CacheKey.from_metadata(metadata)
+    except (ValueError, TypeError) as err:
+        return f"carrying unreadable key metadata ({err})"
+    if stored != key:
+        differing = [f.name for f in dataclasses.fields(key) if getattr(stored, f.name) != getattr(key, f.name)]
+        return f"stale (its stored key differs in {differing})"
+    return None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _same_file(a: os.stat_result | None, b: os.stat_result) -> bool:
+    return a is not None and (a.st_ino, a.st_dev, a.st_size, a.st_mtime_ns) == (b.st_ino, b.st_dev, b.st_size,
+                                                                               b.st_mtime_ns)

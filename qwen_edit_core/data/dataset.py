@@ -1,0 +1,406 @@
+"""Folders of edit pairs: discovery, validation, aspect buckets and a resumable bucketed batch sampler.
+
+Accepted layouts (images: .png, .jpg/.jpeg, .webp, any letter case; captions: UTF-8 .txt, BOM tolerated,
+surrounding whitespace stripped):
+
+- folders: ``images/`` holds the targets; ``control/`` (= control 1) or ``control_1/``, ``control_2/``,
+  ``control_3/``, ... hold the control images, matched to the target by file stem (the extensions may differ).
+- flat: one folder with ``NAME.png`` (target), ``NAME_control.png`` (= control 1) or ``NAME_control_1.png``,
+  ``NAME_control_2.png``, ... and ``NAME.txt``.
+
+The caption of target ``NAME`` is ``NAME.txt`` beside the target image (``images/NAME.txt`` in the folders
+layout); if there is none, ``captions/NAME.txt`` in the dataset folder (both layouts). When both exist the one
+beside the image wins and a note says so. Hidden files (``.NAME``, e.g. macOS ``._NAME.png``) are ignored;
+other image formats (gif, bmp, tiff, ...) are reported rather than silently ignored.
+
+Everything is validated before any work and every problem is reported at once, each naming its file and what
+would be accepted: unpaired images, missing/empty/non-UTF-8 captions, images that do not decode (truncated or
+damaged), modes other than RGB, images too small or too large, and differing numbers of controls. Layout
+problems that make pairing impossible (``control/`` beside ``control_1/``, a gap in the control numbering)
+stop discovery at once, as there is nothing sensible to validate.
+
+Decisions:
+- Non-RGB modes (RGBA, LA, L, P, CMYK, I;16, ...) are problems by default: silently flattening transparency
+  or squashing 16 bits changes what the model learns. ``convert_modes=True`` accepts them; ``load_rgb`` then
+  converts (transparency composited on white, 16-bit scaled to 8-bit) and validation logs a warning per file.
+- A non-identity EXIF orientation is applied on load (``ImageOps.exif_transpose``) and is only a note: viewers,
+  ComfyUI's LoadImage and the sampler all see the image as displayed, so that is the image to train on;
+  ``EditExample.target_size`` / ``control_sizes`` are the displayed sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACCEPTED_IMAGES, ImageCheck,  # noqa: F401
+                                        _mode_name, check_image, inspect_image,
+                                        load_rgb)
+from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
+from qwen_edit_core.model.geometry import bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+#: image formats people drop into dataset folders that we do not accept: reported, never silently ignored
+OTHER_IMAGE_EXTENSIONS = (".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2", ".psd",
+                          ".exr", ".ico", ".tga")
+CAPTION_EXTENSION = ".txt"
+CAPTIONS_DIR = "captions"
+LAYOUTS = ("images/ + control/ (or control_1/, control_2/, ...) matched by file name, captions as "
+           "images/NAME.txt or captions/NAME.txt",
+           "one folder with NAME.png, NAME_control.png (or NAME_control_1.png, NAME_control_2.png, ...) and "
+           "NAME.txt")
+
+_CONTROL_DIR = re.compile(r"^control(?:_(?P<index>\d+))?$")
+_FLAT_CONTROL = re.compile(r"^(?P<base>.+)_control(?:_(?P<index>\d+))?$", re.IGNORECASE)
+
+
+# -- public data -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EditExample:
+    """One validated edit pair: the target, its control image(s) (in control order) and the caption."""
+    name: str
+    target: Path
+    controls: tuple[Path, ...]
+    caption: str
+    target_size: tuple[int, int]  # (w, h) as displayed (EXIF orientation applied)
+    control_sizes: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong (or, in `DatasetReport.notes`, worth knowing) about one file."""
+    path: Path
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass(frozen=True)
+class DatasetReport:
+    """The valid examples, the problems skipped (`skip_invalid`), the layout ("folders" or "flat") and
+    informational notes (EXIF orientation applied, modes converted, caption precedence)."""
+    examples: tuple[EditExample, ...]
+    skipped: tuple[Problem, ...]
+    layout: str
+    notes: tuple[Problem, ...] = ()
+
+
+class DatasetError(ValueError):
+    """Every problem of a dataset folder: the count (or a header) first, then one problem per line."""
+
+    def __init__(self, problems: Sequence[Problem], header: str = ""):
+        self.problems = list(problems)
+        lines = [header or f"{len(self.problems)} problem(s) in the dataset:"] + [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset folder does not exist (catchable as DatasetError or FileNotFoundError)."""
+
+
+# -- discovery -------------------------------------------------------------------------------------------------
+
+# An issue is a problem tagged with the sample it disqualifies (None: a stray file, no sample to skip).
+_Issue = tuple[Optional[str], Problem]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A discovered, not yet validated sample."""
+    name: str
+    target: Path
+    controls: tuple[Path, ...]
+    captions: tuple[Path, ...]  # existing caption files in order of precedence (may be empty)
+    default_caption: Path       # where the caption is expected, for the "missing" message
+
+
+@dataclass
+class _Discovery:
+    layout: str
+    candidates: list[_Candidate] = field(default_factory=list)
+    issues: list[_Issue] = field(default_factory=list)
+
+
+@dataclass
+class _Listing:
+    """The images and captions of one folder, by stem. Stems shared by several images are `ambiguous`."""
+    images: dict[str, Path] = field(default_factory=dict)
+    captions: dict[str, Path] = field(default_factory=dict)
+    ambiguous: set[str] = field(default_factory=set)
+
+
+def _list_folder(folder: Path, issues: list[_Issue], name_of=lambda stem: stem) -> _Listing:
+    """Images and captions of `folder` by stem; duplicates and unaccepted formats become issues.
+    `name_of(stem)` is the sample a file belongs to (flat controls belong to their target)."""
+    listing = _Listing()
+    if not folder.is_dir():
+        return listing
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        suffix = path.suffix.lower()
+        if suffix in IMAGE_EXTENSIONS:
+            other = listing.images.setdefault(path.stem, path)
+            if other != path:
+                listing.ambiguous.add(path.stem)
+                issues.append((name_of(path.stem), Problem(path, f"has the same name as {other.name}; keep one "
+                                                                 "image per name")))
+        elif suffix == CAPTION_EXTENSION:
+            listing.captions.setdefault(path.stem, path)  # same stem, other letter case: the first wins
+        elif suffix in OTHER_IMAGE_EXTENSIONS:
+            issues.append((None, Problem(path, f"{suffix} images are not accepted; convert it to "
+                                               f"{ACCEPTED_IMAGES}")))
+    return listing
+
+
+def _captions_of(stem: str, beside: _Listing, captions_dir: _Listing) -> tuple[Path, ...]:
+    return tuple(p for p in (beside.captions.get(stem), captions_dir.captions.get(stem)) if p is not None)
+
+
+def _control_dirs(folder: Path) -> list[Path]:
+    """The control folders in control order; raises DatasetError when their numbering is ambiguous."""
+    found: dict[int, Path] = {}
+    problems = []
+    for path in sorted(p for p in folder.iterdir() if p.is_dir()):
+        match = _CONTROL_DIR.match(path.name)
+        if not match:
+            continue
+        index = int(match["index"]) if match["index"] else 1  # control/ is control 1
+        if index in found:
+            problems.append(Problem(path, f"is control {index}, like {found[index].name}/ (control/ counts as "
+                                          "control_1/); keep one of them"))
+        else:
+            found[index] = path
+    if not found:
+        problems.append(Problem(folder, "has images/ but no control/ (or control_1/, control_2/, ...) folder"))
+    elif sorted(found) != list(range(1, len(found) + 1)):
+        problems.append(Problem(folder, f"control folders are numbered {sorted(found)}; accepted: control/ or "
+                                        f"control_1/ up to control_{len(found)}/ without gaps"))
+    if problems:
+        raise DatasetError(problems, header=f"{len(problems)} layout problem(s) in dataset {str(folder)!r}:")
+    return [found[i] for i in sorted(found)]
+
+
+def _discover_folders(folder: Path) -> _Discovery:
+    """Layout (a): images/ + control folders, matched by stem."""
+    found = _Discovery("folders")
+    control_dirs = _control_dirs(folder)
+    targets = _list_folder(folder / "images", found.issues)
+    controls = [_list_folder(d, found.issues) for d in control_dirs]
+    captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    for directory, listing in zip(control_dirs, controls):
+        for stem in sorted(set(listing.images) - set(targets.images) - targets.ambiguous):
+            found.issues.append((None, Problem(listing.images[stem], f"control image has no target "
+                                                                     f"images/{stem}.png/.jpg/.webp")))
+    for stem, target in targets.images.items():
+        paths = [listing.images.get(stem) for listing in controls]
+        missing = [d.name for d, p in zip(control_dirs, paths) if p is None]
+        if missing:
+            found.issues.append((stem, Problem(target, f"has no control image named {stem}.png/.jpg/.webp in "
+                                                       f"{', '.join(m + '/' for m in missing)}")))
+        if None in paths:
+            continue
+        found.candidates.append(_Candidate(stem, target, tuple(paths), _captions_of(stem, targets, captions),
+                                           target.with_suffix(CAPTION_EXTENSION)))
+    return found
+
+
+def _split_flat(listing: _Listing, issues: list[_Issue]) -> tuple[dict[str, Path], dict[str, dict[int, Path]]]:
+    """Flat file stems -> targets by name, and controls by target name and control number."""
+    targets: dict[str, Path] = {}
+    controls: dict[str, dict[int, Path]] = {}
+    for stem, path in listing.images.items():
+        match = _FLAT_CONTROL.match(stem)
+        if not match:
+            targets[stem] = path
+            continue
+        base, index = match["base"], int(match["index"]) if match["index"] else 1  # NAME_control is control 1
+        other = controls.setdefault(base, {}).setdefault(index, path)
+        if other != path:
+            issues.append((base, Problem(path, f"is control {index} of {base}, like {other.name} ({base}_control "
+                                               f"counts as {base}_control_1); keep one of them")))
+    return targets, controls
+
+
+def _flat_sample_name(stem: str) -> str:
+    """The sample a flat-layout file belongs to: NAME for NAME and for NAME_control[_N]."""
+    match = _FLAT_CONTROL.match(stem)
+    return match["base"] if match else stem
+
+
+def _discover_flat(folder: Path) -> _Discovery:
+    """Layout (b): NAME.png, NAME_control[_N].png and NAME.txt in one folder."""
+    found = _Discovery("flat")
+    listing = _list_folder(folder, found.issues, name_of=_flat_sample_name)
+    captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    targets, controls = _split_flat(listing, found.issues)
+    for base in sorted(set(controls) - set(targets) - listing.ambiguous):
+        for path in controls[base].values():
+            found.issues.append((None, Problem(path, f"control image has no target {base}.png/.jpg/.webp")))
+    for stem, target in targets.items():
+        numbered = controls.get(stem, {})
+        order = sorted(numbered)
+        if not numbered:
+            found.issues.append((stem, Problem(target, f"has no control image {stem}_control.png/.jpg/.webp "
+                                                       f"(or {stem}_control_1, {stem}_control_2, ...)")))
+        elif order != list(range(1, len(order) + 1)):
+            found.issues.append((stem, Problem(target, f"control images are numbered {order}; accepted: "
+                                                       f"{stem}_control or {stem}_control_1 up to "
+                                                       f"{stem}_control_{len(order)} without gaps")))
+        else:
+            found.candidates.append(_Candidate(stem, target, tuple(numbered[i] for i in order),
+                                               _captions_of(stem, listing, captions),
+                                               target.with_suffix(CAPTION_EXTENSION)))
+    return found
+
+
+def _discover(folder: Path) -> _Discovery:
+    if (folder / "images").is_dir():
+        return _discover_folders(folder)
+    strays = [p for p in sorted(folder.iterdir()) if p.is_dir() and _CONTROL_DIR.match(p.name)]
+    if strays:
+        raise DatasetError([Problem(folder, f"has {strays[0].name}/ but no images/ folder for the targets")],
+                           header=f"1 layout problem in dataset {str(folder)!r}; accepted layouts: "
+                                  + "; ".join(LAYOUTS))
+    return _discover_flat(folder)
+
+
+def _control_count_issues(candidates: Sequence[_Candidate]) -> list[_Issue]:
+    """Every sample needs the same number of controls: the most common number wins (ties: the larger)."""
+    counts = Counter(len(c.controls) for c in candidates)
+    if len(counts) <= 1:
+        return []
+    expected = max(counts, key=lambda n: (counts[n], n))
+    return [(c.name, Problem(c.target, f"has {len(c.controls)} control image(s) but {counts[expected]} of "
+                                       f"{len(candidates)} samples have {expected}; every sample needs the same "
+                                       "number of control images"))
+            for c in candidates if len(c.controls) != expected]
+
+
+def _read_caption(candidate: _Candidate) -> tuple[str | None, Problem | None]:
+    """The stripped caption text, or the problem with it."""
+    if not candidate.captions:
+        return None, Problem(candidate.default_caption, "caption file is missing; write the edit instruction as "
+                                                        f"UTF-8 text to {candidate.default_caption.name} beside "
+                                                        f"the image (or {CAPTIONS_DIR}/"
+                                                        f"{candidate.default_caption.name})")
+    path = candidate.captions[0]
+    try:
+        # A BOM (U+FEFF) is invisible: tolerated at the start and anywhere else (e.g. concatenated files).
+        text = path.read_bytes().decode("utf-8-sig").replace("\ufeff", "").strip()
+    except UnicodeDecodeError as err:
+        return None, Problem(path, f"caption is not UTF-8 text (invalid byte at offset {err.start}); save it as "
+                                   "UTF-8")
+    except OSError as err:
+        return None, Problem(path, f"caption cannot be read ({err})")
+    if not text:
+        return None, Problem(path, "caption is empty; write the edit instruction (UTF-8 text)")
+    return text, None
+
+
+def _image_notes(path: Path, check: ImageCheck) -> list[Problem]:
+    """Informational notes about a valid image (logged, kept in DatasetReport.notes)."""
+    notes = []
+    if check.orientation != 1:
+        notes.append(Problem(path, f"EXIF orientation {check.orientation} applied on load: used as displayed, "
+                                   f"{check.size[0]}x{check.size[1]}"))
+        log.info("%s", notes[-1])
+    if check.mode != "RGB":
+        how = " (transparency composited on white)" if check.mode in _ALPHA_MODES else ""
+        notes.append(Problem(path, f"image mode {_mode_name(check.mode)} converted to RGB on load{how}"))
+        log.warning("%s", notes[-1])
+    return notes
+
+
+@dataclass(frozen=True)
+class _Limits:
+    min_side: int
+    max_pixels: int
+    convert_modes: bool
+
+
+def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | None, list[Problem], list[Problem]]:
+    """(the example or None, its problems, its notes): every image decoded, the caption read."""
+    problems, notes, sizes = [], [], []
+    for path in (candidate.target, *candidate.controls):
+        check = inspect_image(path, min_side=limits.min_side, max_pixels=limits.max_pixels,
+                              convert_modes=limits.convert_modes)
+        if check.problem:
+            problems.append(Problem(path, check.problem))
+            continue
+        sizes.append(check.size)
+        notes += _image_notes(path, check)
+    caption, caption_problem = _read_caption(candidate)
+    if caption_problem:
+        problems.append(caption_problem)
+    if len(candidate.captions) > 1:
+        notes.append(Problem(candidate.captions[1], f"ignored: {candidate.captions[0]} is the caption used"))
+    if problems:
+        return None, problems, notes
+    example = EditExample(candidate.name, candidate.target, candidate.controls, caption, sizes[0], tuple(sizes[1:]))
+    return example, problems, notes
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+def _require_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise DatasetNotFoundError([Problem(folder, f"dataset folder {what}")],
+                                   header=f"dataset folder {str(folder)!r} {what}; accepted layouts: "
+                                          + "; ".join(LAYOUTS))
+
+
+def _report_skipped(folder: Path, problems: Sequence[Problem], kept: int, dropped: int) -> None:
+    for problem in problems:
+        log.warning("skipping: %s", problem)
+    log.warning("dataset %s: skipped %d sample(s) over %d problem(s); %d sample(s) remain", folder, dropped,
+                len(problems), kept)
+
+
+def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_pixels: int = 64_000_000,
+                 convert_modes: bool = False) -> DatasetReport:
+    """Discover and validate a folder of edit pairs (see the module docstring for the layouts).
+
+    Every image is decoded and every caption read before anything is returned. Raises DatasetError listing
+    every problem, unless `skip_invalid`, which drops the samples with a problem (logged, and the problems
+    kept in `skipped`); an empty result is an error either way.
+    """
+    folder = Path(folder).expanduser()
+    _require_folder(folder)
+    found = _discover(folder)
+    if not found.candidates and not found.issues:
+        raise DatasetError([Problem(folder, "no images found")],
+                           header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
+    limits = _Limits(min_side, max_pixels, convert_modes)
+    issues = found.issues + _control_count_issues(found.candidates)
+    notes, checked = [], []
+    for candidate in found.candidates:
+        example, problems, own_notes = _validate(candidate, limits)
+        issues += [(candidate.name, p) for p in problems]
+        notes += own_notes
+        if example is not None:
+            checked.append(example)
+    disqualified = {name for name, _ in issues if name is not None}
+    examples = tuple(e for e in checked if e.name not in disqualified)
+    problems = sorted((p for _, p in issues), key=lambda p: (str(p.path), p.message))
+    if problems and not skip_invalid:
+        raise DatasetError(problems, header=f"{len(problems)} problem(s) in dataset {str(folder)!r} (fix them, or "
+                                            "set skip_invalid (data.skip_invalid) to skip those samples):")
+    if problems:
+        _report_skipped(folder, problems, len(examples), len(disqualified))
+    if not examples:
+        raise DatasetError(problems, header=f"{len(problems)} problem(s) and no valid edit pairs left in "
+                                            f"{str(folder)!r} after skipping; accepted layouts: "
+                                            + "; ".join(LAYOUTS))
+    log.info("dataset %s: %d pair(s), %s layout, %d control image(s) each", folder, len(examples), found.layout,
+             len(examples[0].controls))
+    return DatasetReport(examples, tuple(problems), found.layout, tuple(notes))

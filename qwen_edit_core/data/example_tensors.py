@@ -1,0 +1,110 @@
+"""One training sample's tensors: encode an EditExample exactly as the sampler would see it.
+
+The cache stage and realtime training both call `encode_example`, so a cached batch and a realtime batch
+hold the same numbers and give the same loss. `build_cache` is the cache stage: it loads nothing itself,
+takes the encoders it is given, and skips entries already on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from qwen_edit_core.model import encode
+from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identity, hash_file
+from qwen_edit_core.data.dataset import EditExample, load_rgb
+from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.model.templates import EDIT_DROP, EDIT_PLUS_DROP
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """The inputs of encoding that change the tensors (all of them are part of the cache key)."""
+
+    variant: str
+    vae_area: int
+    vl_area: int
+    dtype: torch.dtype
+    convert_modes: bool = False
+
+    @property
+    def prefix_len(self) -> int:
+        return EDIT_DROP if self.variant == "edit" else EDIT_PLUS_DROP
+
+
+def buckets(example: EditExample, settings: EncodeSettings) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+    """(target bucket, control buckets) as (width, height) at the VAE area."""
+    def at(size):
+        return encode.calculate_dimensions(settings.vae_area, size[0] / size[1])
+    return at(example.target_size), tuple(at(s) for s in example.control_sizes)
+
+
+def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> CacheKey:
+    target_bucket, control_buckets = buckets(example, settings)
+    return CacheKey(image_hashes=tuple(hash_file(p) for p in (example.target, *example.controls)),
+                    caption=example.caption, component_identity=identity, vae_area=settings.vae_area,
+                    vl_area=settings.vl_area if settings.variant == "edit-plus" else 0,
+                    target_bucket=target_bucket, control_buckets=control_buckets, template=settings.variant,
+                    prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."))
+
+
+def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor_dir=None) -> str:
+    """Identity of the components that produce cache tensors (text encoder, processor, tokenizer, VAE). The VAE
+    and the text encoder may be single files and the processor another folder (ComfyUI's bundled tokenizer); a
+    model directory's own subfolders give the same identity as before these existed."""
+    paths = {name: model_dir / name for name in ("text_encoder", "tokenizer", "processor", "vae")}
+    for name, path in (("vae", vae_file), ("text_encoder", text_encoder_file), ("processor", processor_dir)):
+        if path:
+            paths[name] = Path(path)
+    return component_identity(paths)
+
+
+@torch.no_grad()
+def encode_example(components, example: EditExample, settings: EncodeSettings) -> dict[str, torch.Tensor]:
+    """The cache tensors of one example, on the CPU in `settings.dtype`.
+
+    Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
+    its own bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout.
+    """
+    components.require("vae", "text_encoder")
+    target = load_rgb(example.target, convert_modes=settings.convert_modes)
+    controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]
+    vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
+                                                           vl_area=settings.vl_area)
+    target_size = encode.image_size_at_area(target, settings.vae_area)
+    te = components.text_encoder
+    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, ""], [vl_images, vl_images],
+                                          settings.variant, device=te.device)
+    tensors = {"target_latents": encode.encode_latents(components.vae, encode.pixels_for_vae(target,
+                                                                                            *target_size))[0],
+               "prompt_embeds": prompt, "empty_prompt_embeds": empty}
+    shapes = [encode.packed_shape(*target_size)]
+    for i, pixels in enumerate(control_pixels):
+        tensors[f"control_latents_{i}"] = encode.encode_latents(components.vae, pixels)[0]
+        shapes.append(encode.packed_shape(pixels.shape[-1], pixels.shape[-2]))
+    tensors = {k: v.to("cpu", settings.dtype).contiguous() for k, v in tensors.items()}
+    tensors["img_shapes"] = torch.tensor(shapes, dtype=torch.int64)
+    return tensors
+
+
+def build_cache(components, examples: Sequence[EditExample], cache: EmbeddingCache, settings: EncodeSettings, *,
+                identity: str, progress: ProgressFn | None = None,
+                cancel: CancelToken | None = None) -> dict[str, int]:
+    """Compute every missing entry (keys use the encoders' `identity`); returns {"total", "hits", "computed"}."""
+    hits = 0
+    for i, example in enumerate(examples):
+        if cancel is not None:
+            cancel.check()
+        _, hit = cache.get_or_compute(cache_key(example, settings, identity),
+                                      lambda ex=example: encode_example(components, ex, settings))
+        hits += int(hit)
+        if progress is not None:
+            progress(Progress("cache", i + 1, len(examples)))
+    log.info("cache: %d entries, %d reused, %d computed (%s)", len(examples), hits, len(examples) - hits, cache.root)
+    return {"total": len(examples), "hits": hits, "computed": len(examples) - hits}

@@ -1,0 +1,211 @@
+"""Encoders: prompt + control image(s) -> embeddings; image <-> normalized latents; pack/unpack.
+
+These are the exact preprocessing steps of diffusers' Qwen-Image-Edit pipelines, with the pixel areas as
+parameters (the pipelines hard-code 1024*1024 and 384*384), so training, caching and sampling all see the
+same inputs. Every function takes the component it runs and moves inputs to that component's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+
+from qwen_edit_core.model.geometry import calculate_dimensions
+from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH, format_edit_prompt
+
+#: VAE 8x spatial downscale times the transformer's 2x2 patch: image sides must be multiples of this.
+LATENT_MULTIPLE = 16
+VAE_SCALE = 8
+
+# The pipelines' image processor (resize with Lanczos, normalize to [-1, 1]); stateless, so one instance.
+_IMAGE_PROCESSOR = VaeImageProcessor(vae_scale_factor=LATENT_MULTIPLE)
+
+
+class EncodeError(ValueError):
+    """An input the encoders cannot take; the message names it and what is accepted."""
+
+
+def to_pil(image) -> Image.Image:
+    """Accept a PIL image, an (H, W, 3) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8; return RGB PIL."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB") if image.mode != "RGB" else image
+    if isinstance(image, torch.Tensor):
+        image = image.detach().to("cpu", torch.float32).numpy()
+    if isinstance(image, np.ndarray):
+        if image.ndim == 4 and image.shape[0] == 1:
+            image = image[0]
+        if image.ndim != 3 or image.shape[-1] not in (3, 4):
+            raise EncodeError(f"image array must be (H, W, 3), got shape {tuple(image.shape)}")
+        if image.dtype != np.uint8:
+            image = (np.clip(image[..., :3], 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        return Image.fromarray(image[..., :3])
+    raise EncodeError(f"expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")
+
+
+def image_size_at_area(image: Image.Image, area: int) -> tuple[int, int]:
+    """(width, height) the pipelines resize `image` to for a pixel area; refuses sizes under one latent patch."""
+    width, height = calculate_dimensions(area, image.width / image.height)
+    if width < LATENT_MULTIPLE or height < LATENT_MULTIPLE:
+        raise EncodeError(f"area {area} gives a {width}x{height} image for aspect {image.width}x{image.height}; "
+                          f"each side must be at least {LATENT_MULTIPLE} px (one latent patch): use a larger area")
+    return width, height
+
+
+def resize(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Lanczos resize exactly as the pipelines' VaeImageProcessor.resize."""
+    return _IMAGE_PROCESSOR.resize(image, height, width)
+
+
+def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: int, vl_area: int):
+    """Control images as the pipelines prepare them: (VL images, VAE pixels, VAE sizes (w, h)).
+
+    Edit resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
+    image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call this, so
+    they see the same inputs.
+    """
+    if not images:
+        raise EncodeError("at least one control image is required")
+    if variant == "edit" and len(images) != 1:
+        raise EncodeError(f"a Qwen-Image-Edit model takes one control image, got {len(images)}; "
+                          "use an Edit Plus (2509/2511) model for several")
+    vae_sizes = [image_size_at_area(img, vae_area) for img in images]
+    if variant == "edit":
+        resized = resize(images[0], *vae_sizes[0])
+        return [resized], [pixels_for_vae(resized, *vae_sizes[0])], vae_sizes
+    vl_images = [resize(img, *image_size_at_area(img, vl_area)) for img in images]
+    return vl_images, [pixels_for_vae(img, *size) for img, size in zip(images, vae_sizes)], vae_sizes
+
+
+def pixels_for_vae(image: Image.Image, width: int, height: int) -> torch.Tensor:
+    """(1, 3, 1, H, W) float32 in [-1, 1]: the VAE input the pipelines build for a control image."""
+    return _IMAGE_PROCESSOR.preprocess(image, height, width).unsqueeze(2)
+
+
+def postprocess(pixels: torch.Tensor) -> torch.Tensor:
+    """VAE output (B, 3, H, W) in [-1, 1] -> (B, H, W, 3) float32 in [0, 1] (ComfyUI's IMAGE layout)."""
+    return (pixels.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Right-padded prompt embeddings (B, S, D) and a 0/1 mask (B, S); `lengths` are the valid tokens."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.mask.sum(dim=1).tolist()
+
+    def mask_or_none(self) -> torch.Tensor | None:
+        """The mask, or None when nothing is padded, so attention stays on the fused kernels."""
+        return None if bool(self.mask.all()) else self.mask
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "PromptEmbeds":
+        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype or self.embeds.dtype), self.mask.to(device))
+
+
+def pad_embeddings(items: Sequence[torch.Tensor]) -> PromptEmbeds:
+    """Stack per-sample (S_i, D) valid-token embeddings into (B, max S, D) with a right-padding 0/1 mask."""
+    longest = max(item.shape[0] for item in items)
+    embeds = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in items])
+    mask = torch.stack([torch.cat([torch.ones(e.shape[0], dtype=torch.long),
+                                   torch.zeros(longest - e.shape[0], dtype=torch.long)]) for e in items])
+    return PromptEmbeds(embeds, mask.to(embeds.device))
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder, processor, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]],
+                   variant: str, *, device: torch.device, dtype: torch.dtype | None = None,
+                   max_tokens: int = MAX_SEQUENCE_LENGTH) -> list[torch.Tensor]:
+    """Encode each prompt with its VL-sized control image(s); return per-sample (S_i, D) valid embeddings.
+
+    The template prefix is dropped (64 tokens for Edit and Edit Plus), as the pipelines do. Images must
+    already be resized for the VL (`resize(image, *image_size_at_area(image, area))`).
+    """
+    if len(prompts) != len(images):
+        raise EncodeError(f"{len(prompts)} prompts but {len(images)} image lists")
+    texts, drops = zip(*(format_edit_prompt(p, len(imgs), variant) for p, imgs in zip(prompts, images)))
+    flat = [img for imgs in images for img in imgs]
+    inputs = processor(text=list(texts), images=flat or None, padding=True, return_tensors="pt").to(device)
+    out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                       pixel_values=inputs.get("pixel_values"), image_grid_thw=inputs.get("image_grid_thw"),
+                       output_hidden_states=True)
+    hidden = out.hidden_states[-1]
+    valid = inputs["attention_mask"].bool()
+    result = []
+    for i, drop in enumerate(drops):
+        sample = hidden[i][valid[i]][drop:]
+        if sample.shape[0] > max_tokens:
+            raise EncodeError(f"prompt {i} is {sample.shape[0]} tokens after the template; the text encoder "
+                              f"takes at most {max_tokens}: shorten the prompt")
+        result.append(sample.to(dtype or sample.dtype))
+    return result
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, 1, H, W) in [-1, 1] -> normalized latents (B, 16, 1, H/8, W/8): distribution mode, then
+    (z - latents_mean) / latents_std, on the VAE's device and dtype."""
+    param = next(vae.parameters())
+    z = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    mean, std = _latent_stats(vae, z)
+    return (z - mean) / std
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalized latents (B, 16, 1, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
+    param = next(vae.parameters())
+    latents = latents.to(param.device, param.dtype)
+    mean, std = _latent_stats(vae, latents)
+    return vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+
+
+def _latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    channels = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
+    std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
+    return mean, std
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, 1, h, w) latents -> (B, h/2 * w/2, C*4) tokens (2x2 patches), the transformer's layout."""
+    b, c, _, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(B, N, C*4) tokens of an image of `height` x `width` pixels -> (B, C, 1, H/8, W/8) latents."""
+    b, _, c4 = tokens.shape
+    h, w = height // VAE_SCALE, width // VAE_SCALE
+    x = tokens.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, 1, h, w)
+
+
+def packed_shape(width: int, height: int) -> tuple[int, int, int]:
+    """The (frames, rows, cols) entry of `img_shapes` for an image of width x height pixels."""
+    return 1, height // LATENT_MULTIPLE, width // LATENT_MULTIPLE
+
+
+def open_image(path) -> Image.Image:
+    """Open an image file as RGB with its EXIF orientation applied; errors name the file."""
+    from pathlib import Path
+
+    from PIL import ImageOps, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise EncodeError(f"image {str(path)!r} does not exist")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return ImageOps.exif_transpose(img).convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise EncodeError(f"{str(path)!r} is not a readable image (png, jpg or webp expected): {err}") from None

@@ -1,0 +1,1 @@
+"""Sampling: flow-matching maths shared with training, and the true-CFG sampler."""

@@ -1,0 +1,330 @@
+"""True-CFG flow-matching sampler for Qwen-Image-Edit (Edit and Edit Plus).
+
+Numerically the diffusers pipelines' loop (same sizes, noise, schedule, CFG and norm rescale), with what
+they lack: pixel areas as parameters, components on different devices (tensors cross each boundary once),
+three CFG modes, a progress callback per step and cancellation between steps.
+
+CFG modes:
+- ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
+- ``batched``: cond and uncond in one call of batch 2 (text padded to a common length with a mask).
+- ``split``: cond on the transformer's device and uncond on a replica on a second device, concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from qwen_edit_core.model import encode
+from qwen_edit_core import speed
+from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.sample.flow import mu_from_scheduler_config
+from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+
+log = logging.getLogger(__name__)
+
+CFG_MODES = ("sequential", "batched", "split")
+SHIFT_MODES = ("dynamic", "fixed")
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """What a user sets for one edit. `negative_prompt=None` or `true_cfg_scale <= 1` turns CFG off."""
+
+    num_inference_steps: int = 20
+    true_cfg_scale: float = 4.0
+    negative_prompt: str | None = " "
+    seed: int | None = 0
+    width: int | None = None
+    height: int | None = None
+    cfg_mode: str = "sequential"
+    #: "dynamic": mu from the target token count (diffusers); "fixed": mu = fixed_mu (ComfyUI's 1.15)
+    shift_mode: str = "dynamic"
+    fixed_mu: float = 1.15
+    vae_area: int = 1024 * 1024
+    vl_area: int = 384 * 384
+    #: which fused attention kernel goes first (speed.ATTENTION_KERNELS): "cudnn" is fastest on Hopper
+    attention: str = "auto"
+
+    def validate(self) -> None:
+        speed.check_attention_kernel(self.attention)
+        if self.cfg_mode not in CFG_MODES:
+            raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
+        if self.shift_mode not in SHIFT_MODES:
+            raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value is not None and value < encode.LATENT_MULTIPLE:
+                raise ValueError(f"{name}={value} is under one latent patch; it must be at least "
+                                 f"{encode.LATENT_MULTIPLE} px (it is rounded down to a multiple of 16)")
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.true_cfg_scale > 1 and self.negative_prompt is not None
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Everything the denoising loop needs, already on the transformer's device."""
+
+    cond: PromptEmbeds
+    uncond: PromptEmbeds | None
+    control_tokens: torch.Tensor  # (1, N_control, 64) packed control latents, all images concatenated
+    img_shapes: list[tuple[int, int, int]]  # [target, control 1, ...] in packed units
+    width: int
+    height: int
+
+
+def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
+    """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
+    vl_images, vae_pixels, vae_sizes = encode.prepare_controls([encode.to_pil(img) for img in images], variant,
+                                                               vae_area=settings.vae_area, vl_area=settings.vl_area)
+    # Output size: the given one, else the last control image's VAE size (Edit has only one), then
+    # rounded down to a multiple of 16 like the pipelines.
+    out_w = settings.width or vae_sizes[-1][0]
+    out_h = settings.height or vae_sizes[-1][1]
+    m = encode.LATENT_MULTIPLE
+    return vl_images, vae_pixels, vae_sizes, (out_w // m * m, out_h // m * m)
+
+
+def build_conditioning(components, prompt: str, images: Sequence, settings: SampleSettings) -> Conditioning:
+    """Encode prompt(s) on the text encoder's device and control image(s) on the VAE's, then move the results
+    to the transformer's device once."""
+    components.require("transformer", "vae", "text_encoder")
+    settings.validate()
+    te = components.text_encoder
+    vl_images, vae_pixels, vae_sizes, (width, height) = prepare_images(images, components.variant, settings)
+    param = next(components.transformer.parameters())
+    device, dtype = param.device, _compute_dtype(components.transformer)
+
+    def text(p: str) -> PromptEmbeds:
+        (emb,) = encode.encode_prompts(te.model, te.processor, [p], [vl_images], components.variant,
+                                       device=te.device)
+        return encode.pad_embeddings([emb]).to(device, dtype)
+
+    cond = text(prompt)
+    uncond = text(settings.negative_prompt) if settings.do_cfg else None
+    control = [encode.pack(encode.encode_latents(components.vae, px)) for px in vae_pixels]
+    control_tokens = torch.cat(control, dim=1).to(device, dtype)
+    shapes = [encode.packed_shape(width, height)] + [encode.packed_shape(w, h) for w, h in vae_sizes]
+    return Conditioning(cond, uncond, control_tokens, shapes, width, height)
+
+
+def _compute_dtype(transformer) -> torch.dtype:
+    # A quantized transformer stores int8/uint8 weights; its activations run in the dtype of its embeddings.
+    dtype = transformer.img_in.weight.dtype
+    return dtype if dtype.is_floating_point else torch.bfloat16
+
+
+def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype) -> torch.Tensor:
+    """Packed Gaussian noise drawn on the CPU from `seed` (device-independent, as diffusers does with a CPU
+    generator), then moved to `device`."""
+    h, w = height // encode.VAE_SCALE, width // encode.VAE_SCALE
+    generator = torch.Generator("cpu").manual_seed(seed)
+    # diffusers draws (B, 1, C, h, w); (B, C, 1, h, w) holds the same numbers in the same memory order.
+    noise = torch.randn((1, channels, 1, h, w), generator=generator, dtype=dtype)
+    return encode.pack(noise).to(device)
+
+
+def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_len: int, device):
+    """A fresh scheduler set to the run's sigmas and shift (mu); returns (scheduler, timesteps, mu)."""
+    n = settings.num_inference_steps
+    if n == 1:
+        # shift_terminal stretches the schedule so its last sigma hits the terminal value; with one sigma that
+        # divides by zero (diffusers returns NaN). One step goes straight from sigma 1 to 0 instead.
+        scheduler_config = {**scheduler_config, "shift_terminal": None}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    if settings.shift_mode == "dynamic":
+        mu = mu_from_scheduler_config(scheduler_config, image_seq_len)
+    else:
+        mu = settings.fixed_mu
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu, device=device)
+    scheduler.set_begin_index(0)
+    return scheduler, scheduler.timesteps, mu
+
+
+def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor) -> torch.Tensor:
+    """One transformer call; returns the prediction for the target tokens only."""
+    batch = embeds.embeds.shape[0]
+    device = next(transformer.parameters()).device
+    hidden = torch.cat([latents, cond.control_tokens.to(device)], dim=1)
+    if hidden.shape[0] != batch:
+        hidden = hidden.expand(batch, -1, -1)
+    timestep = t.expand(batch).to(device=device, dtype=latents.dtype)
+    mask = embeds.mask_or_none()
+    out = transformer(hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states=embeds.embeds,
+                      encoder_hidden_states_mask=mask, img_shapes=[cond.img_shapes] * batch,
+                      return_dict=False)[0]
+    return out[:, : latents.shape[1]]
+
+
+def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
+    """Cond and uncond as one right-padded batch of 2."""
+    items = [a.embeds[0][a.mask[0].bool()], b.embeds[0][b.mask[0].bool()]]
+    return encode.pad_embeddings(items).to(a.embeds.device)
+
+
+def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with the pipelines' per-token norm rescale: comb * ||cond|| / ||comb|| (norm over channels)."""
+    comb = uncond_pred + scale * (cond_pred - uncond_pred)
+    return comb * (torch.norm(cond_pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+
+
+class _Denoiser:
+    """Predicts the guided velocity for one step in the chosen CFG mode."""
+
+    def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None):
+        self.transformer, self.cond, self.settings = transformer, cond, settings
+        self.mode = settings.cfg_mode if settings.do_cfg else "off"
+        if self.mode == "batched":
+            self.both = _stack_embeds(cond.cond, cond.uncond)
+        if self.mode == "split":
+            if uncond_transformer is None:
+                raise ValueError("cfg_mode 'split' needs a second transformer replica (give uncond_device)")
+            self.replica = uncond_transformer
+            device = next(uncond_transformer.parameters()).device
+            self.replica_uncond = cond.uncond.to(device)
+            self.replica_cond = Conditioning(cond.cond, None, cond.control_tokens.to(device), cond.img_shapes,
+                                             cond.width, cond.height)
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen-edit-uncond")
+
+    def __call__(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.mode == "off":
+            return _forward(self.transformer, latents, self.cond, self.cond.cond, t)
+        if self.mode == "sequential":
+            cond_pred = _forward(self.transformer, latents, self.cond, self.cond.cond, t)
+            uncond_pred = _forward(self.transformer, latents, self.cond, self.cond.uncond, t)
+        elif self.mode == "batched":
+            both = _forward(self.transformer, latents, self.cond, self.both, t)
+            cond_pred, uncond_pred = both[:1], both[1:]
+        else:
+            device = self.replica_cond.control_tokens.device
+            # The uncond branch runs on its own device in a worker thread while this thread runs cond.
+            future = self.pool.submit(_forward_no_grad, self.replica, latents.to(device), self.replica_cond,
+                                      self.replica_uncond, t.to(device))
+            cond_pred = _forward(self.transformer, latents, self.cond, self.cond.cond, t)
+            uncond_pred = future.result().to(latents.device)
+        return guide(cond_pred, uncond_pred, self.settings.true_cfg_scale)
+
+    def close(self) -> None:
+        if self.mode == "split":
+            self.pool.shutdown(wait=True)
+
+
+@torch.no_grad()
+def _forward_no_grad(*args):
+    # Autograd and inference-mode state are per thread: the worker thread sets its own.
+    return _forward(*args)
+
+
+@torch.no_grad()
+def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None,
+            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """Run the flow-matching Euler loop; returns packed latents (1, N, 64) on the transformer's device."""
+    transformer = components.transformer
+    device, dtype = next(transformer.parameters()).device, cond.cond.embeds.dtype
+    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+    channels = transformer.config.in_channels // 4
+    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype)
+    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
+    log.info("sampling %dx%d, %d steps, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
+             len(timesteps), settings.true_cfg_scale, settings.cfg_mode if settings.do_cfg else "off", mu, seed)
+    denoiser = _Denoiser(transformer, cond, settings, uncond_transformer)
+    try:
+        with speed.attention_kernel(settings.attention):
+            for i, t in enumerate(timesteps):
+                if cancel is not None:
+                    cancel.check()
+                velocity = denoiser(latents, t)
+                latents = scheduler.step(velocity, t, latents, return_dict=False)[0].to(dtype)
+                if progress is not None:
+                    progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+    finally:
+        denoiser.close()
+    return latents
+
+
+def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Packed latents -> (B, H, W, 3) float32 image in [0, 1] on the CPU (decoded on the VAE's device)."""
+    pixels = encode.decode_latents(components.vae, encode.unpack(latents, height, width))
+    return encode.postprocess(pixels).cpu()
+
+
+def sample(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
+           uncond_transformer=None, progress: ProgressFn | None = None,
+           cancel: CancelToken | None = None) -> torch.Tensor:
+    """Edit `images` (one control image, or 1-3 for Edit Plus) by `prompt`; returns (1, H, W, 3) in [0, 1]."""
+    cond = build_conditioning(components, prompt, images, settings)
+    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, progress=progress,
+                      cancel=cancel)
+    return decode(components, latents, cond.width, cond.height)
+
+
+# -- several edits in one batch (samples may differ in size) --------------------------------------------------
+def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditioning], embeds: list[PromptEmbeds],
+                  timesteps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
+    from qwen_edit_core.adapters import multires
+    device = next(transformer.parameters()).device
+    items = [e.embeds[0][e.mask[0].bool()] for e in embeds]
+    text = encode.pad_embeddings(items).to(device)
+    packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
+                                   [c.img_shapes for c in conds])
+    dtype = latents[0].dtype
+    t = torch.stack([ts.to(device=device, dtype=dtype) for ts in timesteps])
+    out = transformer(hidden_states=packed.hidden, timestep=t / 1000, encoder_hidden_states=text.embeds,
+                      encoder_hidden_states_mask=text.mask_or_none(), img_shapes=packed.img_shapes,
+                      attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+    return [out[b: b + 1, : x.shape[1]] for b, x in enumerate(latents)]
+
+
+@torch.no_grad()
+def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence], settings: SampleSettings,
+                 seeds: Sequence[int] | None = None, *, progress: ProgressFn | None = None,
+                 cancel: CancelToken | None = None) -> list[torch.Tensor]:
+    """Several edits in one transformer call per step (cond and uncond batched together), each with its own
+    size, control images, seed and schedule; equals running `sample` on each. Returns (1, H, W, 3) images."""
+    from qwen_edit_core.adapters import multires
+    if settings.cfg_mode == "split":
+        raise ValueError("sample_batch batches CFG on one device; use cfg_mode 'sequential' or 'batched'")
+    transformer = components.transformer
+    multires.install(transformer)
+    seeds = list(seeds) if seeds is not None else [settings.seed if settings.seed is not None else 0] * len(prompts)
+    conds = [build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
+    device = next(transformer.parameters()).device
+    channels = transformer.config.in_channels // 4
+    latents = [initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype)
+               for s, c in zip(seeds, conds)]
+    schedules = [make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2] for x in latents]
+    with speed.attention_kernel(settings.attention):
+        latents = _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel)
+    return [decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
+
+
+def _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel) -> list[torch.Tensor]:
+    """The Euler loop of `sample_batch`: one transformer call per step for every sample and CFG branch."""
+    total = settings.num_inference_steps
+    for i in range(total):
+        if cancel is not None:
+            cancel.check()
+        ts = [timesteps[i] for _, timesteps in schedules]
+        if settings.do_cfg:
+            both = _forward_many(transformer, latents * 2, conds * 2, [c.cond for c in conds] +
+                                 [c.uncond for c in conds], ts * 2)
+            preds = [guide(c, u, settings.true_cfg_scale) for c, u in zip(both[: len(conds)], both[len(conds):])]
+        else:
+            preds = _forward_many(transformer, latents, conds, [c.cond for c in conds], ts)
+        latents = [sched.step(v, t, x, return_dict=False)[0].to(x.dtype)
+                   for (sched, _), v, t, x in zip(schedules, preds, ts, latents)]
+        if progress is not None:
+            progress(Progress("sample", i + 1, total))
+    return latents

@@ -1,0 +1,26 @@
+"""Speed and memory levers for the transformer: fp8 base weights, selective checkpointing, regional compile,
+block offloading, and the planner that picks them for a memory budget.
+
+Each lever is a small function over a diffusers `QwenImageTransformer2DModel` (with or without peft LoRA
+layers) that changes only this model instance, through public APIs: module replacement, diffusers'
+`enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `nn.Module.compile`, forward hooks.
+
+Why these (from FACTS.md §5's H100 measurements at 1024^2 Edit; our own real-size numbers are pending a GPU,
+BENCHMARKS.md): the frozen base's linear layers hold ~65% of the FLOPs and fp8 matmuls ran ~1.6x faster
+than bf16 at their shapes; recomputing every block costs a full extra
+forward per step when memory would hold many blocks' activations; the blocks' elementwise work (modulation,
+RMSNorm, RoPE, GELU, fp8 quantization) is launch- and bandwidth-bound until compiled into few kernels.
+"""
+
+from qwen_edit_core.speed.attention import ATTENTION_KERNELS, attention_kernel, check_attention_kernel
+from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
+from qwen_edit_core.speed.compile import compile_blocks
+from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
+from qwen_edit_core.speed.levers import Levers, configure_inference, configure_training
+from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
+from qwen_edit_core.speed.planner import MemoryEstimate, SpeedPlan, estimate_memory, model_sizes, plan_for_budget
+
+__all__ = ["ATTENTION_KERNELS", "attention_kernel", "check_attention_kernel", "checkpoint_blocks", "checkpointed_indices",
+           "compile_blocks", "FP8", "FP8_MAX", "Fp8Linear", "fp8_matmul_supported", "has_fp8", "quantize_fp8",
+           "quantize_rows", "Levers", "configure_inference", "configure_training", "BlockOffloader", "offload_indices",
+           "MemoryEstimate", "SpeedPlan", "estimate_memory", "model_sizes", "plan_for_budget"]

@@ -1,0 +1,88 @@
+"""The entry points the trainer and the sampler call: every lever applied to one transformer instance."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
+from qwen_edit_core.speed.compile import compile_blocks
+from qwen_edit_core.speed.fp8 import _set_fp8_backward, fp8_matmul_supported, has_fp8, quantize_fp8
+from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
+from qwen_edit_core.speed.planner import model_sizes, plan_for_budget
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Levers:
+    """The levers in effect for a run (logged, and returned to benchmarks)."""
+
+    fp8: bool
+    checkpointed: tuple[int, ...]
+    offloaded: tuple[int, ...]
+    compiled: int
+
+
+def configure_training(transformer, train, device: torch.device, tokens: int) -> Levers:
+    """Apply `train.{memory_budget_gb, fp8_base, fp8_backward, gradient_checkpointing, checkpoint_blocks,
+    offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence
+    of a step."""
+    device = torch.device(device)
+    fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
+        train.offload_blocks
+    if train.memory_budget_gb > 0:
+        plan = plan_for_budget(train.memory_budget_gb, prefer_fp8=train.fp8_base, tokens=tokens,
+                               **model_sizes(transformer))
+        fp8, ckpt, n_off = plan.fp8, plan.checkpoint_blocks, plan.offload_blocks
+        log.info("memory_budget_gb %.1f: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
+                 "%.1f GiB)", train.memory_budget_gb, fp8, "all" if ckpt < 0 else ckpt, n_off,
+                 plan.estimate.total / 2**30)
+    return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile,
+                  fp8_backward=train.fp8_backward)
+
+
+def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool,
+                        compile_mode: str | None = None) -> Levers:
+    """fp8 base weights and compiled blocks for sampling, in place (LoRAs stay in their own dtype and can
+    still be loaded, switched and scaled afterwards). `compile_mode="reduce-overhead"` adds CUDA graphs.
+    Idempotent: a transformer already in fp8 or compiled stays so."""
+    already = getattr(transformer, "_qwen_edit_compiled", False)
+    levers = _apply(transformer, torch.device(device), fp8=fp8, n_checkpointed=None, n_offloaded=0,
+                    compile=compile and not already, compile_mode=compile_mode)
+    transformer._qwen_edit_compiled = already or compile
+    return levers
+
+
+def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
+           compile: bool, compile_mode: str | None = None, fp8_backward: bool = False) -> Levers:
+    n_blocks = len(transformer.transformer_blocks)
+    if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
+        raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
+                         "none: turn fp8 off")
+    if fp8:
+        quantize_fp8(transformer, fp8_backward=fp8_backward)  # idempotent
+    else:  # layers already in fp8 (a scaled-fp8 file kept in fp8) still take the backward mode
+        _set_fp8_backward(transformer, fp8_backward)
+    offloaded = offload_indices(n_blocks, n_offloaded)
+    if offloaded and n_checkpointed is not None and checkpointed_indices(n_blocks, n_checkpointed) != list(
+            range(n_blocks)):
+        log.info("offloaded blocks are always checkpointed: checkpointing every block")
+        n_checkpointed = -1
+    if offloaded and n_checkpointed is None:
+        raise ValueError("train.offload_blocks needs train.gradient_checkpointing: an offloaded block's weights "
+                         "must not stay on the device until the backward pass")
+    checkpointed = checkpoint_blocks(transformer, n_checkpointed) if n_checkpointed is not None else []
+    previous = getattr(transformer, "_qwen_edit_offloader", None)
+    if previous is not None:
+        previous.remove()
+        transformer._qwen_edit_offloader = None
+    if offloaded:
+        transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, offloaded, device)
+    compiled = compile_blocks(transformer, skip=offloaded, mode=compile_mode) if compile else 0
+    levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=tuple(offloaded),
+                    compiled=compiled)
+    log.info("transformer levers: fp8 base %s, %d/%d blocks checkpointed, %d offloaded, %d compiled",
+             levers.fp8, len(checkpointed), n_blocks, len(offloaded), compiled)
+    return levers

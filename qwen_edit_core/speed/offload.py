@@ -1,0 +1,118 @@
+"""Block offloading: frozen block weights in pinned host memory, copied in just before each block runs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+class BlockOffloader:
+    """Keeps the frozen tensors of some blocks in pinned CPU memory and copies each block to the device just
+    before it runs, prefetching the next offloaded block on a side stream so copies overlap compute.
+
+    Works with forward hooks, so it serves training (forward, and the recompute of checkpointed blocks in the
+    backward pass, which runs blocks in reverse order) and no-grad sampling alike. Offloaded blocks must be
+    checkpointed in training: a block's weights then live on the device only while it runs or is recomputed.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], indices: Sequence[int], device: torch.device):
+        self.device = torch.device(device)
+        self.indices = sorted(set(indices))
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.slots: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
+        self.ready: dict[int, tuple[list[torch.Tensor], object]] = {}
+        self.last, self.forward_dir = None, True
+        self.handles = []
+        for i in self.indices:
+            self.slots[i] = self._take(blocks[i])
+            self.handles.append(blocks[i].register_forward_pre_hook(self._make_pre(i)))
+            self.handles.append(blocks[i].register_forward_hook(self._make_post(i)))
+
+    def _take(self, block: nn.Module):
+        slots = []
+        with torch.no_grad():
+            for module in block.modules():
+                for is_param, table in ((True, module._parameters), (False, module._buffers)):
+                    for name, tensor in table.items():
+                        if tensor is None or (is_param and tensor.requires_grad):
+                            continue
+                        host = tensor.detach().to("cpu", copy=True)
+                        slots.append((module, name, is_param, host.pin_memory() if self.cuda else host))
+                        self._set(module, name, is_param, torch.empty(0, dtype=tensor.dtype, device=self.device))
+        return slots
+
+    @staticmethod
+    def _set(module, name, is_param, value):
+        if is_param:
+            module._parameters[name].data = value
+        else:
+            module._buffers[name] = value
+
+    def _fetch(self, i: int) -> None:
+        if i in self.ready or i not in self.slots:
+            return
+        while len(self.ready) >= 2:  # a wrong guess never holds more than two blocks
+            self.ready.pop(next(iter(self.ready)))
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                tensors = [host.to(self.device, non_blocking=True) for _, _, _, host in self.slots[i]]
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            tensors, event = [host.to(self.device, copy=True) for _, _, _, host in self.slots[i]], None
+        self.ready[i] = (tensors, event)
+
+    def _next(self, i: int) -> int | None:
+        """The offloaded block expected after block i: further in the current direction, else the turn."""
+        ahead = [j for j in self.indices if (j > i if self.forward_dir else j < i)]
+        if ahead:
+            return ahead[0] if self.forward_dir else ahead[-1]
+        return self.indices[-1] if self.forward_dir else self.indices[0]
+
+    def _make_pre(self, i: int):
+        def pre(module, args):
+            if self.last is not None:
+                # Forward runs blocks upwards, the backward's recompute downwards; the same block twice in a row
+                # (last block's forward then its recompute, or block 0's recompute then the next forward) turns.
+                self.forward_dir = i > self.last if i != self.last else not self.forward_dir
+            if not torch.is_grad_enabled():
+                self.forward_dir = True
+            self.last = i
+            self._fetch(i)
+            tensors, event = self.ready.pop(i)
+            if self.cuda:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(event)
+                for t in tensors:
+                    t.record_stream(current)  # freed copies must not be reused before compute is done
+            for (owner, name, is_param, _), t in zip(self.slots[i], tensors):
+                self._set(owner, name, is_param, t)
+            nxt = self._next(i)
+            if nxt is not None and nxt != i:
+                self._fetch(nxt)
+        return pre
+
+    def _make_post(self, i: int):
+        def post(module, args, output):
+            # Drop the references: autograd keeps what the backward pass still needs.
+            for owner, name, is_param, host in self.slots[i]:
+                self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
+            return output
+        return post
+
+    def remove(self) -> None:
+        """Put every offloaded tensor back on the device and remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        for i, slots in self.slots.items():
+            for owner, name, is_param, host in slots:
+                self._set(owner, name, is_param, host.to(self.device))
+        self.slots, self.ready = {}, {}
+
+
+def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:
+    """Offloaded blocks spread evenly, so each copy overlaps the compute of the resident blocks around it."""
+    n = max(0, min(n_offloaded, n_blocks))
+    return sorted({int((k + 0.5) * n_blocks / n) for k in range(n)}) if n else []

@@ -1,0 +1,1 @@
+"""Training: the loop's steps, checkpoints, the loss log and plot, validation samples."""

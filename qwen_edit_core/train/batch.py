@@ -1,0 +1,96 @@
+"""One micro-step's maths: cache tensors -> a batch (with dropout) -> the flow-matching loss.
+
+Determinism: every random draw of a sample (noise, timestep, dropout) comes from a generator seeded by
+(seed, step, micro-step, the sample's index in the global batch), drawn on the CPU. Nothing depends on the
+process rank or on what ran before, so a resumed run, a run on another device and a run split over several
+processes (`accelerate launch`) draw the same numbers for the same sample.
+
+Loss: mean over channels and target tokens of each sample, then mean over samples (each sample counts
+equally whatever its resolution, so a batch equals the average of one-by-one steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from qwen_edit_core.adapters import multires
+from qwen_edit_core.config import Config
+from qwen_edit_core.model import encode
+from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.sample import flow
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """A batch on the transformer's device: per-sample packed target and control tokens (samples may differ
+    in size; `flow_loss` pads them), right-padded prompt embeddings, and each sample's generator."""
+
+    targets: list[torch.Tensor]          # (N_target_b, 64)
+    controls: list[torch.Tensor]         # (N_control_b, 64), all control images concatenated
+    embeds: PromptEmbeds
+    img_shapes: list[list[tuple[int, int, int]]]
+    generators: list[torch.Generator]
+
+
+def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Generator:
+    """The generator of one sample of one micro-step (independent of rank, device and history)."""
+    mixed = (seed * 1_000_003 + step * 10_007 + micro * 101 + index) % (2**63 - 1)
+    return torch.Generator("cpu").manual_seed(mixed)
+
+
+def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
+            control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
+    """Per-sample cache tensors -> a batch; applies caption and control dropout.
+
+    Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
+    (the mean image in normalized latent space). Each draw uses the sample's own generator.
+    """
+    embeds, controls, targets, shapes = [], [], [], []
+    for item, gen in zip(items, generators):
+        drop_caption = torch.rand((), generator=gen).item() < caption_dropout
+        drop_control = torch.rand((), generator=gen).item() < control_dropout
+        embeds.append(item["empty_prompt_embeds"] if drop_caption else item["prompt_embeds"])
+        n_controls = len(item["img_shapes"]) - 1
+        control = torch.cat([encode.pack(item[f"control_latents_{i}"][None])[0] for i in range(n_controls)])
+        controls.append((torch.zeros_like(control) if drop_control else control).to(device, dtype))
+        targets.append(encode.pack(item["target_latents"][None])[0].to(device, dtype))
+        shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
+    return TrainBatch(targets=targets, controls=controls, embeds=encode.pad_embeddings(embeds).to(device, dtype),
+                      img_shapes=shapes, generators=list(generators))
+
+
+def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
+
+    Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
+    attention and of the loss, so each sample's loss equals its one-by-one loss.
+    """
+    t = config.train
+    noisy, velocities, sigmas = [], [], []
+    for x0, gen in zip(batch.targets, batch.generators):
+        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device, x0.dtype)
+        mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
+        sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
+                                   logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
+        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, x0.dtype))[0])
+        velocities.append(flow.flow_target(x0, noise))
+        sigmas.append(sigma)
+    packed = multires.pack_samples(noisy, batch.controls, batch.img_shapes)
+    sig = torch.cat(sigmas).to(packed.hidden.device)
+    pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
+                       encoder_hidden_states=batch.embeds.embeds,
+                       encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
+                       attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+    n_max = max(packed.n_target)
+    target = torch.stack([F.pad(v, (0, 0, 0, n_max - v.shape[0])) for v in velocities])
+    token_mask = None
+    if any(n != n_max for n in packed.n_target):
+        token_mask = torch.arange(n_max, device=pred.device)[None] < torch.tensor(packed.n_target,
+                                                                                   device=pred.device)[:, None]
+    weights = flow.loss_weights(t.loss_weighting, sig).to(pred.device)
+    return flow.masked_mse(pred[:, :n_max].float(), target.float(), weights, token_mask)

@@ -1,0 +1,144 @@
+"""Training checkpoints: written whole or not at all, found by their own metadata, the last K kept.
+
+A checkpoint is a directory `checkpoints/step-<n>/` holding `adapter.safetensors` (the trainable LoRA
+parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
+`optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`) and `state.json` (step, LR
+scheduler, data position, config). It is assembled under a temporary name and renamed into place, so a
+process killed mid-write leaves only a temporary directory that resume ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from qwen_edit_core.common.files import save_safetensors
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict
+
+
+def rng_state() -> dict:
+    """Every RNG the loop may touch (peft dropout uses torch's global RNG)."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": repr(random.getstate()),
+             "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_meta": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
+             "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    import ast
+    random.setstate(_tuplify(ast.literal_eval(state["python"])))
+    meta = state["numpy_meta"].tolist()
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1],
+                         float(state["numpy_gauss"][0])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], optimizer: dict, state: dict,
+                    write_lora) -> Path:
+    """Write checkpoint `step` under `root` atomically; `write_lora(path)` writes the user-facing LoRA file."""
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_partials(root)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".partial-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_safetensors(adapter, tmp / "adapter.safetensors")
+        write_lora(tmp / "lora.safetensors")
+        torch.save(optimizer, tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "format": CHECKPOINT_FORMAT}, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("checkpoint step %d -> %s", step, final)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for child in path.iterdir():
+        with open(child, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _remove_partials(root: Path) -> None:
+    for child in root.glob(".partial-*"):
+        shutil.rmtree(child, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> list[Checkpoint]:
+    """Complete checkpoints under `root`, oldest first, identified by their state.json (not their names)."""
+    found = []
+    if not root.is_dir():
+        return found
+    for child in root.iterdir():
+        state_path = child / STATE_FILE
+        if child.name.startswith(".") or not state_path.is_file():
+            continue
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            log.warning("ignoring unreadable checkpoint %s", child)
+            continue
+        found.append(Checkpoint(child, int(state["step"]), state))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_checkpoint(path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor], dict, dict]:
+    """(checkpoint, adapter tensors, optimizer state, rng state) of a checkpoint directory."""
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {STATE_FILE}); "
+                                "give a checkpoints/step-N directory or the run's output directory")
+    state = json.loads((path / STATE_FILE).read_text())
+    adapter = load_file(path / "adapter.safetensors")
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    return Checkpoint(path, int(state["step"]), state), adapter, optimizer, rng
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` checkpoints (keep <= 0 keeps all)."""
+    if keep <= 0:
+        return
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""Data-parallel plumbing (accelerate under `accelerate launch`, a no-op in one process) and the padding meter."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+from qwen_edit_core.config import Config
+from qwen_edit_core.model import encode
+
+log = logging.getLogger(__name__)
+
+
+class Distributed:
+    """Data-parallel plumbing: a no-op in one process; DDP through accelerate under `accelerate launch`."""
+
+    def __init__(self, config: Config):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.accelerator = None
+        if self.world > 1:
+            from accelerate import Accelerator
+            self.accelerator = Accelerator(cpu=config.train.device == "cpu")
+        self.rank = self.accelerator.process_index if self.accelerator else 0
+        self.is_main = self.rank == 0
+
+    def wrap(self, model):
+        return self.accelerator.prepare_model(model) if self.accelerator else model
+
+    def no_sync(self, model, last_micro: bool):
+        if self.accelerator is None or last_micro:
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def mean(self, value: float) -> float:
+        if self.accelerator is None:
+            return value
+        tensor = torch.tensor([value], device=self.accelerator.device)
+        return float(self.accelerator.reduce(tensor, reduction="mean")[0])
+
+    def barrier(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+
+def image_tokens(bucket_key) -> int:
+    """Image tokens of a bucket key ((target w, h), ((control w, h), ...)) for size grouping."""
+    target, controls = bucket_key
+    return sum(w * h // (encode.LATENT_MULTIPLE ** 2) for w, h in (target, *controls))
+
+
+class PaddingMeter:
+    """Logs the fraction of padded image tokens of each epoch (0 when every batch holds one bucket)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.real, self.padded = None, 0, 0
+
+    def add(self, keys, epoch: int) -> None:
+        if self.epoch is not None and epoch != self.epoch:
+            self.flush()
+        self.epoch = epoch
+        tokens = [image_tokens(k) for k in keys]
+        self.real += sum(tokens)
+        self.padded += max(tokens) * len(tokens) - sum(tokens)
+
+    def flush(self) -> None:
+        if self.real:
+            # Only worth a line when batches mix sizes; one-bucket batches are never padded.
+            log.log(logging.INFO if self.padded else logging.DEBUG, "epoch %d: %.1f%% of image tokens were padding",
+                    self.epoch, 100 * self.padded / (self.real + self.padded))
+        self.real = self.padded = 0
+
+
+def local_device(name: str) -> str:
+    """The transformer's device for this process: under `accelerate launch` on GPUs, each process takes the
+    GPU of its LOCAL_RANK; otherwise the configured device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and name.startswith("cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return name

@@ -1,0 +1,288 @@
+"""The LoRA training loop as named steps over one explicit run state.
+
+`train` reads top to bottom: `setup` (levers, optimizer, sampler, resume), then per optimizer step
+`micro_step` x gradient_accumulation_steps, `optimizer_step`, `after_step` (log, progress, validation,
+checkpoint); a cancel rewinds the data position; `finish` writes the final checkpoint, LoRA and plot.
+The maths of one micro-step (batches, dropout, noise, loss) lives in `train.batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from qwen_edit_core import speed
+from qwen_edit_core.adapters import multires
+from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, ProgressFn
+from qwen_edit_core.config import Config, to_dict
+from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
+from qwen_edit_core.train import checkpoint as ckpt
+from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
+from qwen_edit_core.train.distributed import Distributed, PaddingMeter, image_tokens, local_device  # noqa: F401
+from qwen_edit_core.train.log import LossLog, plot_loss
+from qwen_edit_core.train.optim import SCHEDULES, make_lr_scheduler, make_optimizer, trainable_parameters  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+#: text tokens assumed by the memory planner (a long caption plus the Edit template's prefix)
+TEXT_TOKENS = 512
+PRECISIONS = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves: its final state ("done", "cancelled"), step, LoRA file and loss history."""
+
+    state: str
+    step: int
+    lora_path: Path | None
+    loss_plot: Path | None
+    history: list[tuple[int, float]] = field(default_factory=list)
+    validation_images: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class RunState:
+    """Everything one run mutates, in one place: the steps below read and update it."""
+
+    config: Config
+    transformer: torch.nn.Module
+    model: torch.nn.Module  # the transformer, wrapped for data parallel when there are several processes
+    dist: Distributed
+    device: torch.device
+    base_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    scaler: torch.amp.GradScaler
+    sampler: BucketBatchSampler
+    bucket_keys: Sequence
+    out_dir: Path
+    scheduler_config: dict  # the noise schedule's config (mu for the timestep shift)
+    padding: PaddingMeter = field(default_factory=PaddingMeter)
+    losslog: LossLog | None = None
+    batches: object = None
+    step: int = 0
+    position: dict = field(default_factory=dict)  # the data position before this step's batches
+    last_saved: int = -1
+    state: str = "done"
+
+
+def _autocast_dtype(name: str) -> torch.dtype | None:
+    if name not in PRECISIONS:
+        raise ValueError(f"train.mixed_precision {name!r} is not accepted; accepted: {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+def _batch_sampler(config: Config, bucket_keys: Sequence, world: int) -> BucketBatchSampler:
+    if world > 1 and config.data.batch_size % world:
+        raise ValueError(f"data.batch_size {config.data.batch_size} must be a multiple of the number of processes "
+                         f"({world}): each process takes an equal share of the global batch")
+    grouping = config.data.bucket_grouping
+    if grouping not in ("equal", "similar"):
+        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: equal, similar")
+    # Several processes need full batches (an empty share would stall the gradient all-reduce).
+    return BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=config.train.seed,
+                              drop_last=world > 1,
+                              sizes=[image_tokens(k) for k in bucket_keys] if grouping == "similar" else None)
+
+
+def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, resume: Path | None,
+          scheduler_config: dict) -> RunState:
+    """Levers, optimizer, schedule and batch order for the LoRA already injected into `transformer`;
+    restored from `resume` (a checkpoint directory) when given."""
+    t = config.train
+    dist = Distributed(config)
+    param = next(iter(trainable_parameters(transformer).values()), None)
+    if param is None:
+        raise ValueError("the transformer has no trainable parameters: inject a LoRA first")
+    device = param.device if dist.accelerator is None else dist.accelerator.device
+    autocast_dtype = _autocast_dtype(t.mixed_precision)
+    multires.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
+    # fp8 base, selective checkpointing, offloading, compile; `gradient_checkpointing` alone = every block.
+    speed.configure_training(transformer, t, device, tokens=max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS)
+    transformer.train()
+    params = trainable_parameters(transformer)
+    optimizer = make_optimizer(list(params.values()), config)
+    run = RunState(config=config, transformer=transformer, model=dist.wrap(transformer), dist=dist, device=device,
+                   base_dtype=transformer.img_in.weight.dtype, autocast_dtype=autocast_dtype, params=params,
+                   optimizer=optimizer, lr_scheduler=make_lr_scheduler(optimizer, config),
+                   scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype is torch.float16),
+                   sampler=_batch_sampler(config, bucket_keys, dist.world), bucket_keys=bucket_keys, out_dir=out_dir,
+                   scheduler_config=scheduler_config)
+    if resume is not None:
+        run.step = run.last_saved = _restore(resume, params, optimizer, run.lr_scheduler, run.sampler)
+        log.info("resumed from %s at step %d", resume, run.step)
+    if dist.is_main:
+        run.losslog = LossLog(out_dir, tensorboard=config.logging.tensorboard, start_step=run.step)
+    run.batches = iter(run.sampler)
+    run.position = run.sampler.state_dict()
+    return run
+
+
+def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> float:
+    """Forward and backward of this process's share of one micro-batch; returns its share of the step's loss."""
+    config, dist = run.config, run.dist
+    accum = config.train.gradient_accumulation_steps
+    indices = next(run.batches)
+    mine = [(j, i) for j, i in enumerate(indices) if j % dist.world == dist.rank]
+    items = [load_item(i) for _, i in mine]
+    run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
+    gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
+    batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
+    dtype = run.autocast_dtype
+    with dist.no_sync(run.model, micro == accum - 1), \
+            torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
+            speed.attention_kernel(config.train.attention):  # around backward too: checkpoint recompute
+        loss, _ = flow_loss(run.model, batch, config, run.scheduler_config)
+        # Each rank averages its share; DDP averages ranks; equal shares make it the global mean.
+        run.scaler.scale(loss * len(mine) * dist.world / len(indices) / accum).backward()
+    return loss.item() * len(mine) / len(indices) * dist.world / accum
+
+
+def optimizer_step(run: RunState) -> None:
+    """Unscale, clip, step the optimizer and the schedule, clear the gradients; the step count advances."""
+    run.scaler.unscale_(run.optimizer)
+    if run.config.train.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(list(run.params.values()), run.config.train.max_grad_norm)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.lr_scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+
+
+def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | None, validate) -> None:
+    """Log the step's loss, report progress, validate and checkpoint when due."""
+    t, step = run.config.train, run.step
+    loss = run.dist.mean(loss)
+    if run.losslog is not None:
+        run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
+    if progress is not None:
+        progress(Progress("train", step, t.max_steps, loss=loss))
+    if validate is not None and t.validation_every and step % t.validation_every == 0 and run.dist.is_main:
+        validate(step)
+        run.transformer.train()
+    if t.checkpoint_every and step % t.checkpoint_every == 0:
+        save_checkpoint(run, write_lora)
+
+
+def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> None:
+    """Checkpoint the current step (rank 0 writes; every rank waits), once per step; prune old ones."""
+    at, root = run.step, run.out_dir / "checkpoints"
+    if run.dist.is_main and at != run.last_saved:
+        ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
+                             optimizer=run.optimizer.state_dict(),
+                             state={"lr_scheduler": run.lr_scheduler.state_dict(),
+                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
+                             write_lora=lambda path: write_lora(path, at))
+        ckpt.prune(root, run.config.train.keep_checkpoints)
+    run.last_saved = at
+    run.dist.barrier()
+
+
+def cancel_step(run: RunState) -> None:
+    """Stop at the last completed step: the half-accumulated gradient is discarded and the batch order
+    rewound, so a resume redraws this step's batches."""
+    run.optimizer.zero_grad(set_to_none=True)
+    run.state = "cancelled"
+    run.sampler.load_state_dict(run.position)
+    log.info("training stopped at step %d; saving a checkpoint", run.step)
+
+
+def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResult:
+    """The final checkpoint, the user-facing LoRA file and the loss plot."""
+    if run.step > 0:
+        save_checkpoint(run, write_lora)
+    run.transformer.eval()
+    t, lora_path, plot_path = run.config.train, None, None
+    history = run.losslog.history if run.losslog is not None else []
+    if run.dist.is_main and run.step > 0:
+        lora_path = run.out_dir / f"{t.lora_name}.safetensors"
+        write_lora(lora_path, run.step)
+        if run.config.logging.plot:
+            plot_path = run.out_dir / "loss.png"
+            plot_loss(history, plot_path)
+    return TrainResult(state=run.state, step=run.step, lora_path=lora_path, loss_plot=plot_path, history=history)
+
+
+def train(config: Config, transformer, load_item: Callable[[int], dict], examples: Sequence[EditExample],
+          bucket_keys: Sequence, *, scheduler_config: dict, write_lora: Callable[[Path, int], None],
+          out_dir: Path, resume: Path | None = None, progress: ProgressFn | None = None,
+          cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None) -> TrainResult:
+    """Train the LoRA already injected into `transformer` for `config.train.max_steps` optimizer steps.
+
+    `load_item(i)` returns example i's cache tensors (from the cache, or encoded in real time).
+    `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory.
+    """
+    run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
+    started = time.perf_counter()
+    try:
+        while run.step < config.train.max_steps:
+            # Capture the data position before drawing this step's batches: a checkpoint saved at the end of
+            # the step must resume at the position after them, one saved on cancel at the position before.
+            run.position = run.sampler.state_dict()
+            total = 0.0
+            for micro in range(config.train.gradient_accumulation_steps):
+                if cancel is not None:
+                    cancel.check()
+                total += micro_step(run, micro, load_item)
+            optimizer_step(run)
+            after_step(run, total, write_lora, progress, validate)
+    except (Cancelled, KeyboardInterrupt):
+        cancel_step(run)
+    finally:
+        run.padding.flush()
+        if run.losslog is not None:
+            run.losslog.close()
+    result = finish(run, write_lora)
+    log.info("training %s at step %d (%.1f s)", run.state, run.step, time.perf_counter() - started)
+    return result
+
+
+def _restore(path: Path, params, optimizer, lr_scheduler, sampler) -> int:
+    checkpoint, adapter, optimizer_state, rng = ckpt.read_checkpoint(path)
+    missing = sorted(set(params) - set(adapter))
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} does not match this LoRA (missing {missing[:3]}); "
+                         "resume with the same model.lora settings")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(adapter[name].to(p.device, p.dtype))
+    optimizer.load_state_dict(optimizer_state)
+    lr_scheduler.load_state_dict(checkpoint.state["lr_scheduler"])
+    sampler.load_state_dict(checkpoint.state["sampler"])
+    ckpt.set_rng_state(rng)
+    return checkpoint.step
+
+
+def resolve_resume(out_dir: Path, resume: str | Path | bool | None) -> Path | None:
+    """`--resume` with no path: the run's latest complete checkpoint; with a path: that checkpoint (or the
+    latest one under that output directory)."""
+    if not resume:
+        return None
+    if resume is True:
+        found = ckpt.latest_checkpoint(out_dir / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {str(out_dir / 'checkpoints')!r}")
+        return found.path
+    path = Path(resume)
+    if (path / ckpt.STATE_FILE).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = ckpt.latest_checkpoint(root)
+        if found is not None:
+            return found.path
+    raise FileNotFoundError(f"--resume {str(path)!r}: no complete checkpoint there")
+
+
+def steps_per_epoch(n_examples: int, batch_size: int) -> int:
+    return max(1, math.ceil(n_examples / batch_size))

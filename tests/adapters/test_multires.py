@@ -1,0 +1,192 @@
+"""Mixed-resolution batches equal one-by-one: outputs, per-sample losses, gradients; fused path when uniform."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from qwen_edit_core.adapters import multires as batching
+from qwen_edit_core.adapters import lora
+from qwen_edit_core.model.tiny import transformer_config
+
+# (target shape, control shapes, caption tokens) in packed units: three sizes, two with several controls.
+SAMPLES = [((1, 4, 4), [(1, 4, 4)], 5), ((1, 3, 5), [(1, 2, 6), (1, 3, 3)], 9), ((1, 6, 2), [(1, 5, 3)], 3)]
+
+
+def _model(zero_cond_t=False, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**{**transformer_config("tiny"), "zero_cond_t": zero_cond_t})
+    lora.inject_lora(model, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["all"]))
+    with torch.no_grad():
+        for layer in lora.adapter_layers(model).values():
+            layer.lora_B["default"].weight.normal_(0, 0.1)
+    return model.to(dtype)
+
+
+def _inputs(dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for target, controls, n_text in SAMPLES:
+        n_t = target[1] * target[2]
+        n_c = sum(c[1] * c[2] for c in controls)
+        out.append((torch.randn(n_t, 64, generator=g).to(dtype), torch.randn(n_c, 64, generator=g).to(dtype),
+                    torch.randn(n_text, 32, generator=g).to(dtype), [target, *controls]))
+    return out
+
+
+def _alone(model, target, control, text, shapes, t):
+    hidden = torch.cat([target, control])[None]
+    return model(hidden_states=hidden, encoder_hidden_states=text[None], timestep=t, img_shapes=[shapes],
+                 return_dict=False)[0][0, : target.shape[0]]
+
+
+def _batched(model, inputs, t):
+    from qwen_edit_core.model.encode import pad_embeddings
+    packed = batching.pack_samples([i[0] for i in inputs], [i[1] for i in inputs], [i[3] for i in inputs])
+    text = pad_embeddings([i[2] for i in inputs])
+    out = model(hidden_states=packed.hidden, encoder_hidden_states=text.embeds,
+                encoder_hidden_states_mask=text.mask_or_none(), timestep=t, img_shapes=packed.img_shapes,
+                attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+    return [out[b, : i[0].shape[0]] for b, i in enumerate(inputs)], packed
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
+def test_padded_batch_equals_one_by_one(zero_cond_t, dtype, tol):
+    stock = _model(zero_cond_t, dtype)
+    adapted = copy.deepcopy(stock)
+    batching.install(adapted)
+    adapted.enable_gradient_checkpointing()
+    inputs = _inputs(dtype)
+    t = torch.tensor([0.3, 0.6, 0.9], dtype=dtype)
+    with torch.no_grad():
+        outs, packed = _batched(adapted, inputs, t)
+        for b, (target, control, text, shapes) in enumerate(inputs):
+            ref = _alone(stock, target, control, text, shapes, t[b: b + 1])  # stock diffusers, one sample
+            assert _rel(outs[b], ref) < tol
+    assert packed.padding_fraction() > 0
+
+
+def test_stock_diffusers_batch_is_wrong_which_is_why_the_adapter_exists():
+    """Same token counts, different shapes: stock diffusers runs but uses sample 0's RoPE for both."""
+    stock = _model()
+    g = torch.Generator().manual_seed(3)
+    shapes = [[(1, 4, 4), (1, 4, 4)], [(1, 2, 8), (1, 8, 2)]]
+    hidden = torch.randn(2, 32, 64, generator=g)
+    text = torch.randn(2, 5, 32, generator=g)
+    t = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        out = stock(hidden_states=hidden, encoder_hidden_states=text, timestep=t, img_shapes=shapes,
+                    return_dict=False)[0]
+        ref = _alone(stock, hidden[1, :16], hidden[1, 16:], text[1], shapes[1], t[1:])
+        adapted = copy.deepcopy(stock)
+        batching.install(adapted)
+        fixed = adapted(hidden_states=hidden, encoder_hidden_states=text, timestep=t, img_shapes=shapes,
+                        return_dict=False)[0]
+    assert _rel(out[1, :16], ref) > 1e-2
+    assert _rel(fixed[1, :16], ref) < 1e-5
+
+
+def test_per_sample_losses_and_gradients_match_and_padding_gets_none():
+    from qwen_edit_core.sample import flow
+    model = _model()
+    batching.install(model)
+    inputs = _inputs()
+    t = torch.tensor([0.3, 0.6, 0.9])
+    targets = [torch.randn_like(i[0]) for i in inputs]
+
+    def single_loss(b):
+        target, control, text, shapes = inputs[b]
+        pred = _alone(model, target, control, text, shapes, t[b: b + 1])
+        return (pred - targets[b]).square().mean()
+
+    grads_single = []
+    losses_single = []
+    for b in range(3):
+        model.zero_grad()
+        loss = single_loss(b)
+        loss.backward()
+        losses_single.append(loss.item())
+        # The last block's text-stream layers do not reach the image output: their grad stays None.
+        grads_single.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                             for n, p in model.named_parameters() if p.requires_grad})
+    model.zero_grad()
+    hidden_inputs = [(i[0].clone().requires_grad_(True),) + i[1:] for i in inputs]
+    outs, packed = _batched(model, hidden_inputs, t)
+    n_max = max(o.shape[0] for o in outs)
+    pred = torch.stack([torch.nn.functional.pad(o, (0, 0, 0, n_max - o.shape[0])) for o in outs])
+    target = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n_max - x.shape[0])) for x in targets])
+    mask = torch.arange(n_max)[None] < torch.tensor([o.shape[0] for o in outs])[:, None]
+    loss, per_sample = flow.masked_mse(pred, target, torch.ones(3), mask)
+    assert per_sample.tolist() == pytest.approx(losses_single, rel=1e-4)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            expected = sum(g[name] for g in grads_single) / 3
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            assert torch.allclose(got, expected, atol=1e-6, rtol=1e-3), name
+
+
+def test_padded_tokens_receive_no_gradient():
+    model = _model()
+    batching.install(model)
+    inputs = _inputs()
+    from qwen_edit_core.model.encode import pad_embeddings
+    packed = batching.pack_samples([i[0] for i in inputs], [i[1] for i in inputs], [i[3] for i in inputs])
+    hidden = packed.hidden.clone().requires_grad_(True)
+    text = pad_embeddings([i[2] for i in inputs])
+    embeds = text.embeds.clone().requires_grad_(True)
+    out = model(hidden_states=hidden, encoder_hidden_states=embeds, encoder_hidden_states_mask=text.mask,
+                timestep=torch.tensor([0.5] * 3), img_shapes=packed.img_shapes,
+                attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+    loss = sum(out[b, : n].square().sum() for b, n in enumerate(packed.n_target))
+    loss.backward()
+    assert hidden.grad[~packed.image_mask].abs().max().item() == 0.0
+    assert embeds.grad[~text.mask.bool()].abs().max().item() == 0.0
+    assert hidden.grad[packed.image_mask].abs().max().item() > 0
+
+
+def test_uniform_batch_builds_no_mask_and_stays_fused():
+    model = _model()
+    processor = batching.install(model)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, 4), (1, 4, 4)]
+    packed = batching.pack_samples([torch.randn(16, 64, generator=g)] * 2, [torch.randn(16, 64, generator=g)] * 2,
+                                   [shapes, shapes])
+    assert packed.image_mask is None and packed.attention_kwargs is None
+    with torch.no_grad():
+        model(hidden_states=packed.hidden, encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+              timestep=torch.tensor([0.5, 0.5]), img_shapes=packed.img_shapes, return_dict=False)
+    assert processor.calls == {"fused": 2, "masked": 0}
+    with torch.no_grad():
+        _batched(model, _inputs(), torch.tensor([0.5] * 3))
+    assert processor.calls["masked"] == 2
+
+
+def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
+    import numpy as np
+    from PIL import Image
+
+    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.model.components import load_components
+    from qwen_edit_core.model.devices import DevicePlan
+    comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),
+              Image.fromarray(rng.integers(0, 255, (80, 48, 3), dtype=np.uint8))]
+    prompts = ["make it blue", "add a small red hat to the cat"]
+    settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, vae_area=96 * 96)
+    singles = [sampler.sample(comps, p, [img], sampler.SampleSettings(**{**settings.__dict__, "seed": s}))
+               for p, img, s in zip(prompts, images, (5, 6))]
+    batched = sampler.sample_batch(comps, prompts, [[images[0]], [images[1]]], settings, seeds=[5, 6])
+    for one, many in zip(singles, batched):
+        assert one.shape == many.shape
+        assert (one - many).abs().max().item() <= 1e-4
+    assert singles[0].shape != singles[1].shape

@@ -1,0 +1,250 @@
+"""The node pack without ComfyUI: schemas agree with functions, workflows match the nodes, nodes run on the
+tiny model inside torch.inference_mode() (as ComfyUI calls them), and training jobs start, report, stop and
+resume."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import nodes
+from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle, has_control_after_generate
+from qwen_edit_core import jobs
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+BUILTIN = {"SaveImage": {"images": "IMAGE"}, "PreviewImage": {"images": "IMAGE"}}
+
+
+def _inputs(cls):
+    spec = cls.INPUT_TYPES()
+    assert set(spec) <= {"required", "optional", "hidden"}
+    return spec
+
+
+@pytest.mark.parametrize("node_id", sorted(nodes.NODE_CLASS_MAPPINGS))
+def test_schema_agrees_with_function(node_id):
+    cls = nodes.NODE_CLASS_MAPPINGS[node_id]
+    assert node_id.startswith("QwenEdit") and node_id in nodes.NODE_DISPLAY_NAME_MAPPINGS
+    assert cls.CATEGORY.startswith("Qwen Edit")
+    assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES)
+    spec = _inputs(cls)
+    params = inspect.signature(getattr(cls, cls.FUNCTION)).parameters
+    names = [n for group in spec.values() for n in group]
+    for name in names:
+        assert name in params, f"{node_id}.{cls.FUNCTION} does not take input {name!r}"
+    for name, p in params.items():
+        if name != "self" and p.default is inspect.Parameter.empty:
+            assert name in spec["required"], f"{node_id}: parameter {name!r} has no required input"
+    for group in ("required", "optional"):
+        for name, value in spec.get(group, {}).items():
+            assert isinstance(value, tuple) and (isinstance(value[0], (list, str)))
+            if isinstance(value[0], list):
+                assert value[0], f"{node_id}.{name}: empty combo"
+
+
+def _outputs(node_type):
+    if node_type in BUILTIN:
+        return []
+    return list(nodes.NODE_CLASS_MAPPINGS[node_type].RETURN_TYPES)
+
+
+def _socket_and_widget_inputs(node_type):
+    if node_type in BUILTIN:
+        return BUILTIN[node_type], 1 if node_type == "SaveImage" else 0
+    spec = nodes.NODE_CLASS_MAPPINGS[node_type].INPUT_TYPES()
+    sockets, widgets = {}, 0
+    for group in ("required", "optional"):
+        for name, value in spec.get(group, {}).items():
+            options = value[1] if len(value) > 1 else {}
+            if (isinstance(value[0], list) or value[0] in WIDGET_TYPES) and not options.get("forceInput"):
+                widgets += 2 if has_control_after_generate(name, value) else 1
+            else:
+                sockets[name] = value[0]
+    return sockets, widgets
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_matches_the_nodes(path):
+    graph = json.loads(path.read_text())
+    by_id = {n["id"]: n for n in graph["nodes"]}
+    for node in graph["nodes"]:
+        assert node["type"] in nodes.NODE_CLASS_MAPPINGS or node["type"] in BUILTIN, node["type"]
+        sockets, widgets = _socket_and_widget_inputs(node["type"])
+        assert len(node["widgets_values"]) == widgets, f"{path.name}: {node['type']} widget count"
+        for socket in node["inputs"]:
+            assert socket["name"] in sockets and socket["type"] == sockets[socket["name"]]
+    for link_id, src, src_slot, dst, dst_slot, kind in graph["links"]:
+        assert _outputs(by_id[src]["type"])[src_slot] == kind, f"{path.name}: link {link_id} source type"
+        target = by_id[dst]["inputs"][dst_slot]
+        assert target["type"] == kind and target["link"] == link_id, f"{path.name}: link {link_id} target"
+    assert (ROOT / "example_workflows" / path.name).is_file()
+
+
+def test_shipped_workflows_are_the_generated_ones(tmp_path, monkeypatch):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("build_workflows", ROOT / "workflows" / "build_workflows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "HERE", tmp_path)
+    module.main()
+    for path in WORKFLOWS:
+        assert json.loads((tmp_path / path.name).read_text()) == json.loads(path.read_text()), path.name
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, monkeypatch_module):
+    root = tmp_path_factory.mktemp("comfy")
+    for name in ("QWEN_EDIT_HOME", "QWEN_EDIT_LORAS", "QWEN_EDIT_OUTPUT"):
+        monkeypatch_module.setenv(name, str(root / name.lower()))
+    monkeypatch_module.chdir(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model(env):
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+    return handle
+
+
+def _image(seed=0, h=48, w=64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(1, h, w, 3, generator=g)
+
+
+def test_sampler_and_encode_nodes_in_inference_mode(model):
+    with torch.inference_mode():
+        (image,) = nodes.QwenEditSampler().sample(model, _image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic",
+                                                  "same", 64)
+        (cond,) = nodes.QwenEditEncodePrompt().encode(model, _image(), "make it blue", " ", 0, 0, 64)
+        (again,) = nodes.QwenEditSampleConditioning().sample(model, cond, 2, 3.0, 1, "dynamic", "same")
+        (latent,) = nodes.QwenEditEncodeImage().encode(model, _image(), 64)
+        (decoded,) = nodes.QwenEditDecodeLatent().decode(model, latent)
+    assert image.ndim == 4 and image.shape[-1] == 3 and 0 <= image.min() and image.max() <= 1
+    assert torch.allclose(image, again, atol=1e-6)
+    assert decoded.shape == (1, 48, 64, 3) or decoded.shape[-1] == 3
+
+
+def test_split_cfg_node_equals_batched(model):
+    with torch.inference_mode():
+        (batched,) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
+                                                    64)
+        # Two CFG devices: here both are the CPU, so the uncond branch runs on a replica in its own thread.
+        handle = ModelHandle(model.components)
+        import nodes.sample_nodes as sn
+        settings = sn._settings(2, 3.0, 4, 64, 64, "dynamic", " ", vae_area=64)
+        from qwen_edit_core.sample import sampler
+        cond = sampler.build_conditioning(handle.components, "x", sn._controls(_image()), settings)
+        import dataclasses
+        from qwen_edit_core.model.components import replicate
+        split = sampler.decode(handle.components, sampler.denoise(
+            handle.components, cond, dataclasses.replace(settings, cfg_mode="split"),
+            uncond_transformer=replicate(handle.components.transformer, torch.device("cpu"))), 64, 64)
+    assert torch.allclose(batched, split, atol=1e-4)
+
+
+def test_train_job_from_nodes_reports_stops_and_resumes(model, env):
+    with torch.inference_mode():
+        (data, example) = nodes.QwenEditSyntheticDataset().make("pairs", 4, 0)
+        result = nodes.QwenEditBuildCache().build(model, data, 64, "")
+        cached = result["result"][0]
+        (job,) = nodes.QwenEditTrain().start(model, cached, "node_lora", 400, 1e-3, 4, 4.0, "attn", 2, 64, 0, False, 0,
+                                             True)
+        with pytest.raises(jobs.JobBusyError, match="already runs on cpu"):
+            nodes.QwenEditTrain().start(model, cached, "other", 5, 1e-3, 4, 4.0, "attn", 2, 64, 0, False, 0, True)
+        seen = []
+        status = jobs.wait_for(job, poll=0.05, on_tick=lambda s: seen.append(s.step) or (
+            s.step >= 3 and job.stop()))
+    assert status.state == "cancelled" and 3 <= status.step < 400 and status.last_checkpoint is not None
+    assert max(seen) >= 3 and job.history
+    stopped_at = status.step
+    with torch.inference_mode():
+        (job2,) = nodes.QwenEditTrain().start(model, cached, "node_lora", stopped_at + 2, 1e-3, 4, 4.0, "attn", 2,
+                                              64, 0, True, 0, True)
+        out = nodes.QwenEditTrainStatus().status(job2, True)
+    name, path, plot, validation, loss = out["result"]
+    assert out["ui"]["text"][0].startswith("done") and name == "node_lora.safetensors"
+    assert Path(path).is_file() and plot.shape[-1] == 3 and loss > 0
+    assert job2.history[0][0] == stopped_at + 1  # continued, not restarted
+
+    with torch.inference_mode():
+        (with_lora,) = nodes.QwenEditLoraLoader().apply(model, "(none)", 1.0, lora_path=path)
+    assert with_lora.loras == ((path, 1.0),) and model.loras == ()
+
+
+def test_node_errors_are_clear(model, env, tmp_path):
+    from qwen_edit_core.data.dataset import DatasetError
+    from qwen_edit_core.model.devices import DeviceError
+    with pytest.raises(DatasetError, match="does not exist"):
+        nodes.QwenEditDataset().load(str(tmp_path / "missing"), False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="accepted layouts"):
+        nodes.QwenEditDataset().load(str(tmp_path / "empty"), False)
+    with pytest.raises(DeviceError, match="transformer"):
+        nodes.QwenEditModelLoader().load(TINY_MODEL, "cuda:3", "cpu", "cpu", "float32")
+    from safetensors.torch import save_file
+    save_file({"diffusion_model.single_blocks.0.linear.lora_down.weight": torch.zeros(4, 32),
+               "diffusion_model.single_blocks.0.linear.lora_up.weight": torch.zeros(32, 4)}, tmp_path / "flux.st")
+    with pytest.raises(ValueError, match="another model"):
+        nodes.QwenEditLoraLoader().apply(model, "(none)", 1.0, lora_path=str(tmp_path / "flux.st"))
+    with pytest.raises(ValueError, match="plain file name"):
+        nodes.QwenEditTrain().start(model, None, "../x", 1, 1e-3, 4, 4.0, "attn", 1, 64, 0, False, 0, True)
+
+
+def test_model_loader_takes_a_single_file_transformer(env, tmp_path):
+    from safetensors.torch import save_file
+    from nodes.common import resolve_model
+    from qwen_edit_core.model.components import load_transformer
+    model_dir = resolve_model(TINY_MODEL)
+    state = load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32).state_dict()
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in state.items()}, tmp_path / "q.safetensors")
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32",
+                                                      transformer_file=str(tmp_path / "q.safetensors"))
+        transformer = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "float32", "none",
+                                                             transformer_file=str(tmp_path / "q.safetensors"))[0]
+        (vae,) = nodes.QwenEditVAELoader().load(TINY_MODEL, "cpu", "float32")
+        (te,) = nodes.QwenEditTextEncoderLoader().load(TINY_MODEL, "cpu", "float32", "none")
+        (scheduler,) = nodes.QwenEditSchedulerLoader().load(TINY_MODEL)
+        (assembled,) = nodes.QwenEditAssembleModel().assemble(transformer, vae, te, scheduler)
+    module = transformer[1]
+    for key, value in state.items():
+        assert torch.equal(handle.components.transformer.state_dict()[key], value)
+        assert torch.equal(module.state_dict()[key], value)
+    # The file travels through Assemble Model into the training config (it sets the cache identity).
+    from nodes.train_nodes import _config
+    from qwen_edit_core.data.dataset import load_dataset
+    from conftest import make_pairs
+    make_pairs(tmp_path / "data", n=2)
+    dataset = DatasetHandle(tmp_path / "data", load_dataset(tmp_path / "data"))
+    config = _config(assembled, dataset, output_dir=tmp_path / "out", resolution=64)
+    assert assembled.components.transformer_file == tmp_path / "q.safetensors"
+    assert config.model.transformer_file == str(tmp_path / "q.safetensors") and not config.model.vae_file
+
+
+def test_speed_node_applies_fp8_and_the_attention_kernel_to_a_fresh_model(env):
+    from qwen_edit_core import speed as perf
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
+        (plain,) = nodes.QwenEditSampler().sample(handle, *args)
+        (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
+        (image,) = nodes.QwenEditSampler().sample(fast, *args)
+    assert fast.attention == "math" and perf.has_fp8(fast.components.transformer)
+    assert float((image - plain).abs().mean()) < 0.002
+    spec = nodes.QwenEditSpeed.INPUT_TYPES()["required"]
+    assert list(spec) == ["model", "fp8", "compile", "attention"]
+    assert tuple(spec["attention"][0]) == perf.ATTENTION_KERNELS

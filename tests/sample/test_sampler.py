@@ -1,0 +1,85 @@
+"""Sampler behaviour beyond parity: split CFG, shift modes, progress, cancellation, bad sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwen_edit_core.sample import sampler
+from qwen_edit_core.model.components import load_components, replicate
+from qwen_edit_core.model.devices import DevicePlan
+from qwen_edit_core.common.progress import CancelToken, Cancelled
+
+
+@pytest.fixture(scope="module")
+def comps(tiny_edit_dir):
+    return load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
+
+
+def _image(seed=0, w=64, h=64):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+SMALL = dict(num_inference_steps=3, seed=3, width=128, height=128, vae_area=128 * 128)
+
+
+def test_split_cfg_equals_sequential(comps):
+    """Two replicas (here both on the CPU, each branch in its own thread) give the sequential result."""
+    seq = sampler.sample(comps, "x", [_image()], sampler.SampleSettings(**SMALL))
+    replica = replicate(comps.transformer, torch.device("cpu"))
+    split = sampler.sample(comps, "x", [_image()], sampler.SampleSettings(cfg_mode="split", **SMALL),
+                           uncond_transformer=replica)
+    assert torch.allclose(seq, split, atol=1e-6)
+
+
+def test_split_needs_a_replica(comps):
+    with pytest.raises(ValueError, match="split"):
+        sampler.sample(comps, "x", [_image()], sampler.SampleSettings(cfg_mode="split", **SMALL))
+
+
+def test_fixed_shift_uses_the_given_mu(comps):
+    settings = sampler.SampleSettings(shift_mode="fixed", fixed_mu=1.15, **SMALL)
+    _, timesteps, mu = sampler.make_timesteps(comps.scheduler_config, settings, 64, "cpu")
+    assert mu == 1.15
+    dynamic = sampler.make_timesteps(comps.scheduler_config, sampler.SampleSettings(**SMALL), 64, "cpu")
+    assert not torch.allclose(timesteps, dynamic[1])
+
+
+def test_progress_every_step_and_cancel(comps):
+    seen = []
+    sampler.sample(comps, "x", [_image()], sampler.SampleSettings(**SMALL), progress=seen.append)
+    assert [e.step for e in seen] == [1, 2, 3] and all(e.total == 3 for e in seen)
+    assert seen[-1].preview is not None
+
+    token = CancelToken()
+
+    def stop_after_first(event):
+        token.cancel()
+
+    with pytest.raises(Cancelled):
+        sampler.sample(comps, "x", [_image()], sampler.SampleSettings(**SMALL), progress=stop_after_first,
+                       cancel=token)
+
+
+def test_cfg_off_when_scale_at_most_one(comps):
+    calls = []
+    handle = comps.transformer.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        sampler.sample(comps, "x", [_image()], sampler.SampleSettings(true_cfg_scale=1.0, **SMALL))
+    finally:
+        handle.remove()
+    assert len(calls) == SMALL["num_inference_steps"]
+
+
+@pytest.mark.parametrize("kw", [dict(width=8), dict(height=15)])
+def test_size_under_one_patch_is_refused(comps, kw):
+    with pytest.raises(ValueError, match="latent patch"):
+        sampler.sample(comps, "x", [_image()], sampler.SampleSettings(**{**SMALL, **kw}))
+
+
+def test_edit_model_refuses_two_controls(comps):
+    with pytest.raises(ValueError, match="one control image"):
+        sampler.sample(comps, "x", [_image(), _image(1)], sampler.SampleSettings(**SMALL))
