@@ -197,8 +197,9 @@ class QwenEditDecodeLatent:
 
 class QwenEditSpeed:
     """Sampling speed levers for a loaded model: fp8 matmuls for the base's block linears (Ada/Hopper GPUs),
-    compiled transformer blocks, and the attention kernel tried first. fp8 and compile change the loaded
-    transformer in place and stay until it is reloaded; LoRAs still load and switch on top."""
+    compiled transformer blocks, and the attention kernel tried first. Returns a new model that shares every
+    weight the levers leave alone; the input model is not changed (other graphs using it sample as before).
+    LoRAs still load and switch on top."""
 
     CATEGORY = f"{CATEGORY}/sampling"
     RETURN_TYPES = (MODEL,)
@@ -218,7 +219,9 @@ class QwenEditSpeed:
     def apply(self, model, fp8, compile, attention):
         transformer = model.components.transformer
         device = next(transformer.parameters()).device
+        if not fp8 and not compile:  # nothing to change in the weights: share the transformer itself
+            return (dataclasses.replace(model, attention=attention),)
         with torch.inference_mode(False):
-            speed.configure_inference(transformer, device, fp8=fp8, compile=compile)
-        model.replicas.clear()  # replicas were copied from the transformer before this change
-        return (dataclasses.replace(model, attention=attention),)
+            fresh = speed.inference_copy(transformer, device, fp8=fp8, compile=compile)
+        components = dataclasses.replace(model.components, transformer=fresh)
+        return (dataclasses.replace(model, components=components, replicas={}, attention=attention),)

@@ -16,11 +16,11 @@ from qwen_edit_core.speed.attention import ATTENTION_KERNELS, attention_kernel, 
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
 from qwen_edit_core.speed.compile import compile_blocks
 from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
-from qwen_edit_core.speed.levers import Levers, configure_inference, configure_training
+from qwen_edit_core.speed.levers import Levers, configure_inference, configure_training, inference_copy
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
 from qwen_edit_core.speed.planner import MemoryEstimate, SpeedPlan, estimate_memory, model_sizes, plan_for_budget
 
 __all__ = ["ATTENTION_KERNELS", "attention_kernel", "check_attention_kernel", "checkpoint_blocks", "checkpointed_indices",
            "compile_blocks", "FP8", "FP8_MAX", "Fp8Linear", "fp8_matmul_supported", "has_fp8", "quantize_fp8",
-           "quantize_rows", "Levers", "configure_inference", "configure_training", "BlockOffloader", "offload_indices",
+           "quantize_rows", "Levers", "configure_inference", "configure_training", "inference_copy", "BlockOffloader", "offload_indices",
            "MemoryEstimate", "SpeedPlan", "estimate_memory", "model_sizes", "plan_for_budget"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -53,6 +54,23 @@ def configure_inference(transformer, device: torch.device, *, fp8: bool, compile
                     compile=compile and not already, compile_mode=compile_mode)
     transformer._qwen_edit_compiled = already or compile
     return levers
+
+
+def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: bool,
+                   compile_mode: str | None = None):
+    """`configure_inference` on a new transformer object that shares every weight the levers leave alone:
+    `transformer` itself is not changed (graphs that use it without the levers sample as before). fp8 layers
+    are new tensors beside the shared bf16 ones; blocks the original had compiled are compiled again in the
+    copy (a compiled call is bound to its own module)."""
+    was_compiled = getattr(transformer, "_qwen_edit_compiled", False)
+    shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
+    fresh = copy.deepcopy(transformer, memo=shared)
+    for module in fresh.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    fresh._qwen_edit_compiled = False
+    configure_inference(fresh, device, fp8=fp8, compile=compile or was_compiled, compile_mode=compile_mode)
+    return fresh
 
 
 def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,

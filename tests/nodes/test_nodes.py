@@ -248,3 +248,21 @@ def test_speed_node_applies_fp8_and_the_attention_kernel_to_a_fresh_model(env):
     spec = nodes.QwenEditSpeed.INPUT_TYPES()["required"]
     assert list(spec) == ["model", "fp8", "compile", "attention"]
     assert tuple(spec["attention"][0]) == perf.ATTENTION_KERNELS
+
+
+def test_speed_node_leaves_its_input_model_unchanged(env):
+    """A graph without the Sampling Speed node, queued after one with it, samples exactly as a fresh load."""
+    from qwen_edit_core import speed as perf
+    args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
+    with torch.inference_mode():
+        (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
+        nodes.QwenEditSampler().sample(fast, *args)
+        (after,) = nodes.QwenEditSampler().sample(handle, *args)
+        (fresh,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        (reference,) = nodes.QwenEditSampler().sample(fresh, *args)
+    assert torch.equal(after, reference)
+    assert not perf.has_fp8(handle.components.transformer) and handle.attention == "auto"
+    assert fast.components.transformer is not handle.components.transformer
+    # weights the levers leave alone are shared, not copied
+    assert fast.components.transformer.img_in.weight is handle.components.transformer.img_in.weight
