@@ -1,0 +1,57 @@
+"""The pack installs the ComfyUI way: requirements.txt (ComfyUI-Manager, `comfy node install`) leaves ComfyUI's
+torch alone and agrees with pyproject.toml; the Comfy Registry finds its [tool.comfy] metadata; the license is
+Apache-2.0 like the Qwen-Image-Edit weights and the Hugging Face libraries the core uses."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NEVER_IN_REQUIREMENTS = {"torch", "torchvision", "torchaudio"}
+
+
+def _requirements() -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    return {re.split(r"[<>=!~ ]", line, maxsplit=1)[0].lower(): line for line in lines if line}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_requirements_leave_comfyuis_torch_alone_and_match_pyproject():
+    requirements = _requirements()
+    assert not NEVER_IN_REQUIREMENTS & set(requirements), "requirements.txt must not (re)install torch"
+    declared = {re.split(r"[<>=!~ ]", dep, maxsplit=1)[0].lower(): dep
+                for dep in _pyproject()["project"]["dependencies"]}
+    assert set(declared) - NEVER_IN_REQUIREMENTS == set(requirements)
+    for name, line in requirements.items():
+        assert line == declared[name], f"requirements.txt {line!r} differs from pyproject.toml {declared[name]!r}"
+        if name in ("diffusers", "transformers", "peft", "accelerate"):
+            assert "<" in line, f"{name}: give an upper bound (the next major release is untested)"
+
+
+def test_registry_metadata_and_license():
+    project = _pyproject()
+    comfy = project["tool"]["comfy"]
+    for key in ("PublisherId", "DisplayName", "Icon"):
+        assert comfy.get(key), f"[tool.comfy] {key} is missing"
+    assert re.fullmatch(r"[a-z0-9][a-z0-9-]*", comfy["PublisherId"])
+    assert comfy["Icon"].startswith("https://") and project["project"]["urls"]["Repository"].startswith("https://")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", project["project"]["version"])
+    assert project["project"]["license"] == {"file": "LICENSE"}
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert (ROOT / "docs" / "icon.svg").is_file()
+
+
+def test_readme_install_section_names_the_three_ways():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Install in ComfyUI"):]
+    section = section[:section.index("\n## ", 1)]
+    for needle in ("ComfyUI-Manager", "comfy node install comfyui-qwen-edit-lora",
+                   "pip install -r requirements.txt", "git clone"):
+        assert needle in section, f"README install section lacks {needle!r}"
+    assert "pip install diffusers peft accelerate" not in readme
