@@ -10,12 +10,14 @@ import torch
 
 from qwen_edit_core.config import Config
 from qwen_edit_core.model import encode
+from qwen_edit_core.train import sharding
 
 log = logging.getLogger(__name__)
 
 
 class Distributed:
-    """Data-parallel plumbing: a no-op in one process; DDP through accelerate under `accelerate launch`."""
+    """Multi-process plumbing: a no-op in one process; under `accelerate launch`, DDP, or FSDP2 when the
+    accelerate config asks for it (the frozen base sharded, the LoRA whole: `train.sharding`)."""
 
     def __init__(self, config: Config):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -25,14 +27,22 @@ class Distributed:
             self.accelerator = Accelerator(cpu=config.train.device == "cpu")
         self.rank = self.accelerator.process_index if self.accelerator else 0
         self.is_main = self.rank == 0
+        self.fsdp = self.accelerator is not None and sharding.is_fsdp()
 
     def wrap(self, model):
+        if self.fsdp:
+            return sharding.shard_frozen_base(model, self.accelerator.device, self.world)
         return self.accelerator.prepare_model(model) if self.accelerator else model
 
     def no_sync(self, model, last_micro: bool):
-        if self.accelerator is None or last_micro:
+        if self.accelerator is None or last_micro or self.fsdp:  # FSDP: gradients averaged in `sync_gradients`
             return contextlib.nullcontext()
         return model.no_sync()
+
+    def sync_gradients(self, params) -> None:
+        """Average the LoRA gradients over processes where the wrapper does not (FSDP keeps the LoRA whole)."""
+        if self.fsdp:
+            sharding.average_gradients(list(params), self.world)
 
     def mean(self, value: float) -> float:
         if self.accelerator is None:

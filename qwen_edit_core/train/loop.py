@@ -150,6 +150,7 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> f
 
 def optimizer_step(run: RunState) -> None:
     """Unscale, clip, step the optimizer and the schedule, clear the gradients; the step count advances."""
+    run.dist.sync_gradients(run.params.values())
     run.scaler.unscale_(run.optimizer)
     if run.config.train.max_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(list(run.params.values()), run.config.train.max_grad_norm)
@@ -168,8 +169,11 @@ def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | No
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
         progress(Progress("train", step, t.max_steps, loss=loss))
-    if validate is not None and t.validation_every and step % t.validation_every == 0 and run.dist.is_main:
-        validate(step)
+    if validate is not None and t.validation_every and step % t.validation_every == 0:
+        if run.dist.is_main:
+            validate(step)
+        elif run.dist.fsdp:  # the sharded forward passes need every process; only the first one writes
+            validate(step, write=False)
         run.transformer.train()
     if t.checkpoint_every and step % t.checkpoint_every == 0:
         save_checkpoint(run, write_lora)

@@ -54,12 +54,16 @@ class Validator:
         self.latent_files: list[Path] = []
         self.images: list[Path] = []
 
-    def __call__(self, step: int) -> Path:
+    def __call__(self, step: int, write: bool = True) -> Path | None:
+        """Sample at `step`; `write=False` takes part in the sampling (sharded training needs every process)
+        without writing anything."""
         transformer = self.components.transformer
         param = next(transformer.parameters())
         cond = conditioning_from_entry(self.tensors, param.device, transformer.img_in.weight.dtype)
         transformer.eval()
         latents = sampler.denoise(self.components, cond, self.settings)
+        if not write:
+            return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step-{step:07d}.safetensors"
         save_file({"latents": latents.cpu().contiguous(),

@@ -1,0 +1,78 @@
+"""Sharded training (FSDP2 through accelerate): the frozen base split across processes, the LoRA whole on each.
+
+Why the LoRA is kept out of FSDP (accelerate's `ignored_modules`): its parameters are a few MB, so sharding them
+saves nothing, while keeping them whole means the optimizer state, the checkpoint and the saved LoRA are plain
+tensors, exactly those of one process; resume works across process counts. Their gradients are averaged with one
+all-reduce per optimizer step (what DDP would do), so N processes equal one process with the same global batch.
+
+The fp8 base (`train.fp8_base`, scaled-fp8 files kept in fp8) holds its weights as buffers, which FSDP2 does not
+shard: such a run is refused rather than silently replicating the whole base on every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: the FSDP unit: one transformer block (60 of them in the real model)
+BLOCK_CLASS = "QwenImageTransformerBlock"
+
+
+def is_fsdp() -> bool:
+    """True when `accelerate launch` was given an FSDP config (it exports ACCELERATE_USE_FSDP to each process)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
+    """Shard `model`'s frozen weights with FSDP2 (`fully_shard`, in place): one unit per transformer block plus
+    the root for the rest; the trainable (LoRA) parameters are `ignored_params`, whole on every process.
+
+    We call torch's `fully_shard` ourselves instead of `Accelerator.prepare_model`: accelerate turns FSDP on only
+    for GPU-family process groups (accelerate 1.15 `state.py`: FSDP is set for MULTI_GPU/..., never MULTI_CPU),
+    so its path could not be tested without GPUs, and the LoRA must stay outside FSDP (above). The accelerate
+    config's FSDP settings are read from the environment its launcher exports.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from qwen_edit_core import speed
+
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ValueError("FSDP training needs fsdp_version: 2 in the accelerate config (FSDP1 cannot mix frozen "
+                         "and trainable weights in one unit); see examples/fsdp2.yaml")
+    if speed.has_fp8(model):
+        raise ValueError("FSDP training cannot shard an fp8 base: its weights are buffers, which FSDP2 does not "
+                         "shard, so every process would hold all of them. Turn train.fp8_base off (and load a "
+                         "bf16 transformer file), or train with data parallel (plain `accelerate launch`)")
+    wrap = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", BLOCK_CLASS)
+    if wrap != BLOCK_CLASS:
+        raise ValueError(f"fsdp_transformer_layer_cls_to_wrap {wrap!r}: the unit must be {BLOCK_CLASS}")
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard")
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    lora = {p for p in model.parameters() if p.requires_grad}
+    for block in model.transformer_blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=lora)
+    fully_shard(model, mesh=mesh, ignored_params=lora)
+    log.info("FSDP: frozen base sharded over %d processes in %d block units; LoRA whole on each process",
+             world, len(model.transformer_blocks))
+    return model
+
+
+def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Average the LoRA gradients over processes with one all-reduce (they are outside FSDP's reduce-scatter)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or world == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
