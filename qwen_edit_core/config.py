@@ -8,6 +8,9 @@ so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,8 +19,21 @@ from typing import Any
 
 import yaml
 
+log = logging.getLogger(__name__)
+
 #: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
 AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
+Quantize = typing.Literal["none", "int8", "nf4"]
+BucketGrouping = typing.Literal["equal", "similar"]
+MixedPrecision = typing.Literal["no", "fp32", "bf16", "fp16"]
+#: mirror sample.flow.TIMESTEP_SCHEMES / LOSS_WEIGHTINGS and train.optim.SCHEDULES
+TimestepSampling = typing.Literal["shift", "uniform", "logit_normal", "fixed_shift"]
+LossWeighting = typing.Literal["none", "sigma_sqrt", "cosmap"]
+OptimizerType = typing.Literal["adamw", "adamw8bit"]
+ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cosine"]
+CfgMode = typing.Literal["sequential", "batched", "split"]
+ShiftMode = typing.Literal["dynamic", "fixed"]
+LoraInit = typing.Literal["default", "gaussian"]
 
 class ConfigError(ValueError):
     """A config key or value that is not accepted; the message names its dotted path."""
@@ -30,7 +46,7 @@ class LoraConfig:
     #: a preset name ("attn", "attn-img", "all") or a list of module-name suffixes
     targets: Any = "attn"
     dropout: float = 0.0
-    init: str = "default"
+    init: LoraInit = "default"
     #: LoRA file(s) to start from (continue training); any layout lora.read_lora_file accepts
     init_from: str | None = None
 
@@ -44,7 +60,7 @@ class ModelConfig:
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer
-    quantize: str = "none"
+    quantize: Quantize = "none"
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: a transformer as one safetensors file (ComfyUI's diffusion_models layout, bf16/fp32 or scaled fp8);
     #: the other components still come from pretrained_model_name_or_path
@@ -79,7 +95,7 @@ class DataConfig:
     batch_size: int = 1
     #: "equal": a batch holds one bucket (no padding); "similar": neighbouring sizes share a batch (padded,
     #: masked, equal to one-by-one)
-    bucket_grouping: str = "equal"
+    bucket_grouping: BucketGrouping = "equal"
     caption_dropout_rate: float = 0.0
     prompt_image_dropout_rate: float = 0.0
 
@@ -102,15 +118,15 @@ class TrainConfig:
     max_steps: int = 100
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
+    mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     #: "shift" (the sampler's resolution-dependent schedule), "uniform", "logit_normal", "fixed_shift"
-    timestep_sampling: str = "shift"
+    timestep_sampling: TimestepSampling = "shift"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     fixed_shift: float = 3.0
     #: "none", "sigma_sqrt", "cosmap"
-    loss_weighting: str = "none"
+    loss_weighting: LossWeighting = "none"
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     validation_every: int = 0
@@ -133,12 +149,15 @@ class TrainConfig:
     #: with an fp8 base: the base's input gradients as fp8 matmuls too (e4m3, per-row scales; faster,
     #: slightly noisier gradients)
     fp8_backward: bool = False
+    #: optimizer steps with a non-finite (NaN/Inf) loss that are skipped (gradients dropped) before training
+    #: stops; 0: stop at the first one. Training that stops keeps its last good checkpoint
+    skip_nonfinite_steps: int = 0
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     #: "adamw" or "adamw8bit" (bitsandbytes, CUDA)
-    type: str = "adamw"
+    type: OptimizerType = "adamw"
     lr: float = 1e-4
     betas: tuple = (0.9, 0.999)
     weight_decay: float = 0.01
@@ -148,7 +167,7 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class LRSchedulerConfig:
     #: "constant", "constant_with_warmup", "linear", "cosine"
-    type: str = "constant_with_warmup"
+    type: ScheduleType = "constant_with_warmup"
     warmup_steps: int = 0
 
 
@@ -176,9 +195,9 @@ class PredictConfig:
     true_cfg_scale: float = 4.0
     negative_prompt: str = " "
     #: "sequential" (as diffusers), "batched" (cond+uncond in one call), "split" (two devices at once)
-    cfg_mode: str = "sequential"
+    cfg_mode: CfgMode = "sequential"
     #: "dynamic" (mu from the target token count, as diffusers) or "fixed" (ComfyUI's mu)
-    shift_mode: str = "dynamic"
+    shift_mode: ShiftMode = "dynamic"
     fixed_mu: float = 1.15
     vae_area: int = 1024 * 1024
     vl_area: int = 384 * 384
@@ -238,6 +257,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -264,22 +285,91 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     return cls(**values)
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with the YAML 1.2 core schema's float rule: `1e-3`, `3E5` and `.5` are numbers
+    (YAML 1.1, which PyYAML implements, reads `1e-3` as a string)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def read_yaml(text: str):
+    """Parse YAML text with the YAML 1.2 number rule (`lr: 1e-3` is a float)."""
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
-    """Read a YAML config (seeds' sections); `overrides` is a nested dict applied on top of the file."""
+    """Read a YAML config (seeds' sections); `overrides` is a nested dict applied on top of the file.
+    Values are type-checked and range-checked (`check_ranges`) before anything else runs."""
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = read_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     if overrides:
         data = _merge(data, overrides)
-    return from_dict(Config, data)
+    config = from_dict(Config, data)
+    check_ranges(config)
+    return config
+
+
+#: (dotted path, test, what it must be): every numeric field with a range, checked by `check_ranges`
+_RANGES = [
+    ("model.lora.rank", lambda v: v >= 1, ">= 1"), ("model.lora.alpha", lambda v: v > 0, "> 0"),
+    ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("data.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("data.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("data.batch_size", lambda v: v >= 1, ">= 1"),
+    ("data.caption_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("data.prompt_image_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("train.max_steps", lambda v: v >= 1, ">= 1"),
+    ("train.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("train.max_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("train.logit_std", lambda v: v > 0, "> 0"), ("train.fixed_shift", lambda v: v > 0, "> 0"),
+    ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("train.keep_checkpoints", lambda v: v >= 0, ">= 0 (0: keep all)"),
+    ("train.validation_every", lambda v: v >= 0, ">= 0"), ("train.validation_steps", lambda v: v >= 1, ">= 1"),
+    ("train.checkpoint_blocks", lambda v: v >= -1, ">= -1 (-1: all)"),
+    ("train.offload_blocks", lambda v: v >= 0, ">= 0"), ("train.memory_budget_gb", lambda v: v >= 0, ">= 0"),
+    ("train.skip_nonfinite_steps", lambda v: v >= 0, ">= 0"),
+    ("optimizer.lr", lambda v: v > 0, "> 0"), ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optimizer.eps", lambda v: v > 0, "> 0"),
+    ("optimizer.betas", lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+     "two numbers in [0, 1)"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("predict.num_inference_steps", lambda v: v >= 1, ">= 1"),
+    ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
+    ("predict.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("predict.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+]
+
+
+def check_ranges(config: Config) -> None:
+    """ConfigError naming every value out of its range by dotted path (`train.max_steps: -5 must be >= 1`);
+    a warning when the steps' warmup is longer than the run."""
+    bad = []
+    for path, test, rule in _RANGES:
+        value = config
+        for part in path.split("."):
+            value = getattr(value, part)
+        if not test(value):
+            bad.append(f"{path}: {value!r} must be {rule}")
+    if bad:
+        raise ConfigError("; ".join(bad))
+    if config.lr_scheduler.warmup_steps > config.train.max_steps:
+        log.warning("lr_scheduler.warmup_steps %d is more than train.max_steps %d: the learning rate never "
+                    "reaches optimizer.lr", config.lr_scheduler.warmup_steps, config.train.max_steps)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -309,29 +308,45 @@ def test_writer_killed_mid_write_leaves_no_readable_entry(tmp_path):
     assert not hit and calls == [1] and cache.stats()["recomputed"] == 0  # nothing bad was ever under the name
 
 
-_ENDLESS_WRITER = _PRELUDE + """
+_PAUSING_WRITER = _PRELUDE + """
+import safetensors.torch as st
+real, count = st.save_file, [0]
+def pausing(tensors, path, metadata=None):
+    real(tensors, path, metadata=metadata)
+    count[0] += 1
+    if count[0] == 3:  # the third entry is whole in its temporary file, not yet renamed: hold there
+        print("inside", path, flush=True)
+        sys.stdin.readline()
+st.save_file = pausing
 cache, i = EmbeddingCache(sys.argv[1]), 0
-print("ready", flush=True)
 while True:
-    cache.put(_key(caption=f"sample {i}"), _tensors(i, h=512, w=256))  # 8 MiB entries
+    cache.put(_key(caption=f"sample {i}"), _tensors(i, h=128, w=128))
+    print("wrote", i, flush=True)
     i += 1
 """
 
 
 def test_sigkill_during_writes_leaves_only_whole_entries(tmp_path):
-    proc = _python(_ENDLESS_WRITER, tmp_path)
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
-    time.sleep(0.5)
+    """The kill lands inside the third write (the child says so and waits), never after a guessed delay."""
+    proc = _python(_PAUSING_WRITER, tmp_path, stdin=subprocess.PIPE)
+    lines = []
+    while not lines or not lines[-1].startswith("inside"):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]
+        lines.append(line.strip())
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    assert lines[:2] == ["wrote 0", "wrote 1"]
     cache = EmbeddingCache(tmp_path)
     entries = [p for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".")]
-    assert entries, "the writer wrote nothing before it was killed"
+    hidden = [p for p in tmp_path.rglob("*") if p.is_file() and p.name.startswith(".")]
+    assert len(entries) == 2 and len(hidden) == 1 and str(hidden[0]) == lines[-1].split(" ", 1)[1]
     for path in entries:
         with safe_open(str(path), framework="pt") as fh:
             key = CacheKey.from_metadata(fh.metadata())
         assert cache.get(key) is not None
-    assert cache.stats() == {"hits": len(entries), "misses": 0, "recomputed": 0}
+    assert cache.get(_key(caption="sample 2")) is None
+    assert cache.stats() == {"hits": 2, "misses": 1, "recomputed": 0}
 
 
 _SAME_KEY_WRITER = _PRELUDE + """
