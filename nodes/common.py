@@ -51,6 +51,18 @@ class DatasetHandle:
     resolution: int | None = None
 
 
+#: tooltips several nodes share (units and typical values; shown by the frontend on hover)
+TIPS = {
+    "model": "the loaded Qwen-Image-Edit model (Load Model, or Assemble Model for per-component loaders)",
+    "device": "where this component's weights live and run: cpu, cuda:N or mps",
+    "dtype": "weight dtype: bfloat16 on GPUs (half the memory of float32); float32 on the CPU and for the "
+             "built-in tiny model",
+    "quantize": "none, or int8 / nf4 weights via bitsandbytes (CUDA only; about 1/2 and 1/4 of bf16 memory)",
+    "image": "the control image to edit (ComfyUI IMAGE, RGB in [0, 1])",
+    "dataset": "a dataset from Dataset From Folder, Synthetic Demo Dataset or Build Cache",
+}
+
+
 def device_choices() -> list[str]:
     return available_devices()
 

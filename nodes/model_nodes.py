@@ -11,7 +11,7 @@ from qwen_edit_core.adapters import lora
 from qwen_edit_core.model.devices import resolve_device, resolve_dtype
 
 from . import comfy_runtime
-from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TRANSFORMER, VAE, ModelHandle,
+from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TIPS, TRANSFORMER, VAE, ModelHandle,
                      device_choices, model_choices, resolve_model)
 
 
@@ -35,7 +35,18 @@ def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae
                                          {"tooltip": "a Qwen2.5-VL text encoder file of ComfyUI's text_encoders "
                                                      "folder (qwen_2.5_vl_7b, bf16 or scaled fp8); its tokenizer "
                                                      "is the directory's processor/, else ComfyUI's own"})
-    return {"required": {"model": (model_choices(),), **(extra or {})}, "optional": optional}
+    model = (model_choices(), {"tooltip": "a diffusers-layout Qwen-Image-Edit (or Edit Plus) directory of "
+                                          "models/qwen_edit/, or the built-in tiny random model (for trying "
+                                          "workflows: its images are noise)"})
+    return {"required": {"model": model, **(extra or {})}, "optional": optional}
+
+
+def _device(component: str) -> tuple:
+    return (device_choices(), {"tooltip": f"{component}: {TIPS['device']}"})
+
+
+DTYPE = (DTYPES, {"tooltip": TIPS["dtype"]})
+QUANTIZE = (list(comp.QUANTIZE_MODES), {"tooltip": TIPS["quantize"]})
 
 
 def _transformer_file(name: str | None) -> Path | None:
@@ -50,7 +61,7 @@ def _text_encoder_file(name: str | None) -> Path | None:
     return None if not name or name == FROM_DIRECTORY else comfy_runtime.folder_file_path("text_encoders", name)
 
 
-def _device(name: str, component: str) -> torch.device:
+def _resolve(name: str, component: str) -> torch.device:
     return resolve_device(name, component=component)
 
 
@@ -58,15 +69,20 @@ class QwenEditModelLoader:
     """Transformer, VAE and text encoder of one diffusers-layout directory, each on its own device."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Loads a Qwen-Image-Edit model (transformer, VAE, text encoder) from a diffusers-layout "
+                   "folder of models/qwen_edit/ or ComfyUI's own single files, each component on the device "
+                   "you pick. Start every Qwen Edit graph here; the built-in tiny model tries workflows "
+                   "without downloads.")
     RETURN_TYPES = (MODEL,)
     RETURN_NAMES = ("model",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        devices = device_choices()
-        return _model_inputs({"transformer_device": (devices,), "vae_device": (devices,),
-                              "text_encoder_device": (devices,), "dtype": (DTYPES,)}, transformer_file=True,
+        return _model_inputs({"transformer_device": _device("transformer (20 B parameters: ~41 GiB in bf16)"),
+                              "vae_device": _device("VAE (~0.25 GB)"),
+                              "text_encoder_device": _device("text encoder (Qwen2.5-VL 7B: ~16 GB in bf16)"),
+                              "dtype": DTYPE}, transformer_file=True,
                              vae_file=True, text_encoder_file=True)
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
@@ -83,68 +99,77 @@ class QwenEditModelLoader:
 
 class QwenEditTransformerLoader:
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Loads only the transformer (the 20 B parameter denoiser) on one device, optionally "
+                   "int8/nf4 or from a diffusion_models file. Combine with the other component loaders in "
+                   "Assemble Model.")
     RETURN_TYPES = (TRANSFORMER,)
     RETURN_NAMES = ("transformer",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
-                              "quantize": (list(comp.QUANTIZE_MODES),)}, transformer_file=True)
+        return _model_inputs({"device": _device("transformer"), "dtype": DTYPE, "quantize": QUANTIZE},
+                             transformer_file=True)
 
     def load(self, model, device, dtype, quantize, path="", transformer_file=None):
         directory = comp.resolve_model_dir(resolve_model(model, path))
         file = _transformer_file(transformer_file)
         if file is not None:
             from qwen_edit_core.model.single_file import load_transformer_file
-            module = load_transformer_file(file, device=_device(device, "transformer"), dtype=resolve_dtype(dtype))
+            module = load_transformer_file(file, device=_resolve(device, "transformer"), dtype=resolve_dtype(dtype))
         else:
-            module = comp.load_transformer(directory, device=_device(device, "transformer"),
+            module = comp.load_transformer(directory, device=_resolve(device, "transformer"),
                                            dtype=resolve_dtype(dtype), quantize=quantize)
         return ((directory, module, file),)  # the file travels on: cache identity, training config
 
 
 class QwenEditVAELoader:
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Loads only the Qwen-Image VAE on one device (from the model folder or a file of "
+                   "ComfyUI's vae folder).")
     RETURN_TYPES = (VAE,)
     RETURN_NAMES = ("vae",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,)}, vae_file=True)
+        return _model_inputs({"device": _device("VAE"), "dtype": DTYPE}, vae_file=True)
 
     def load(self, model, device, dtype, path="", vae_file=None):
         file = _vae_file(vae_file)
         if file is not None:
             from qwen_edit_core.model.single_file import load_vae_file
-            return ((load_vae_file(file, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), file),)
+            return ((load_vae_file(file, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype)), file),)
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        return ((comp.load_vae(directory, device=_device(device, "vae"), dtype=resolve_dtype(dtype)), None),)
+        return ((comp.load_vae(directory, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype)), None),)
 
 
 class QwenEditTextEncoderLoader:
     """Qwen2.5-VL with its tokenizer and processor (weights from the directory or a text_encoders file)."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Loads only the Qwen2.5-VL text encoder with its tokenizer on one device (from the model "
+                   "folder or a text_encoders file).")
     RETURN_TYPES = (TEXT_ENCODER,)
     RETURN_NAMES = ("text_encoder",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": (device_choices(),), "dtype": (DTYPES,),
-                              "quantize": (list(comp.QUANTIZE_MODES),)}, text_encoder_file=True)
+        return _model_inputs({"device": _device("text encoder"), "dtype": DTYPE, "quantize": QUANTIZE},
+                             text_encoder_file=True)
 
     def load(self, model, device, dtype, quantize, path="", text_encoder_file=None):
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        return (comp.load_text_encoder(directory, device=_device(device, "text_encoder"), dtype=resolve_dtype(dtype),
+        return (comp.load_text_encoder(directory, device=_resolve(device, "text_encoder"), dtype=resolve_dtype(dtype),
                                        quantize=quantize, text_encoder_file=_text_encoder_file(text_encoder_file),
                                        comfyui_dir=comfy_runtime.comfyui_dir()),)
 
 
 class QwenEditSchedulerLoader:
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Reads the model folder's scheduler settings and whether it is Edit or Edit Plus; needed "
+                   "by Assemble Model.")
     RETURN_TYPES = (SCHEDULER,)
     RETURN_NAMES = ("scheduler",)
     FUNCTION = "load"
@@ -162,14 +187,19 @@ class QwenEditAssembleModel:
     """Components loaded separately (each on its own device) -> one model for the encode/sample/train nodes."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    DESCRIPTION = ("Joins separately loaded transformer, VAE, text encoder and scheduler into one model for "
+                   "the encode, sample and train nodes.")
     RETURN_TYPES = (MODEL,)
     RETURN_NAMES = ("model",)
     FUNCTION = "assemble"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"transformer": (TRANSFORMER,), "vae": (VAE,), "text_encoder": (TEXT_ENCODER,),
-                             "scheduler": (SCHEDULER,)}}
+        return {"required": {"transformer": (TRANSFORMER, {"tooltip": "from Load Transformer"}),
+                             "vae": (VAE, {"tooltip": "the VAE from Load VAE"}),
+                             "text_encoder": (TEXT_ENCODER, {"tooltip": "from Load Text Encoder"}),
+                             "scheduler": (SCHEDULER, {"tooltip": "from Load Scheduler (also names the model "
+                                                                  "directory and the Edit / Edit Plus variant)"})}}
 
     def assemble(self, transformer, vae, text_encoder, scheduler):
         directory, variant, config = scheduler
@@ -187,15 +217,25 @@ class QwenEditLoraLoader:
     """Apply a LoRA file (ComfyUI, diffusers/peft or kohya layout) with a strength; chain for several."""
 
     CATEGORY = f"{CATEGORY}/lora"
+    DESCRIPTION = ("Applies a LoRA file to the model with a strength (the model's weights stay unchanged; "
+                   "chain several loaders for several LoRAs).")
     RETURN_TYPES = (MODEL,)
     RETURN_NAMES = ("model",)
     FUNCTION = "apply"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "lora_name": (["(none)"] + comfy_runtime.folder_files("loras"),),
-                             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.05})},
-                "optional": {"lora_path": ("STRING", {"default": "", "forceInput": True})}}
+        return {"required": {
+            "model": (MODEL, {"tooltip": TIPS["model"]}),
+            "lora_name": (["(none)"] + comfy_runtime.folder_files("loras"),
+                          {"tooltip": "a LoRA file of ComfyUI's models/loras folder (ComfyUI, diffusers/peft or "
+                                      "kohya keys); (none): pass the model through"}),
+            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.05,
+                                   "tooltip": "multiplies the LoRA's change: 1.0 as trained, 0.5-1.2 typical, 0 "
+                                              "off, negative inverts the edit"})},
+            "optional": {"lora_path": ("STRING", {"default": "", "forceInput": True,
+                                                  "tooltip": "a LoRA file path (e.g. Training Status's lora_path); "
+                                                             "used instead of lora_name when connected"})}}
 
     def apply(self, model, lora_name, strength, lora_path=None):
         if not lora_path and lora_name == "(none)":

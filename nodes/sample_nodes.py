@@ -15,20 +15,37 @@ from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from . import comfy_runtime
-from .common import CATEGORY, CONDITIONING, LATENT, MODEL, device_choices, image_to_pils
+from .common import CATEGORY, CONDITIONING, LATENT, MODEL, TIPS, device_choices, image_to_pils
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
 # Widget specs several nodes share (same names, defaults and ranges everywhere).
-PROMPT = ("STRING", {"multiline": True, "default": "make the sky purple"})
-NEGATIVE = ("STRING", {"multiline": True, "default": " "})
-STEPS = ("INT", {"default": 20, "min": 1, "max": 200})
-SEED = ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True})
+MODEL_IN = (MODEL, {"tooltip": TIPS["model"]})
+IMAGE_IN = ("IMAGE", {"tooltip": TIPS["image"]})
+EXTRA_IMAGES = {f"image{i}": ("IMAGE", {"tooltip": f"control image {i} (Edit Plus models take up to 3)"})
+                for i in (2, 3)}
+PROMPT = ("STRING", {"multiline": True, "default": "make the sky purple",
+                     "tooltip": "the edit instruction, e.g. 'make the sky purple', 'remove the cup'"})
+NEGATIVE = ("STRING", {"multiline": True, "default": " ",
+                       "tooltip": "what to steer away from; a single space is the reference pipeline's default"})
+STEPS = ("INT", {"default": 20, "min": 1, "max": 200,
+                 "tooltip": "denoising steps: 20-50 for real models (the reference uses 50), 4-8 for the tiny one"})
+CFG = ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1, "round": 0.01,
+                 "tooltip": "true CFG scale: 4.0 typical (3-5); <= 1 turns CFG off (one transformer call per "
+                            "step, twice as fast)"})
+SEED = ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                "tooltip": "noise seed: the same seed and settings give the same image"})
+SHIFT = (SHIFT_MODES, {"tooltip": "timestep shift: dynamic by image size (diffusers' pipeline, mu from the "
+                                  "token count), or ComfyUI's fixed shift 1.15 (ModelSamplingAuraFlow default)"})
+UNCOND = (["same"] + device_choices(), {"tooltip": "same: batched CFG on the model's device; another device "
+                                                   "(e.g. cuda:1): both CFG branches at once, uncond on a copy there"})
 VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                    "tooltip": "control images are resized to this side squared in pixels"})
+                    "tooltip": "control images are resized to about this side squared in pixels (1024: "
+                               "~1 megapixel, the model's native size; 512 for quick tries)"})
 
 
 def _size(name: str) -> tuple:
-    return ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16, "tooltip": f"0: {name} from the image"})
+    return ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16,
+                    "tooltip": f"output {name} in pixels (multiple of 16); 0: from the first control image"})
 
 
 def _controls(image, image2=None, image3=None) -> list:
@@ -87,6 +104,8 @@ class QwenEditSampler:
     both branches at once, the uncond one on a replica on `uncond_device`."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    DESCRIPTION = ("Edits the control image following the prompt, with true CFG (cond and uncond branches). "
+                   "Put the uncond branch on a second GPU with uncond_device.")
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("image",)
     FUNCTION = "sample"
@@ -94,13 +113,10 @@ class QwenEditSampler:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (MODEL,), "image": ("IMAGE",), "prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": STEPS,
-            "true_cfg_scale": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1,
-                                         "tooltip": "<= 1 turns CFG off (one transformer call per step)"}),
-            "seed": SEED, "width": _size("width"), "height": _size("height"), "shift_mode": (SHIFT_MODES,),
-            "uncond_device": (["same"] + device_choices(), {"tooltip": "same: batched CFG on the model's device"}),
-            "vae_side": VAE_SIDE,
-        }, "optional": {"image2": ("IMAGE",), "image3": ("IMAGE",)},
+            "model": MODEL_IN, "image": IMAGE_IN, "prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": STEPS,
+            "true_cfg_scale": CFG, "seed": SEED, "width": _size("width"), "height": _size("height"),
+            "shift_mode": SHIFT, "uncond_device": UNCOND, "vae_side": VAE_SIDE,
+        }, "optional": dict(EXTRA_IMAGES),
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
@@ -116,15 +132,17 @@ class QwenEditEncodePrompt:
     """Prompt + negative prompt + control image(s) -> conditioning for QwenEditSampleConditioning."""
 
     CATEGORY = f"{CATEGORY}/encode"
+    DESCRIPTION = ("Encodes the edit prompt, negative prompt and control image(s) once, for Sample "
+                   "Conditioning.")
     RETURN_TYPES = (CONDITIONING,)
     RETURN_NAMES = ("conditioning",)
     FUNCTION = "encode"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "image": ("IMAGE",), "prompt": PROMPT, "negative_prompt": NEGATIVE,
+        return {"required": {"model": MODEL_IN, "image": IMAGE_IN, "prompt": PROMPT, "negative_prompt": NEGATIVE,
                              "width": _size("width"), "height": _size("height"), "vae_side": VAE_SIDE},
-                "optional": {"image2": ("IMAGE",), "image3": ("IMAGE",)}}
+                "optional": dict(EXTRA_IMAGES)}
 
     def encode(self, model, image, prompt, negative_prompt, width, height, vae_side, image2=None, image3=None):
         settings = _settings(width=width, height=height, negative=negative_prompt, vae_area=vae_side)
@@ -133,17 +151,22 @@ class QwenEditEncodePrompt:
 
 
 class QwenEditSampleConditioning:
+    """Sample from conditioning encoded once by Encode Prompt + Image (change steps, CFG or seed without
+    re-encoding)."""
+
     CATEGORY = f"{CATEGORY}/sampling"
+    DESCRIPTION = ("Samples an edit from conditioning made by Encode Prompt + Image (change steps, CFG or "
+                   "seed without encoding again).")
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("image",)
     FUNCTION = "sample"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "conditioning": (CONDITIONING,), "steps": STEPS,
-                             "true_cfg_scale": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1}),
-                             "seed": SEED,
-                             "shift_mode": (SHIFT_MODES,), "uncond_device": (["same"] + device_choices(),)},
+        return {"required": {"model": MODEL_IN,
+                             "conditioning": (CONDITIONING, {"tooltip": "from Encode Prompt + Image"}),
+                             "steps": STEPS, "true_cfg_scale": CFG, "seed": SEED, "shift_mode": SHIFT,
+                             "uncond_device": UNCOND},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None):
@@ -155,14 +178,18 @@ class QwenEditSampleConditioning:
 
 
 class QwenEditEncodeImage:
+    """Image(s) -> Qwen-Image VAE latents (normalized, 16 channels, 1/8 of the size)."""
+
     CATEGORY = f"{CATEGORY}/encode"
+    DESCRIPTION = ("Encodes images with the model's VAE into latents.")
     RETURN_TYPES = (LATENT,)
     RETURN_NAMES = ("latent",)
     FUNCTION = "encode"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "image": ("IMAGE",), "vae_side": VAE_SIDE}}
+        return {"required": {"model": MODEL_IN, "image": ("IMAGE", {"tooltip": "the image(s) to encode"}),
+                             "vae_side": VAE_SIDE}}
 
     def encode(self, model, image, vae_side):
         comps = model.components
@@ -176,14 +203,17 @@ class QwenEditEncodeImage:
 
 
 class QwenEditDecodeLatent:
+    """Latents of Encode Image -> images, through the model's VAE."""
+
     CATEGORY = f"{CATEGORY}/encode"
+    DESCRIPTION = ("Decodes latents of Encode Image into images with the model's VAE.")
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("image",)
     FUNCTION = "decode"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "latent": (LATENT,)}}
+        return {"required": {"model": MODEL_IN, "latent": (LATENT, {"tooltip": "from Encode Image"})}}
 
     def decode(self, model, latent):
         comps = model.components
@@ -202,6 +232,8 @@ class QwenEditSpeed:
     LoRAs still load and switch on top."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    DESCRIPTION = ("Faster sampling: fp8 matmuls (Ada/Hopper GPUs), compiled blocks and the attention "
+                   "kernel. Returns a new model; the input model is left as it is.")
     RETURN_TYPES = (MODEL,)
     RETURN_NAMES = ("model",)
     FUNCTION = "apply"
@@ -209,7 +241,7 @@ class QwenEditSpeed:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (MODEL,),
+            "model": MODEL_IN,
             "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 base weights, fp8 matmuls: ~1.6x faster "
                                                              "linears, half the weight memory; LoRAs stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),

@@ -18,7 +18,12 @@ from qwen_edit_core.adapters.lora import TARGET_PRESETS
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from . import comfy_runtime
-from .common import CATEGORY, DATASET, JOB, MODEL, DatasetHandle, files_to_image, image_to_pils
+from .common import CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils
+
+
+RESOLUTION = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
+                      "tooltip": "training side in pixels: images are resized to about this side squared "
+                                 "(1024 native; 512 trains ~4x faster)"})
 
 
 def _folder(folder: str) -> Path:
@@ -31,6 +36,8 @@ class QwenEditDataset:
     """A folder of edit pairs, validated: every problem is listed (or skipped with skip_invalid)."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DESCRIPTION = ("Reads and checks a folder of before/after edit pairs (with prompts) for training; lists "
+                   "every problem it finds.")
     RETURN_TYPES = (DATASET, "STRING")
     RETURN_NAMES = ("dataset", "summary")
     FUNCTION = "load"
@@ -40,7 +47,9 @@ class QwenEditDataset:
     def INPUT_TYPES(cls):
         return {"required": {"folder": ("STRING", {"default": "my_edit_pairs", "tooltip": "absolute, or relative "
                                                    "to ComfyUI's input folder"}),
-                             "skip_invalid": ("BOOLEAN", {"default": False})}}
+                             "skip_invalid": ("BOOLEAN", {"default": False,
+                                                          "tooltip": "off: any broken pair stops with the list of "
+                                                                     "problems; on: train on the good pairs"})}}
 
     def load(self, folder, skip_invalid):
         path = _folder(folder)
@@ -54,16 +63,22 @@ class QwenEditSyntheticDataset:
     """Writes the demo's learnable edit (invert the colours) as pairs, so a workflow runs anywhere."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DESCRIPTION = ("Writes a small demo dataset (the edit: invert the colours) so training workflows run "
+                   "anywhere.")
     RETURN_TYPES = (DATASET, "IMAGE")
     RETURN_NAMES = ("dataset", "example_control")
     FUNCTION = "make"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"folder": ("STRING", {"default": "qwen_edit_demo_pairs"}),
-                             "count": ("INT", {"default": 16, "min": 2, "max": 1000}),
+        return {"required": {"folder": ("STRING", {"default": "qwen_edit_demo_pairs",
+                                                   "tooltip": "where the pairs are written: absolute, or relative "
+                                                              "to ComfyUI's input folder"}),
+                             "count": ("INT", {"default": 16, "min": 2, "max": 1000,
+                                               "tooltip": "number of before/after pairs (8-16 for a demo)"}),
                              "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
-                                              "control_after_generate": False})}}
+                                              "control_after_generate": False,
+                                              "tooltip": "the same seed writes the same pictures"})}}
 
     def make(self, folder, count, seed):
         from qwen_edit_core.demo import write_dataset
@@ -97,6 +112,8 @@ class QwenEditBuildCache:
     """Precompute latents and embeddings of a dataset (reused across runs); progress bar; interruptible."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DESCRIPTION = ("Encodes every pair of a dataset once (VAE latents and prompt embeddings) so training "
+                   "needs only the transformer; reused across runs.")
     RETURN_TYPES = (DATASET, "STRING")
     RETURN_NAMES = ("dataset", "summary")
     FUNCTION = "build"
@@ -104,8 +121,9 @@ class QwenEditBuildCache:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (MODEL,), "dataset": (DATASET,),
-                             "resolution": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32}),
+        return {"required": {"model": (MODEL, {"tooltip": TIPS["model"]}),
+                             "dataset": (DATASET, {"tooltip": TIPS["dataset"]}),
+                             "resolution": RESOLUTION,
                              "cache_dir": ("STRING", {"default": "", "tooltip": "empty: models/qwen_edit/cache"})},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
@@ -138,6 +156,8 @@ class QwenEditTrain:
     """Start LoRA training in the background and return a job handle at once."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DESCRIPTION = ("Starts LoRA training in the background and returns a job at once; watch it with Training "
+                   "Status. The LoRA lands in models/loras.")
     RETURN_TYPES = (JOB,)
     RETURN_NAMES = ("job",)
     FUNCTION = "start"
@@ -145,23 +165,43 @@ class QwenEditTrain:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (MODEL,), "dataset": (DATASET,),
-            "lora_name": ("STRING", {"default": "qwen_edit_lora"}),
-            "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000}),
-            "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-5}),
-            "rank": ("INT", {"default": 16, "min": 1, "max": 512}),
-            "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0}),
-            "targets": (list(TARGET_PRESETS),),
-            "batch_size": ("INT", {"default": 1, "min": 1, "max": 64}),
-            "resolution": ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32}),
-            "checkpoint_every": ("INT", {"default": 250, "min": 0, "max": 1_000_000}),
-            "resume": ("BOOLEAN", {"default": False}),
+            "model": (MODEL, {"tooltip": TIPS["model"] + "; the LoRA trains on its transformer"}),
+            "dataset": (DATASET, {"tooltip": TIPS["dataset"] + " (cached: Build Cache first)"}),
+            "lora_name": ("STRING", {"default": "qwen_edit_lora", "tooltip": "file name of the LoRA in "
+                                     "models/loras (.safetensors is added); also names the run folder"}),
+            "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000,
+                              "tooltip": "optimizer steps: 500-3000 for a style or edit on 20-100 pairs"}),
+            # the frontend keeps as many decimals as `step` has: step 1e-7 keeps 1e-6, 1.5e-6 and 5e-7
+            "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-7, "round": 1e-7,
+                                        "tooltip": "AdamW learning rate: 1e-4 typical for rank 16 (5e-5 to 2e-4); "
+                                                   "down to 1e-6 for gentle fine-tuning"}),
+            "rank": ("INT", {"default": 16, "min": 1, "max": 512,
+                             "tooltip": "LoRA rank: 16 typical (8-64); the file's size and what it can learn "
+                                        "grow with it"}),
+            "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5, "round": 0.01,
+                                "tooltip": "LoRA alpha: the update is scaled by alpha / rank; alpha = rank "
+                                           "(scale 1) is typical, alpha = rank / 2 halves it"}),
+            "targets": (list(TARGET_PRESETS), {"tooltip": "which linear layers get a LoRA: attn (image and "
+                                               "text attention), attn-img (image attention only, smallest), all "
+                                               "(attention and feed-forward, most capacity)"}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
+                                   "tooltip": "pairs per step: 1 at 1024^2 on an 80 GB GPU (~44 "
+                                              "GiB with checkpointing), more at lower resolution"}),
+            "resolution": RESOLUTION,
+            "checkpoint_every": ("INT", {"default": 250, "min": 0, "max": 1_000_000,
+                                         "tooltip": "save a resumable checkpoint every N steps (0: only at the "
+                                                    "end and on stop); 250 typical"}),
+            "resume": ("BOOLEAN", {"default": False, "tooltip": "continue from this lora_name's last checkpoint "
+                                                                "(set steps to the new total)"}),
             # no "control after generate": a training seed must not change between queued runs (resume)
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": False}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": False,
+                             "tooltip": "seed of the LoRA's init, noise and timesteps (keep it for resume)"}),
             "use_cache": ("BOOLEAN", {"default": True, "tooltip": "off: encode every batch in real time"}),
         }, "optional": {
-            "validation_image": ("IMAGE",),
-            "validation_prompt": ("STRING", {"default": "", "multiline": True}),
+            "validation_image": ("IMAGE", {"tooltip": "a control image to edit every validation_every steps "
+                                                      "(shows how the LoRA learns)"}),
+            "validation_prompt": ("STRING", {"default": "", "multiline": True,
+                                             "tooltip": "the prompt for the validation image"}),
             "validation_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
                                          "tooltip": "0: no validation images"}),
             "memory_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
@@ -206,6 +246,9 @@ class QwenEditTrainStatus:
     with a checkpoint. Returns the LoRA's name in the loras folder, the loss plot and validation images."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DESCRIPTION = ("Shows a training job's progress and loss (or waits for it); interrupting stops the job "
+                   "with a checkpoint. Outputs the LoRA's name and path, the loss plot and validation "
+                   "images.")
     RETURN_TYPES = ("STRING", "STRING", "IMAGE", "IMAGE", "FLOAT")
     RETURN_NAMES = ("lora_name", "lora_path", "loss_plot", "validation", "loss")
     FUNCTION = "status"
@@ -213,7 +256,9 @@ class QwenEditTrainStatus:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"job": (JOB,), "wait": ("BOOLEAN", {"default": True})},
+        return {"required": {"job": (JOB, {"tooltip": "the Train node's job"}),
+                             "wait": ("BOOLEAN", {"default": True, "tooltip": "wait for the job to finish with a "
+                                                  "progress bar; off: report its state at once"})},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
