@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwen_edit_core.model import encode
+from qwen_edit_core.model import encode, variants
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import Components, load_components, replicate
 from qwen_edit_core.config import Config
@@ -124,7 +124,7 @@ class QwenImageEditTrainer:
         comps = self._require()
         comps.require("text_encoder")
         images = [encode.to_pil(i) for i in (image if isinstance(image, (list, tuple)) else [image])]
-        area = area or (self.config.predict.vae_area if comps.variant == "edit" else self.config.predict.vl_area)
+        area = area or variants.get(comps.variant).vl_area(self.config.predict.vae_area, self.config.predict.vl_area)
         vl = [encode.resize(i, *encode.image_size_at_area(i, area)) for i in images]
         te = comps.text_encoder
         (emb,) = encode.encode_prompts(te.model, te.processor, [prompt], [vl], comps.variant, device=te.device)

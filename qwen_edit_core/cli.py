@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from qwen_edit_core.model import variants
+
 log = logging.getLogger("qwen_edit_core.cli")
 
 
@@ -147,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny", help="build the offline tiny model directory")
     p.add_argument("out_dir")
-    p.add_argument("--variant", choices=["edit", "edit-plus"], default="edit")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "real-width"], default="tiny")
     p.set_defaults(func=cmd_tiny)

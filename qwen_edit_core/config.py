@@ -55,8 +55,9 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: "edit" (one control image) or "edit-plus" (1-3); empty = read from model_index.json
-    variant: str = ""
+    #: a model/variants.py name: "edit" (one control image), "edit-plus" (Edit-2509, 1-3) or "edit-2511";
+    #: empty = read from model_index.json (and the transformer's zero_cond_t)
+    variant: typing.Literal["", "edit", "edit-plus", "edit-2511"] = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer

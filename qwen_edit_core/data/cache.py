@@ -76,8 +76,8 @@ def float_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class CacheKey:
     """Everything that changes an entry's tensors. `image_hashes`: sha256 of the target file's bytes, then of
-    each control file's; buckets are (width, height) in pixels; `template` is the variant ("edit" or
-    "edit-plus"); `dtype` names the float dtype of latents and embeddings."""
+    each control file's; buckets are (width, height) in pixels; `template` is the variant's prompt
+    encoding (model/variants.py `Variant.encoding`); `dtype` names the float dtype of latents and embeddings."""
 
     image_hashes: tuple[str, ...]
     caption: str

@@ -14,11 +14,10 @@ from typing import Sequence
 
 import torch
 
-from qwen_edit_core.model import encode
+from qwen_edit_core.model import encode, variants
 from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identity, hash_file
 from qwen_edit_core.data.dataset import EditExample, load_rgb
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model.templates import EDIT_DROP, EDIT_PLUS_DROP
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class EncodeSettings:
 
     @property
     def prefix_len(self) -> int:
-        return EDIT_DROP if self.variant == "edit" else EDIT_PLUS_DROP
+        return variants.get(self.variant).drop
 
 
 def buckets(example: EditExample, settings: EncodeSettings) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
@@ -49,8 +48,9 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
     target_bucket, control_buckets = buckets(example, settings)
     return CacheKey(image_hashes=tuple(hash_file(p) for p in (example.target, *example.controls)),
                     caption=example.caption, component_identity=identity, vae_area=settings.vae_area,
-                    vl_area=settings.vl_area if settings.variant == "edit-plus" else 0,
-                    target_bucket=target_bucket, control_buckets=control_buckets, template=settings.variant,
+                    vl_area=variants.get(settings.variant).vl_area_key(settings.vl_area),
+                    target_bucket=target_bucket, control_buckets=control_buckets,
+                    template=variants.get(settings.variant).encoding,
                     prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."))
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DeviceError
 
 log = logging.getLogger(__name__)
 
-PIPELINE_VARIANTS = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit-plus"}
 QUANTIZE_MODES = ("none", "int8", "nf4")
 
 
@@ -53,13 +53,12 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 
 def detect_variant(model_dir: Path) -> str:
-    """"edit" or "edit-plus" from model_index.json's pipeline class."""
-    index = json.loads((model_dir / "model_index.json").read_text())
-    name = index.get("_class_name", "")
-    if name not in PIPELINE_VARIANTS:
-        raise ModelNotFoundError(f"{str(model_dir)!r} holds a {name or 'unknown'} model; accepted: "
-                                 f"{', '.join(PIPELINE_VARIANTS)} (Qwen-Image-Edit, Edit-2509/2511)")
-    return PIPELINE_VARIANTS[name]
+    """The variant name (model/variants.py) of a diffusers directory, from model_index.json's pipeline class
+    and the transformer's zero_cond_t."""
+    try:
+        return variants.from_model_dir(model_dir).name
+    except variants.UnknownVariantError as err:
+        raise ModelNotFoundError(str(err)) from None
 
 
 def _quantization(mode: str, device: torch.device, component: str, library: str):
@@ -125,11 +124,11 @@ class TextEncoder:
 
 def processor_source(model_dir: Path | None, comfyui_dir: str | Path | None = None) -> Path:
     """The folder the text encoder's processor is read from: `model_dir/processor` when the model directory has
-    one, else ComfyUI's bundled Qwen2.5 tokenizer under `comfyui_dir` (single_file.comfy_tokenizer_dir)."""
+    one, else ComfyUI's bundled Qwen2.5 tokenizer under `comfyui_dir` (text_encoder_file.comfy_tokenizer_dir)."""
     if model_dir is not None and (Path(model_dir) / "processor").is_dir():
         return Path(model_dir) / "processor"
     if comfyui_dir:
-        from qwen_edit_core.model.single_file import comfy_tokenizer_dir
+        from qwen_edit_core.model.text_encoder_file import comfy_tokenizer_dir
         return comfy_tokenizer_dir(comfyui_dir)
     where = f"{str(model_dir)!r} has no processor/" if model_dir is not None else "no model directory was given"
     raise ModelNotFoundError(f"no tokenizer for the text encoder: {where}. Give a diffusers-layout model directory "
@@ -149,7 +148,7 @@ def read_processor(source: Path):
     from transformers import Qwen2VLProcessor
     if any((Path(source) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
         return Qwen2VLProcessor.from_pretrained(source)
-    from qwen_edit_core.model.single_file import processor_from_tokenizer_files
+    from qwen_edit_core.model.text_encoder_file import processor_from_tokenizer_files
     return processor_from_tokenizer_files(source)
 
 
@@ -165,7 +164,7 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     source = processor_source(model_dir, comfyui_dir)
     processor = read_processor(source)
     if text_encoder_file:
-        from qwen_edit_core.model.single_file import load_text_encoder_file
+        from qwen_edit_core.model.text_encoder_file import load_text_encoder_file
         model = load_text_encoder_file(text_encoder_file, device=device, dtype=dtype, tokenizer=processor.tokenizer)
         return TextEncoder(model=model, processor=processor, device=device, weights_file=Path(text_encoder_file),
                            processor_dir=source)
@@ -209,7 +208,7 @@ def comfyui_dir_near(models_dir: str | Path | None) -> Path | None:
     tokenizer, comfy/text_encoders/qwen25_tokenizer/), else None."""
     if not models_dir:
         return None
-    from qwen_edit_core.model.single_file import COMFY_TOKENIZER_DIR
+    from qwen_edit_core.model.text_encoder_file import COMFY_TOKENIZER_DIR
     root = Path(models_dir).expanduser().resolve().parent
     return root if (root / COMFY_TOKENIZER_DIR).is_dir() else None
 

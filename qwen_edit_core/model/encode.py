@@ -16,7 +16,8 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from qwen_edit_core.model.geometry import calculate_dimensions
-from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH, format_edit_prompt
+from qwen_edit_core.model import variants
+from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
 
 #: VAE 8x spatial downscale times the transformer's 2x2 patch: image sides must be multiples of this.
 LATENT_MULTIPLE = 16
@@ -64,17 +65,18 @@ def resize(image: Image.Image, width: int, height: int) -> Image.Image:
 def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: int, vl_area: int):
     """Control images as the pipelines prepare them: (VL images, VAE pixels, VAE sizes (w, h)).
 
-    Edit resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
+    Edit (`vl_own_area` False) resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
     image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call this, so
     they see the same inputs.
     """
     if not images:
         raise EncodeError("at least one control image is required")
-    if variant == "edit" and len(images) != 1:
-        raise EncodeError(f"a Qwen-Image-Edit model takes one control image, got {len(images)}; "
+    spec = variants.get(variant)
+    if spec.max_controls is not None and len(images) > spec.max_controls:
+        raise EncodeError(f"a {spec.title} model takes {spec.controls_text()}, got {len(images)}; "
                           "use an Edit Plus (2509/2511) model for several")
     vae_sizes = [image_size_at_area(img, vae_area) for img in images]
-    if variant == "edit":
+    if not spec.vl_own_area:
         resized = resize(images[0], *vae_sizes[0])
         return [resized], [pixels_for_vae(resized, *vae_sizes[0])], vae_sizes
     vl_images = [resize(img, *image_size_at_area(img, vl_area)) for img in images]
@@ -130,7 +132,7 @@ def encode_prompts(text_encoder, processor, prompts: Sequence[str], images: Sequ
     """
     if len(prompts) != len(images):
         raise EncodeError(f"{len(prompts)} prompts but {len(images)} image lists")
-    texts, drops = zip(*(format_edit_prompt(p, len(imgs), variant) for p, imgs in zip(prompts, images)))
+    texts, drops = zip(*(variants.get(variant).format_prompt(p, len(imgs)) for p, imgs in zip(prompts, images)))
     flat = [img for imgs in images for img in imgs]
     inputs = processor(text=list(texts), images=flat or None, padding=True, return_tensors="pt").to(device)
     out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],

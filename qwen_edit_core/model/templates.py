@@ -2,7 +2,8 @@
 
 The strings are the pipelines' own (diffusers `pipeline_qwenimage*.py`); the text encoder's hidden states
 for the first ``*_DROP`` tokens (system prompt and chat framing) are discarded, so a tokenizer that splits
-the prefix differently would leak template text into the embeddings. `tiny.build_tiny` trains its
+the prefix differently would leak template text into the embeddings. `model/variants.py` says which
+variant uses which template. `tiny.build_tiny` trains its
 tokenizer so these counts hold and asserts it.
 """
 
@@ -17,7 +18,7 @@ _EDIT_SYSTEM = (
 
 #: Qwen-Image-Edit: one control image, its vision tokens right before the instruction.
 EDIT_TEMPLATE = _EDIT_SYSTEM + "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
-#: Qwen-Image-Edit-2509/2511 ("Edit Plus"): the user turn is "Picture 1: <img>Picture 2: <img>...{prompt}".
+#: Qwen-Image-Edit-2509/2511 (Edit Plus): the user turn is "Picture 1: <img>Picture 2: <img>...{prompt}".
 EDIT_PLUS_TEMPLATE = _EDIT_SYSTEM + "{}<|im_end|>\n<|im_start|>assistant\n"
 EDIT_PLUS_IMAGE_PREFIX = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 #: Qwen-Image text-to-image.
@@ -33,22 +34,3 @@ T2I_DROP = 34
 
 #: The text encoder's position limit used by the pipelines (tokens after the template prefix is dropped).
 MAX_SEQUENCE_LENGTH = 1024
-
-VARIANTS = ("edit", "edit-plus")
-
-
-def format_edit_prompt(prompt: str, num_images: int, variant: str) -> tuple[str, int]:
-    """Return (text for the processor, number of leading tokens to drop) for one prompt.
-
-    ``variant="edit"`` takes exactly one image; ``"edit-plus"`` takes 0..N images, each announced as
-    "Picture i:" in the user turn.
-    """
-    if variant == "edit":
-        if num_images != 1:
-            raise ValueError(f"variant 'edit' takes exactly one control image, got {num_images}; "
-                             "use variant 'edit-plus' for several")
-        return EDIT_TEMPLATE.format(prompt), EDIT_DROP
-    if variant == "edit-plus":
-        images = "".join(EDIT_PLUS_IMAGE_PREFIX.format(i + 1) for i in range(num_images))
-        return EDIT_PLUS_TEMPLATE.format(images + prompt), EDIT_PLUS_DROP
-    raise ValueError(f"unknown variant {variant!r}; accepted: {', '.join(VARIANTS)}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core.model import templates
+from qwen_edit_core.model import templates, variants
 
 log = logging.getLogger(__name__)
 
@@ -131,28 +131,34 @@ def _build_tokenizer(out: Path):
     return tokenizer
 
 
+def _prompt_encodings() -> dict[str, tuple[str, str, int]]:
+    """{encoding: (dropped prefix text, a formatted prompt, tokens dropped)} of every variant's prompt encoding
+    (model/variants.py), plus Qwen-Image's text-to-image template as "t2i"."""
+    out = {}
+    for variant in variants.VARIANTS.values():
+        text, drop = variant.format_prompt("make it blue", 1)
+        out.setdefault(variant.encoding, (variant.template.split("{}")[0].split("<|vision_start|>")[0], text, drop))
+    out["t2i"] = (templates.T2I_TEMPLATE.split("{}")[0], templates.T2I_TEMPLATE.format("make it blue"),
+                  templates.T2I_DROP)
+    return out
+
+
 def prefix_lengths(tokenizer) -> dict[str, int]:
     """Token counts of the template prefixes that the pipelines drop (must be 64, 64 and 34)."""
-    edit_prefix = templates.EDIT_TEMPLATE.split("<|vision_start|>")[0]
-    plus_prefix = templates.EDIT_PLUS_TEMPLATE.split("{}")[0]
-    t2i_prefix = templates.T2I_TEMPLATE.split("{}")[0]
-    count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
-    return {"edit": count(edit_prefix), "edit-plus": count(plus_prefix), "t2i": count(t2i_prefix)}
+    return {name: len(tokenizer(prefix)["input_ids"]) for name, (prefix, _, _) in _prompt_encodings().items()}
 
 
 def _check_prefixes(tokenizer) -> None:
     """Raise unless the pipelines' drop counts cut every template exactly after "<|im_start|>user\n"."""
+    encodings = _prompt_encodings()
     got = prefix_lengths(tokenizer)
-    want = {"edit": templates.EDIT_DROP, "edit-plus": templates.EDIT_PLUS_DROP, "t2i": templates.T2I_DROP}
+    want = {name: drop for name, (_, _, drop) in encodings.items()}
     if got != want:
         raise RuntimeError(f"tiny tokenizer splits the template prefixes into {got} tokens, expected {want}")
-    # The pipelines drop hidden states of the whole formatted prompt, so check the token right after the cut.
-    first_after_cut = {
-        "edit": (templates.EDIT_TEMPLATE.format("make it blue"), templates.EDIT_DROP, "<|vision_start|>"),
-        "edit-plus": (templates.EDIT_PLUS_TEMPLATE.format(templates.EDIT_PLUS_IMAGE_PREFIX.format(1) + "x"),
-                      templates.EDIT_PLUS_DROP, "Picture"),
-        "t2i": (templates.T2I_TEMPLATE.format("make it blue"), templates.T2I_DROP, "make")}
-    for name, (text, drop, expected) in first_after_cut.items():
+    # The pipelines drop hidden states of the whole formatted prompt, so check the token right after the cut:
+    # it must be the first token of the text after the prefix ("<|vision_start|>", "Picture", "make").
+    for name, (prefix, text, drop) in encodings.items():
+        expected = tokenizer.convert_ids_to_tokens(tokenizer(text[len(prefix):])["input_ids"][0])
         token = tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"][drop])
         if token != expected:
             raise RuntimeError(f"tiny tokenizer: token {drop} of a {name} prompt is {token!r}, expected {expected!r}")
@@ -187,19 +193,19 @@ def _check_replaceable(out: Path) -> None:
         raise FileExistsError(f"refusing to replace {out}: it is not empty and holds no model_index.json")
 
 
-def build_tiny(out_dir, variant: str = "edit", seed: int = 0, size: str = "tiny",
+def build_tiny(out_dir, variant: str = variants.DEFAULT, seed: int = 0, size: str = "tiny",
                transformer_overrides: dict | None = None) -> Path:
     """Write a complete tiny Qwen-Image-Edit directory (diffusers layout) to `out_dir`; returns its path.
 
-    `variant` "edit" or "edit-plus" (the pipeline class in model_index.json); `size` "tiny" or "real-width";
-    `transformer_overrides` are merged into the transformer config (e.g. {"zero_cond_t": True}).
+    `variant` a model/variants.py name (the pipeline class in model_index.json, and `zero_cond_t` in the
+    transformer config where the variant has it); `size` "tiny" or "real-width"; `transformer_overrides` are
+    merged into the transformer config (e.g. {"zero_cond_t": True}).
     The same arguments give byte-identical files. Each component is seeded from `seed` on its own, so the
     VAE and transformer weights do not depend on the tokenizer's vocabulary or the encoder's size. The
     directory is built beside `out_dir` and renamed into place; an existing `out_dir` is replaced only if
     it is empty or a previous build. The caller's global RNG state is left as it was.
     """
-    if variant not in templates.VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; accepted: {', '.join(templates.VARIANTS)}")
+    spec = variants.get(variant)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; accepted: {', '.join(SIZES)}")
     out = Path(out_dir)
@@ -207,7 +213,8 @@ def build_tiny(out_dir, variant: str = "edit", seed: int = 0, size: str = "tiny"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        _write(tmp, variant, seed, size, transformer_overrides or {})
+        _write(tmp, spec, seed, size, {**({"zero_cond_t": True} if spec.zero_cond_t else {}),
+                                       **(transformer_overrides or {})})
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / "dir")
@@ -221,7 +228,7 @@ def build_tiny(out_dir, variant: str = "edit", seed: int = 0, size: str = "tiny"
     return out
 
 
-def _write(out: Path, variant: str, seed: int, size: str, transformer_overrides: dict) -> None:
+def _write(out: Path, variant: variants.Variant, seed: int, size: str, transformer_overrides: dict) -> None:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
                               Qwen2VLProcessor, Qwen2VLVideoProcessor)
@@ -251,8 +258,7 @@ def _write(out: Path, variant: str, seed: int, size: str, transformer_overrides:
         cfg = {**transformer_config(size), **transformer_overrides}
         QwenImageTransformer2DModel(**cfg).save_pretrained(out / "transformer")
 
-    pipeline = "QwenImageEditPipeline" if variant == "edit" else "QwenImageEditPlusPipeline"
-    index = {"_class_name": pipeline, "_diffusers_version": "0.42.1",
+    index = {"_class_name": variant.pipeline_class, "_diffusers_version": "0.42.1",
              "processor": ["transformers", "Qwen2VLProcessor"],
              "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],

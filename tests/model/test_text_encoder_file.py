@@ -16,7 +16,8 @@ from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import (ModelNotFoundError, load_components, load_processor, load_text_encoder,
                                        processor_source, resolve_model_file)
 from qwen_edit_core.model.devices import DevicePlan
-from qwen_edit_core.model.single_file import SingleFileError, load_text_encoder_file
+from qwen_edit_core.model.single_file import SingleFileError
+from qwen_edit_core.model.text_encoder_file import load_text_encoder_file
 
 from conftest import scaled_fp8
 
@@ -294,7 +295,7 @@ def test_loader_nodes_take_a_text_encoder_file_and_the_running_comfyuis_tokenize
     from nodes.common import DatasetHandle
     from nodes.train_nodes import _config
     from qwen_edit_core.data.dataset import load_dataset
-    from qwen_edit_core.model.single_file import COMFY_TOKENIZER_DIR
+    from qwen_edit_core.model.text_encoder_file import COMFY_TOKENIZER_DIR
     comfyui = _comfyui_with_models(tiny_edit_dir, tmp_path / "ComfyUI")
     bare = bare_model_dir(tiny_edit_dir, tmp_path / "bare")
     comfy = types.ModuleType("comfy")
