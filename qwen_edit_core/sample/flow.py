@@ -94,16 +94,13 @@ def flow_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss weights, float32, as diffusers' `compute_loss_weighting_for_sd3`:
-    "none" (ones), "sigma_sqrt" (sigma^-2), "cosmap" (2 / (pi (1 - 2s + 2s^2)))."""
-    s = sigmas.float()
-    if scheme == "none":
-        return torch.ones_like(s)
-    if scheme == "sigma_sqrt":
-        return s ** -2.0
-    if scheme == "cosmap":
-        return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
-    raise ValueError(f"loss weighting {scheme!r} is not accepted; accepted: {', '.join(LOSS_WEIGHTINGS)}")
+    """Per-sample loss weights, float32: diffusers' `compute_loss_weighting_for_sd3` on float32 sigmas,
+    "none" (ones), "sigma_sqrt" (sigma^-2), "cosmap" (2 / (pi (1 - 2s + 2s^2))); an unknown scheme is refused
+    (diffusers would silently give ones)."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+    if scheme not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss weighting {scheme!r} is not accepted; accepted: {', '.join(LOSS_WEIGHTINGS)}")
+    return compute_loss_weighting_for_sd3(scheme, sigmas.float()).float()
 
 
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,

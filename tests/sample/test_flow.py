@@ -112,6 +112,25 @@ def test_loss_weights_equal_diffusers():
         assert torch.allclose(flow.loss_weights(scheme, s), compute_loss_weighting_for_sd3(scheme, s))
 
 
+def _previous_loss_weights(scheme, sigmas):
+    """The hand-written weights loss_weights computed before it called diffusers (kept as the reference)."""
+    s = sigmas.float()
+    if scheme == "none":
+        return torch.ones_like(s)
+    if scheme == "sigma_sqrt":
+        return s ** -2.0
+    return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_loss_weights_keep_the_previous_numbers(dtype):
+    s = torch.cat([torch.linspace(0.001, 1.0, 257), torch.tensor([0.5, 0.25, 1e-3])]).to(dtype)
+    for scheme in ("none", "sigma_sqrt", "cosmap"):
+        got = flow.loss_weights(scheme, s)
+        assert got.dtype == torch.float32 and got.shape == s.shape
+        assert torch.equal(got, _previous_loss_weights(scheme, s)), scheme
+
+
 def test_masked_mse_equals_a_manual_computation_and_ignores_padding():
     g = torch.Generator().manual_seed(0)
     pred, target = torch.randn(3, 5, 4, generator=g), torch.randn(3, 5, 4, generator=g)
