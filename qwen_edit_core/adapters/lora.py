@@ -1,5 +1,6 @@
-"""LoRA adapters through peft: inject, save (ComfyUI + diffusers compatible), read every common layout,
-load with a strength, stack several, merge and unmerge.
+"""LoRA adapters through peft: inject, load with a strength, stack several, merge and unmerge. Reading every
+common file layout and writing ours live in adapters/lora_files.py; this module re-exports them
+(`lora.read_lora_file`, `lora.save_lora`, ...).
 
 The file we write: `diffusion_model.<module path>.lora_down.weight` (= peft lora_A, (r, in)),
 `.lora_up.weight` (= lora_B, (out, r)) and `.alpha` (float32 scalar), plus safetensors metadata. Module paths
@@ -20,19 +21,20 @@ in and out when speed matters (peft's merge; unmerge subtracts the same delta, e
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from qwen_edit_core import speed
-from qwen_edit_core.common.files import save_safetensors
+from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
+    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, lora_state_dict_comfy,
+    map_to_modules, parse_lora_state_dict, read_lora_file, save_lora)
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,6 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
     "all": _ATTN + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
 }
 INITS = ("default", "gaussian")
-SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-LAYOUTS = ("diffusion_model.P.lora_down/lora_up.weight (+ .alpha) (ComfyUI)", "P.lora_down/lora_up.weight",
-           "P.lora_A/lora_B.weight (peft, diffusers)", "transformer.P.lora_A/lora_B.weight",
-           "P.lora_A.default.weight / base_model.model.P... (peft)",
-           "lora_unet_P_with_underscores.lora_down/lora_up.weight (+ .alpha) (kohya)", "lycoris_P_with_underscores")
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "unet.")
-_UNDERSCORED_PREFIXES = ("lora_unet_", "lycoris_")
-_KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_down|lora_up|lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
-                  r"|^(?P<bare>.+?)\.(?P<bkind>lora_A|lora_B)$"
-                  r"|^(?P<amodule>.+?)\.alpha$")
-_KINDS = {"lora_down": "down", "lora_A": "down", "lora_up": "up", "lora_B": "up"}
 # Parts of module paths that peft adds inside a wrapped layer: never LoRA targets themselves.
 _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
                          "lora_magnitude_vector"})
@@ -175,191 +166,6 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     for param in transformer.parameters():
         param.requires_grad_(id(param) in trainable)
     log.info("LoRA adapter %r: rank %d, alpha %g on %d modules", adapter_name, spec.rank, spec.alpha, len(modules))
-
-
-def adapter_layers(transformer, adapter_name: str = "default") -> dict[str, torch.nn.Module]:
-    """{module path: peft LoRA layer} of one adapter."""
-    from peft.tuners.lora import LoraLayer as PeftLoraLayer
-    return {name: m for name, m in transformer.named_modules()
-            if isinstance(m, PeftLoraLayer) and adapter_name in m.lora_A}
-
-
-def _base_scale(layer, adapter_name: str) -> float:
-    """The layer's scale for the adapter before any `set_adapters` weight: alpha / r (alpha / sqrt(r) rsLoRA)."""
-    r = layer.r[adapter_name]
-    alpha = layer.lora_alpha[adapter_name]
-    return alpha / r ** 0.5 if layer.use_rslora.get(adapter_name, False) else alpha / r
-
-
-# -- saving ----------------------------------------------------------------------------------------------------
-def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """ComfyUI-layout tensors of one adapter (float32 copies on the CPU): `diffusion_model.P.lora_down.weight`,
-    `.lora_up.weight` and `.alpha` = scale * rank (the adapter's alpha), so `alpha / rank * up @ down` is the
-    delta peft applies."""
-    out = {}
-    for path, layer in adapter_layers(transformer, adapter_name).items():
-        rank = layer.r[adapter_name]
-        out[f"diffusion_model.{path}.lora_down.weight"] = layer.lora_A[adapter_name].weight.detach().float().cpu()
-        out[f"diffusion_model.{path}.lora_up.weight"] = layer.lora_B[adapter_name].weight.detach().float().cpu()
-        out[f"diffusion_model.{path}.alpha"] = torch.tensor(_base_scale(layer, adapter_name) * rank,
-                                                            dtype=torch.float32)
-    return out
-
-
-def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: int,
-              extra_metadata: dict | None = None, adapter_name: str = "default",
-              dtype: torch.dtype = torch.float32) -> Path:
-    """Write adapter `adapter_name` as a ComfyUI/diffusers LoRA file, atomically (a temporary file in the same
-    folder, then a rename: an existing file is replaced whole or left as it was).
-
-    `dtype` is the matrices' dtype: float32 (default, exact) or bfloat16/float16 (half the size); `.alpha`
-    stays float32. Metadata (all strings): format, architecture, rank, alpha, targets (JSON), base_identity,
-    steps, then `extra_metadata` (which cannot override those)."""
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"LoRA save dtype {dtype} is not accepted; accepted: {', '.join(map(str, SAVE_DTYPES))}")
-    tensors = {k: v if k.endswith(".alpha") else v.to(dtype)
-               for k, v in lora_state_dict_comfy(transformer, adapter_name).items()}
-    if not tensors:
-        raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
-    metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    metadata.update({"format": "comfyui-lora", "architecture": "qwen-image", "rank": str(spec.rank),
-                     "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),
-                     "base_identity": str(base_identity), "steps": str(int(steps))})
-    return save_safetensors(tensors, Path(path), metadata=metadata)
-
-
-# -- reading ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LoraLayer:
-    """One module's LoRA as a file holds it: delta W = scale * up @ down."""
-    down: torch.Tensor  # (r, in)
-    up: torch.Tensor    # (out, r)
-    alpha: float | None
-
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
-    @property
-    def scale(self) -> float:
-        """alpha / rank when the file has an alpha, else 1.0 (as ComfyUI and diffusers do)."""
-        return 1.0 if self.alpha is None else self.alpha / self.rank
-
-
-@dataclass(frozen=True)
-class LoraWeights:
-    """A LoRA file's layers by module path, and its safetensors metadata."""
-    layers: dict[str, LoraLayer]
-    metadata: dict[str, str] = field(default_factory=dict)
-    #: True while some module paths are still underscored (kohya/lycoris): `map_to_modules` resolves them
-    underscored: bool = False
-
-
-def read_lora_file(path) -> LoraWeights:
-    """Read a LoRA file in any layout of `LAYOUTS` into module path -> (down, up, alpha), float32 on the CPU."""
-    from safetensors import safe_open
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"LoRA file {str(path)!r} does not exist")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
-        raise ValueError(f"{str(path)!r} is not a readable safetensors LoRA file: {err}") from None
-    return parse_lora_state_dict(tensors, metadata, source=str(path))
-
-
-def _split_key(key: str) -> tuple[str, str, bool] | None:
-    """key -> (module path, "down" | "up" | "alpha", underscored), or None for a key in no known layout."""
-    name, underscored = key, False
-    for prefix in _UNDERSCORED_PREFIXES:
-        if name.startswith(prefix):
-            name, underscored = name[len(prefix):], True
-            break
-    else:
-        stripped = True
-        while stripped:  # e.g. base_model.model.transformer.P
-            stripped = False
-            for prefix in _PREFIXES:
-                if name.startswith(prefix):
-                    name, stripped = name[len(prefix):], True
-    match = _KEY.match(name)
-    if match is None:
-        return None
-    if match.group("amodule"):
-        return match.group("amodule"), "alpha", underscored
-    if match.group("bare"):
-        return match.group("bare"), _KINDS[match.group("bkind")], underscored
-    return match.group("module"), _KINDS[match.group("kind")], underscored
-
-
-def _group_keys(tensors: dict[str, torch.Tensor], source: str) -> tuple[dict[str, dict[str, str]], bool]:
-    """{module: {"down"/"up"/"alpha": key}}; unknown keys and two keys for one slot are errors."""
-    parts: dict[str, dict[str, str]] = {}
-    unknown, underscored = [], False
-    for key in tensors:
-        split = _split_key(key)
-        if split is None:
-            unknown.append(key)
-            continue
-        module, kind, under = split
-        underscored |= under
-        slot = parts.setdefault(module, {})
-        if kind in slot:
-            raise ValueError(f"{source}: keys {slot[kind]!r} and {key!r} both give the {kind} weight of module "
-                             f"{module!r}")
-        slot[kind] = key
-    if unknown:
-        raise ValueError(f"{source}: keys in no known LoRA layout: {unknown[:4]}"
-                         f"{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}; accepted layouts: "
-                         + "; ".join(LAYOUTS))
-    return parts, underscored
-
-
-def _layer_from(tensors: dict[str, torch.Tensor], keys: dict[str, str], module: str, source: str) -> LoraLayer:
-    for have, need, names in (("down", "up", "lora_up/lora_B"), ("up", "down", "lora_down/lora_A")):
-        if need not in keys:
-            present = keys.get(have) or keys["alpha"]
-            raise ValueError(f"{source}: key {present!r} has no {names} partner (module {module!r})")
-    down, up = tensors[keys["down"]], tensors[keys["up"]]
-    if down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
-        raise ValueError(f"{source}: {keys['down']!r} is {tuple(down.shape)} and {keys['up']!r} is "
-                         f"{tuple(up.shape)}; expected down (r, in) and up (out, r) with the same r")
-    alpha = float(tensors[keys["alpha"]].float().reshape(-1)[0]) if "alpha" in keys else None
-    return LoraLayer(down.detach().float().cpu(), up.detach().float().cpu(), alpha)
-
-
-def parse_lora_state_dict(tensors: dict[str, torch.Tensor], metadata: dict | None = None,
-                          source: str = "state dict") -> LoraWeights:
-    """A LoRA state dict in any layout of `LAYOUTS` -> `LoraWeights` (see `read_lora_file`)."""
-    parts, underscored = _group_keys(tensors, source)
-    layers = {module: _layer_from(tensors, keys, module, source) for module, keys in parts.items()}
-    if not layers:
-        raise ValueError(f"{source}: no LoRA weights found; accepted layouts: " + "; ".join(LAYOUTS))
-    return LoraWeights(layers, dict(metadata or {}), underscored)
-
-
-def map_to_modules(weights: LoraWeights, module_names: Sequence[str]) -> LoraWeights:
-    """Resolve underscored (kohya/lycoris) module names against the model's real dotted names; dotted names
-    pass through. A name that matches no module, or two, is an error."""
-    if not weights.underscored:
-        return weights
-    lookup: dict[str, str | None] = {}
-    for name in module_names:
-        key = name.replace(".", "_")
-        lookup[key] = None if key in lookup and lookup[key] != name else name
-    layers, unknown = {}, []
-    for name, layer in weights.layers.items():
-        dotted = lookup.get(name.replace(".", "_"))
-        if dotted is None:
-            unknown.append(name)
-        else:
-            layers[dotted] = layer
-    if unknown:
-        raise ValueError(f"LoRA modules {unknown[:4]} match no module of this transformer (or several): a LoRA "
-                         "for another model?")
-    return LoraWeights(layers, weights.metadata, False)
 
 
 def check_against(transformer, weights: LoraWeights) -> LoraWeights:
