@@ -1,7 +1,9 @@
 """Writes the shipped UI-format workflows from compact specs, with widget values in INPUT_TYPES order.
 
 Run `.venv/bin/python workflows/build_workflows.py` after changing a node's inputs; tests check the files
-against the nodes (ids, widget counts, link types). Every workflow runs on the built-in tiny model.
+against the nodes (ids, widget counts, link types). Every workflow runs on the built-in tiny model, opens
+with a Note saying what it does and what to change first, and is laid out left to right in the order of its
+steps, one group per stage (layout.py, with node sizes measured in ComfyUI's frontend).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ sys.path.insert(0, str(HERE.parent))
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 from nodes.common import TINY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
+from workflows.layout import frontend_sizes, place  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 BUILTIN = {  # the built-in ComfyUI nodes the workflows use: inputs (name, type, is_widget), outputs
     "SaveImage": ([("images", "IMAGE", False), ("filename_prefix", "STRING", True)], []),
     "PreviewImage": ([("images", "IMAGE", False)], []),
+    "Note": ([("text", "STRING", True)], []),  # frontend-only: not sent to the server
 }
 
 
@@ -53,8 +57,13 @@ def has_control_after_generate(node_type: str, name: str) -> bool:
     return False
 
 
-def build(nodes: list[dict], title: str) -> dict:
-    """nodes: [{"id", "type", "widgets": {name: value}, "links": {input name: (from id, output name)}}]."""
+def build(stages: list[tuple[str, list[dict]]], title: str, note: str) -> dict:
+    """stages: [(group title, [{"id", "type", "widgets": {name: value}, "links": {input: (from id, output)}}])]
+    in the order of the steps; a Note node with `note` comes first."""
+    nodes = [n for _, group in stages for n in group]
+    note_node = {"id": max(n["id"] for n in nodes) + 1, "type": "Note", "widgets": {"text": note}}
+    placed, groups = place([("", [note_node])] + stages, frontend_sizes())
+    nodes = [note_node] + nodes
     by_id = {n["id"]: n for n in nodes}
     links, ui_nodes = [], []
     out_links: dict[tuple[int, str], list[int]] = {}
@@ -71,15 +80,17 @@ def build(nodes: list[dict], title: str) -> dict:
         for name, kind, widget in inputs:
             linked = [lk for lk in links if lk[3] == node["id"] and lk[4] == name]
             if widget:
-                value = node.get("widgets", {}).get(name, _default(node["type"], name))
+                given = node.get("widgets", {})
+                value = given[name] if name in given else _default(node["type"], name)
                 widgets.append(value)
                 if has_control_after_generate(node["type"], name):
                     widgets.append("fixed")
             else:
                 sockets.append({"name": name, "type": kind, "link": linked[0][0] if linked else None})
+        pos, size = placed[node["id"]]
         ui_nodes.append({
-            "id": node["id"], "type": node["type"], "pos": [40 + 330 * (order % 4), 60 + 380 * (order // 4)],
-            "size": [300, 200], "flags": {}, "order": order, "mode": 0, "inputs": sockets,
+            "id": node["id"], "type": node["type"], "pos": pos, "size": size, "flags": {}, "order": order,
+            "mode": 0, "inputs": sockets,
             "outputs": [{"name": name, "type": kind, "links": out_links.get((node["id"], name), []),
                          "slot_index": i} for i, (name, kind) in enumerate(outputs)],
             "properties": {"Node name for S&R": node["type"]}, "widgets_values": widgets})
@@ -87,7 +98,7 @@ def build(nodes: list[dict], title: str) -> dict:
         target = next(n for n in ui_nodes if n["id"] == link[3])
         link[4] = [s["name"] for s in target["inputs"]].index(link[4])
     return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": len(links), "nodes": ui_nodes,
-            "links": links, "groups": [], "config": {}, "extra": {"title": title}, "version": 0.4}
+            "links": links, "groups": groups, "config": {}, "extra": {"title": title}, "version": 0.4}
 
 
 def _default(node_type: str, name: str):
@@ -111,60 +122,93 @@ TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 40, "learning_rate": 0.002
          "targets": "all", "batch_size": 2, "resolution": 64, "checkpoint_every": 20}
 SAMPLE = {"prompt": "invert the colors", "steps": 8, "true_cfg_scale": 4.0, "seed": 0, "vae_side": 128}
 
+LOAD, DATA, TRAINING, SAMPLING, RESULTS = "1. Load the model", "2. Data", "3. Train", "4. Sample", "Results"
+TINY_NOTE = ("It runs as shipped on the built-in tiny model (random weights: its pictures are noise, but every "
+             "step works). For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
+             "(or its diffusion_models / vae / text_encoders files), devices cuda:0 and dtype bfloat16.")
+TRAIN_NOTE = ("Change first: the dataset (Dataset From Folder on your folder of before/after pairs instead of "
+              "the synthetic one), then in Train LoRA: lora_name, steps (500-3000), resolution (1024), "
+              "learning_rate (1e-4) and rank (16).")
+
 WORKFLOWS = {
-    "qwen_edit_train_cached": ("Train a LoRA from a folder (cached)", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
-         "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
-        {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "use_cache": True, "validation_every": 20,
-                                                        "validation_prompt": "invert the colors"},
-         "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
-        {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}},
-        {"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
-        {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}]),
-    "qwen_edit_train_realtime": ("Train a LoRA in real time (no cache)", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
-                                                        "use_cache": False},
-         "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
-        {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}},
-        {"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}}]),
-    "qwen_edit_build_cache": ("Build the embedding cache only", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
-         "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
-    "qwen_edit_sample_with_lora": ("Sample with a LoRA (qwen_edit_train_cached writes this one; or pick yours)", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 3, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "qwen_edit_demo_lora.safetensors",
-                                                             "strength": 1.0},
-         "links": {"model": (1, "model")}},
-        {"id": 4, "type": "QwenEditSampler", "widgets": SAMPLE,
-         "links": {"model": (3, "model"), "image": (2, "example_control")}},
-        {"id": 5, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_lora_sample"},
-         "links": {"images": (4, "image")}}]),
-    "qwen_edit_train_then_sample": ("Train, then sample with the new LoRA, in one graph", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
-         "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
-        {"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}},
-        {"id": 6, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "(none)", "strength": 1.0},
-         "links": {"model": (1, "model"), "lora_path": (5, "lora_path")}},
-        {"id": 7, "type": "QwenEditSampler", "widgets": SAMPLE,
-         "links": {"model": (6, "model"), "image": (2, "example_control")}},
-        {"id": 8, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_after_training"},
-         "links": {"images": (7, "image")}}]),
-    "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG: pick cuda:0 for the model and cuda:1 as uncond_device", [
-        TINY_LOADER, DEMO_DATA,
-        {"id": 4, "type": "QwenEditSampler", "widgets": {**SAMPLE, "uncond_device": "cpu"},
-         "links": {"model": (1, "model"), "image": (2, "example_control")}},
-        {"id": 5, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_two_gpu"},
-         "links": {"images": (4, "image")}}]),
+    "qwen_edit_train_cached": ("Train a LoRA from a folder (cached)", (
+        "Trains a LoRA on edit pairs: writes a small demo dataset, encodes it once (Build Cache), trains in "
+        "the background and shows the loss plot and a validation edit every 20 steps. The LoRA lands in "
+        f"models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
+                            "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
+        (TRAINING, [
+            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "use_cache": True, "validation_every": 20,
+                                                            "validation_prompt": "invert the colors"},
+             "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
+            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
+                   {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
+    "qwen_edit_train_realtime": ("Train a LoRA in real time (no cache)", (
+        "Trains a LoRA encoding every batch as it goes (no cache: the text encoder and VAE stay loaded; use it "
+        f"for changing data or augmentation). The LoRA lands in models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA]),
+        (TRAINING, [
+            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
+                                                            "use_cache": False},
+             "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
+            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}}])]),
+    "qwen_edit_build_cache": ("Build the embedding cache only", (
+        "Encodes a dataset once (VAE latents and prompt embeddings) into the cache that training reuses, so a "
+        "later training run loads only the transformer.\n\nChange first: the dataset (Dataset From Folder on "
+        f"your pairs) and Build Cache's resolution (1024 for real training).\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
+                            "links": {"model": (1, "model"), "dataset": (2, "dataset")}}])]),
+    "qwen_edit_sample_with_lora": ("Sample with a LoRA", (
+        "Edits an image with true CFG, optionally through a LoRA. As shipped Load LoRA is (none), so it runs on "
+        "a fresh install.\n\nChange first: pick your LoRA in Load LoRA (qwen_edit_train_cached writes "
+        "qwen_edit_demo_lora), the control image (a Load Image node instead of the demo dataset's example) and "
+        f"the prompt; steps 20-50 and true_cfg_scale 4.0 for real models.\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER, {"id": 3, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "(none)",
+                                                                                 "strength": 1.0},
+                              "links": {"model": (1, "model")}}]),
+        (DATA, [DEMO_DATA]),
+        (SAMPLING, [{"id": 4, "type": "QwenEditSampler", "widgets": SAMPLE,
+                     "links": {"model": (3, "model"), "image": (2, "example_control")}}]),
+        (RESULTS, [{"id": 5, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_lora_sample"},
+                    "links": {"images": (4, "image")}}])]),
+    "qwen_edit_train_then_sample": ("Train, then sample with the new LoRA, in one graph", (
+        "Trains a LoRA, waits for it (Training Status with wait on), then edits the demo image through it.\n\n"
+        f"{TRAIN_NOTE} In the Sampler: the prompt and steps.\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA]),
+        (TRAINING, [
+            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
+             "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
+            {"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}}]),
+        (SAMPLING, [
+            {"id": 6, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "(none)", "strength": 1.0},
+             "links": {"model": (1, "model"), "lora_path": (5, "lora_path")}},
+            {"id": 7, "type": "QwenEditSampler", "widgets": SAMPLE,
+             "links": {"model": (6, "model"), "image": (2, "example_control")}}]),
+        (RESULTS, [{"id": 8, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_after_training"},
+                    "links": {"images": (7, "image")}}])]),
+    "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
+        "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
+        "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "
+        "Sampler's uncond_device to cuda:1 (as shipped both are the CPU, so it runs anywhere); then the "
+        f"control image and prompt.\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA]),
+        (SAMPLING, [{"id": 4, "type": "QwenEditSampler", "widgets": {**SAMPLE, "uncond_device": "cpu"},
+                     "links": {"model": (1, "model"), "image": (2, "example_control")}}]),
+        (RESULTS, [{"id": 5, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_two_gpu"},
+                    "links": {"images": (4, "image")}}])]),
 }
 
 
 def main() -> None:
-    for name, (title, nodes) in WORKFLOWS.items():
-        (HERE / f"{name}.json").write_text(json.dumps(build(nodes, title), indent=1) + "\n")
+    for name, (title, note, stages) in WORKFLOWS.items():
+        (HERE / f"{name}.json").write_text(json.dumps(build(stages, title, note), indent=1) + "\n")
 
 
 if __name__ == "__main__":

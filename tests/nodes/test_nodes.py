@@ -18,7 +18,7 @@ from qwen_edit_core import jobs
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
-BUILTIN = {"SaveImage": {"images": "IMAGE"}, "PreviewImage": {"images": "IMAGE"}}
+BUILTIN = {"SaveImage": {"images": "IMAGE"}, "PreviewImage": {"images": "IMAGE"}, "Note": {}}
 
 
 def _inputs(cls):
@@ -56,7 +56,7 @@ def _outputs(node_type):
 
 def _socket_and_widget_inputs(node_type):
     if node_type in BUILTIN:
-        return BUILTIN[node_type], 1 if node_type == "SaveImage" else 0
+        return BUILTIN[node_type], 1 if node_type in ("SaveImage", "Note") else 0
     spec = nodes.NODE_CLASS_MAPPINGS[node_type].INPUT_TYPES()
     sockets, widgets = {}, 0
     for group in ("required", "optional"):
