@@ -78,6 +78,12 @@ class QwenImageEditTrainer:
         if p.fp8 or p.compile:
             from qwen_edit_core import speed
             speed.configure_inference(comps.transformer, self.plan.transformer, fp8=p.fp8, compile=p.compile)
+        if p.context_parallel > 1:
+            if p.cfg_mode == "split":
+                raise ValueError("predict.context_parallel with cfg_mode split: the two CFG branches on their own "
+                                 "process groups are not built; use cfg_mode sequential or batched")
+            from qwen_edit_core.sample import context_parallel
+            context_parallel.enable(comps.transformer, p.context_parallel, p.cp_mode)
         self._predict_ready = True
         if self.config.predict.cfg_mode == "split":
             device = self.uncond_device or self.plan.transformer

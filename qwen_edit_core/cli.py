@@ -67,6 +67,11 @@ def cmd_sample(args) -> None:
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
                              **({"vl_area": args.vl_area} if args.vl_area else {})}}
+    if args.context_parallel > 1:
+        from qwen_edit_core.sample import context_parallel
+        plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
+        overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
+        context_parallel.init_process_group(args.context_parallel, plan["transformer"])
     config = load_config(args.config, overrides=overrides)
     images = [open_image(p) for p in args.image]
     trainer = QwenImageEditTrainer(config)
@@ -79,6 +84,8 @@ def cmd_sample(args) -> None:
                             negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                             true_cfg_scale=args.cfg, seed=args.seed, height=args.height, width=args.width,
                             output_type="pil", progress=_progress_bar("sample"))
+    if int(os.environ.get("RANK", "0")) != 0 and args.context_parallel > 1:
+        return  # every process computed the same image: the first one writes it
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
@@ -189,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
                    help="attention kernel tried first (cudnn: fastest on Hopper)")
     p.add_argument("--out", required=True)
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="split the transformer's tokens over N processes started by `torchrun --nproc_per_node N`")
+    p.add_argument("--cp-mode", choices=["ulysses", "ring"], default="ulysses",
+                   help="context parallel: ulysses (all-to-all over heads) or ring (keys/values around the ring)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("cache", help="precompute the embedding cache of a dataset")

@@ -34,6 +34,7 @@ ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cos
 CfgMode = typing.Literal["sequential", "batched", "split"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
+ContextParallelMode = typing.Literal["ulysses", "ring"]
 
 class ConfigError(ValueError):
     """A config key or value that is not accepted; the message names its dotted path."""
@@ -207,6 +208,10 @@ class PredictConfig:
     fp8: bool = False
     #: which fused attention kernel goes first (perf.ATTENTION_KERNELS)
     attention: AttentionKernel = "auto"
+    #: split the transformer's tokens over this many processes (`torchrun`); 1: off
+    context_parallel: int = 1
+    #: "ulysses" (all-to-all over heads) or "ring" (keys/values around the ring)
+    cp_mode: ContextParallelMode = "ulysses"
 
 
 @dataclass(frozen=True)
@@ -353,6 +358,7 @@ _RANGES = [
     ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
     ("predict.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("predict.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("predict.context_parallel", lambda v: v >= 1, ">= 1 (1: off)"),
 ]
 
 

@@ -1,0 +1,115 @@
+"""Context-parallel sampling on 2 CPU processes (torchrun, gloo): the tokens split over the processes (Ulysses,
+uneven splits) give the image of one process, at true CFG (sequential and batched) and at CFG 1; bad setups are
+refused with the reason. Ring attention needs a CUDA kernel that returns the log-sum-exp: refused on the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwen_edit_core import QwenImageEditTrainer, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "make the square blue and the background a little darker"  # an odd prompt token count
+
+SCRIPT = """
+import sys
+import numpy as np
+from PIL import Image
+from qwen_edit_core import QwenImageEditTrainer, load_config
+model, image, out = sys.argv[1:4]
+for cfg_mode in ("sequential", "batched"):
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": model},
+                                    "predict": {"vae_area": 96 * 64, "context_parallel": 2, "cfg_mode": cfg_mode}})
+    trainer = QwenImageEditTrainer(config)
+    trainer.load_model()
+    result = trainer.predict(Image.open(image), sys.argv[4], num_inference_steps=3, true_cfg_scale=4.0, seed=5)
+    np.save(f"{out}-{cfg_mode}.npy", result)
+"""
+
+
+def _torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + os.getpid() % 300),
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _single(model_dir, image: Path, cfg: float) -> np.ndarray:
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model_dir)},
+                                    "predict": {"vae_area": 96 * 64}})
+    trainer = QwenImageEditTrainer(config)
+    trainer.load_model()
+    return trainer.predict(Image.open(image), PROMPT, num_inference_steps=3, true_cfg_scale=cfg, seed=5)
+
+
+@pytest.fixture(scope="module")
+def wide_control(tmp_path_factory) -> Path:
+    """A 96x64 control: 24 image tokens per image at this area, split unevenly with the prompt's tokens."""
+    path = tmp_path_factory.mktemp("cp") / "control.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_two_processes_equal_one_process_with_either_cfg_batching(tiny_edit_dir, wide_control, tmp_path):
+    script = tmp_path / "cp.py"
+    script.write_text(SCRIPT)
+    proc = _torchrun(str(script), str(tiny_edit_dir), str(wide_control), str(tmp_path / "cp"), PROMPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = _single(tiny_edit_dir, wide_control, 4.0)
+    for cfg_mode in ("sequential", "batched"):
+        split = np.load(tmp_path / f"cp-{cfg_mode}.npy")
+        assert split.shape == reference.shape
+        assert np.abs(split - reference).max() < 1e-4, cfg_mode
+
+
+def test_cli_at_cfg_1_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
+    """CFG 1 (the few-step case, where the two-device CFG split has nothing to split)."""
+    common = ["--model", str(tiny_edit_dir), "--image", str(wide_control), "--prompt", PROMPT, "--steps", "3",
+              "--cfg", "1", "--seed", "5", "--vae-area", str(96 * 64)]
+    proc = _torchrun("-m", "qwen_edit_core.cli", "sample", *common, "--context-parallel", "2",
+                     "--out", str(tmp_path / "cp.png"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from qwen_edit_core.cli import main
+    assert main(["sample", *common, "--out", str(tmp_path / "one.png")]) == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "cp.png")), np.asarray(Image.open(tmp_path / "one.png")))
+
+
+def test_one_process_asked_for_two_is_refused(tiny_edit_dir, wide_control, tmp_path, monkeypatch):
+    from qwen_edit_core.sample import context_parallel
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="needs 2 processes, this run has 1.*torchrun --nproc_per_node 2"):
+        context_parallel.init_process_group(2, torch.device("cpu"))
+
+
+def test_multi_resolution_processor_and_bad_head_split_are_refused(tiny_edit_dir):
+    from qwen_edit_core.adapters import multires
+    from qwen_edit_core.sample import context_parallel
+    trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path":
+                                                                    str(tiny_edit_dir)}}))
+    trainer.load_model()
+    transformer = trainer.components.transformer
+    with pytest.raises(ValueError, match="ulysses context parallel splits the 2 attention heads over 3"):
+        context_parallel.enable(transformer, 3, "ulysses")
+    multires.install(transformer)
+    with pytest.raises(ValueError, match="JointAttnProcessor.*sample from a fresh load"):
+        context_parallel.enable(transformer, 2, "ring")
+    with pytest.raises(ValueError, match="mode 'tensor' is not accepted; accepted: ulysses, ring"):
+        context_parallel.enable(transformer, 2, "tensor")
+
+
+def test_ring_on_the_cpu_is_refused_with_the_reason(tiny_edit_dir):
+    from qwen_edit_core.sample import context_parallel
+    trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path":
+                                                                    str(tiny_edit_dir)}}))
+    trainer.load_model()
+    with pytest.raises(ValueError, match="ring context parallel needs .*log-sum-exp.*use --cp-mode ulysses"):
+        context_parallel.enable(trainer.components.transformer, 2, "ring")
