@@ -211,11 +211,17 @@ class QwenEditTrain:
                                                                   "the LoRA trains in bf16/fp32"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),
             "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "ema_decay": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.99999, "step": 0.0001,
+                                    "tooltip": "> 0: also save an exponential moving average of the LoRA "
+                                               "(LORA_NAME_ema.safetensors), e.g. 0.999; 0: off"}),
+            "ema_validation": ("BOOLEAN", {"default": False, "tooltip": "with ema_decay: validation images use "
+                                                                        "the averaged LoRA"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
               checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
-              validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto"):
+              validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
+              ema_decay=0.0, ema_validation=False):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -235,7 +241,8 @@ class QwenEditTrain:
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
                                 "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,
-                                "compile": compile, "attention": attention, **validation},
+                                "compile": compile, "attention": attention, "ema_decay": ema_decay,
+                                "ema_validation": ema_validation, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         return (jobs.REGISTRY.start(config, resume=resume_arg),)

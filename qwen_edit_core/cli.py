@@ -104,7 +104,7 @@ def cmd_train(args) -> None:
     from qwen_edit_core.config import load_config
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.common.progress import CancelToken
-    trainer = QwenImageEditTrainer(load_config(args.config))
+    trainer = QwenImageEditTrainer(load_config(args.config, overrides=train_overrides(args)))
     resume = True if args.resume == "" else args.resume
     bar = _train_bar()
     result = trainer.fit(resume=resume, progress=bar, cancel=CancelToken())
@@ -112,6 +112,20 @@ def cmd_train(args) -> None:
              result.loss_plot)
     if result.state == "cancelled":
         raise KeyboardInterrupt
+
+
+#: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
+TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"))
+
+
+def train_overrides(args) -> dict:
+    """The config overrides of the `train` flags that were given (None = keep the config file's value)."""
+    overrides: dict = {}
+    for dest, section, key in TRAIN_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    return overrides
 
 
 def _train_bar():
@@ -210,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
+    p.add_argument("--ema-decay", type=float, help="train.ema_decay: keep an EMA of the LoRA (e.g. 0.999), saved "
+                   "as NAME_ema.safetensors")
+    p.add_argument("--ema-validation", action="store_true", default=None,
+                   help="train.ema_validation: validation images use the EMA LoRA")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded tiny model")

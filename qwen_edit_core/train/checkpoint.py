@@ -2,7 +2,8 @@
 
 A checkpoint is a directory `checkpoints/step-<n>/` holding `adapter.safetensors` (the trainable LoRA
 parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
-`optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`) and `state.json` (step, LR
+`optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`), `ema.safetensors` (the LoRA's moving average, with
+`train.ema_decay`) and `state.json` (step, LR
 scheduler, data position, config). It is assembled under a temporary name and renamed into place, so a
 process killed mid-write leaves only a temporary directory that resume ignores and the next save removes.
 """
@@ -27,6 +28,7 @@ from qwen_edit_core.common.files import save_safetensors
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+EMA_FILE = "ema.safetensors"
 CHECKPOINT_FORMAT = 1
 
 
@@ -65,8 +67,9 @@ def _tuplify(value):
 
 
 def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], optimizer: dict, state: dict,
-                    write_lora) -> Path:
-    """Write checkpoint `step` under `root` atomically; `write_lora(path)` writes the user-facing LoRA file."""
+                    write_lora, ema: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write checkpoint `step` under `root` atomically; `write_lora(path)` writes the user-facing LoRA file;
+    `ema` (the LoRA's moving average by parameter name) goes to `ema.safetensors`."""
     root.mkdir(parents=True, exist_ok=True)
     _remove_partials(root)
     final = root / f"step-{step:07d}"
@@ -74,6 +77,8 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
     tmp.mkdir()
     try:
         save_safetensors(adapter, tmp / "adapter.safetensors")
+        if ema is not None:
+            save_safetensors(ema, tmp / EMA_FILE)
         write_lora(tmp / "lora.safetensors")
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
@@ -134,6 +139,17 @@ def read_checkpoint(path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor], di
     optimizer = torch.load(path / "optimizer.pt", weights_only=True)
     rng = torch.load(path / "rng.pt", weights_only=True)
     return Checkpoint(path, int(state["step"]), state), adapter, optimizer, rng
+
+
+def read_ema(path: Path, params) -> dict[str, torch.Tensor]:
+    """The EMA tensors of a checkpoint directory; a checkpoint of a run without train.ema_decay starts the
+    average from the restored parameters (logged)."""
+    file = Path(path) / EMA_FILE
+    if not file.is_file():
+        log.warning("checkpoint %s has no %s (trained without train.ema_decay): the EMA starts from the restored "
+                    "LoRA", path, EMA_FILE)
+        return {name: p.detach().float().cpu() for name, p in params.items()}
+    return load_file(file)
 
 
 def prune(root: Path, keep: int) -> None:

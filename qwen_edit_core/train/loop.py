@@ -8,6 +8,7 @@ The maths of one micro-step (batches, dropout, noise, loss) lives in `train.batc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, Pro
 from qwen_edit_core.config import Config, to_dict
 from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
 from qwen_edit_core.train import checkpoint as ckpt
+from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
 from qwen_edit_core.train.distributed import Distributed, PaddingMeter, image_tokens, local_device  # noqa: F401
 from qwen_edit_core.train.log import LossLog, plot_loss
@@ -73,6 +75,7 @@ class RunState:
     position: dict = field(default_factory=dict)  # the data position before this step's batches
     last_saved: int = -1
     state: str = "done"
+    ema: LoraEma | None = None  # the LoRA's moving average (train.ema_decay > 0)
 
 
 def _autocast_dtype(name: str) -> torch.dtype | None:
@@ -117,8 +120,10 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
                    scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype is torch.float16),
                    sampler=_batch_sampler(config, bucket_keys, dist.world), bucket_keys=bucket_keys, out_dir=out_dir,
                    scheduler_config=scheduler_config)
+    if t.ema_decay:
+        run.ema = LoraEma(params, t.ema_decay)
     if resume is not None:
-        run.step = run.last_saved = _restore(resume, params, optimizer, run.lr_scheduler, run.sampler)
+        run.step = run.last_saved = _restore(resume, params, optimizer, run.lr_scheduler, run.sampler, run.ema)
         log.info("resumed from %s at step %d", resume, run.step)
     if dist.is_main:
         run.losslog = LossLog(out_dir, tensorboard=config.logging.tensorboard, start_step=run.step)
@@ -158,6 +163,8 @@ def optimizer_step(run: RunState) -> None:
     run.scaler.update()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        run.ema.update(run.params)
     run.step += 1
 
 
@@ -170,10 +177,11 @@ def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | No
     if progress is not None:
         progress(Progress("train", step, t.max_steps, loss=loss))
     if validate is not None and t.validation_every and step % t.validation_every == 0:
-        if run.dist.is_main:
-            validate(step)
-        elif run.dist.fsdp:  # the sharded forward passes need every process; only the first one writes
-            validate(step, write=False)
+        with run.ema.applied(run.params) if run.ema is not None and t.ema_validation else contextlib.nullcontext():
+            if run.dist.is_main:
+                validate(step)
+            elif run.dist.fsdp:  # the sharded forward passes need every process; only the first one writes
+                validate(step, write=False)
         run.transformer.train()
     if t.checkpoint_every and step % t.checkpoint_every == 0:
         save_checkpoint(run, write_lora)
@@ -187,7 +195,8 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
                              optimizer=run.optimizer.state_dict(),
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
                                     "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
-                             write_lora=lambda path: write_lora(path, at))
+                             write_lora=lambda path: write_lora(path, at),
+                             ema=run.ema.state_dict() if run.ema is not None else None)
         ckpt.prune(root, run.config.train.keep_checkpoints)
     run.last_saved = at
     run.dist.barrier()
@@ -212,6 +221,9 @@ def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResul
     if run.dist.is_main and run.step > 0:
         lora_path = run.out_dir / f"{t.lora_name}.safetensors"
         write_lora(lora_path, run.step)
+        if run.ema is not None:
+            with run.ema.applied(run.params):
+                write_lora(run.out_dir / f"{t.lora_name}_ema.safetensors", run.step)
         if run.config.logging.plot:
             plot_path = run.out_dir / "loss.png"
             plot_loss(history, plot_path)
@@ -252,7 +264,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     return result
 
 
-def _restore(path: Path, params, optimizer, lr_scheduler, sampler) -> int:
+def _restore(path: Path, params, optimizer, lr_scheduler, sampler, ema: LoraEma | None) -> int:
     checkpoint, adapter, optimizer_state, rng = ckpt.read_checkpoint(path)
     missing = sorted(set(params) - set(adapter))
     if missing:
@@ -264,6 +276,8 @@ def _restore(path: Path, params, optimizer, lr_scheduler, sampler) -> int:
     optimizer.load_state_dict(optimizer_state)
     lr_scheduler.load_state_dict(checkpoint.state["lr_scheduler"])
     sampler.load_state_dict(checkpoint.state["sampler"])
+    if ema is not None:
+        ema.load_state_dict(ckpt.read_ema(path, params))
     ckpt.set_rng_state(rng)
     return checkpoint.step
 
