@@ -216,12 +216,17 @@ class QwenEditTrain:
                                                "(LORA_NAME_ema.safetensors), e.g. 0.999; 0: off"}),
             "ema_validation": ("BOOLEAN", {"default": False, "tooltip": "with ema_decay: validation images use "
                                                                         "the averaged LoRA"}),
+            "mask_weight": ("FLOAT", {"default": 2.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                      "tooltip": "loss weight inside the edited region of pairs with a mask "
+                                                 "(NAME_mask.png or masks/NAME.png, white = edited)"}),
+            "unmasked_weight": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                          "tooltip": "loss weight outside the masks' edited regions"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
               checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
-              ema_decay=0.0, ema_validation=False):
+              ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -242,7 +247,8 @@ class QwenEditTrain:
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
                                 "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,
                                 "compile": compile, "attention": attention, "ema_decay": ema_decay,
-                                "ema_validation": ema_validation, **validation},
+                                "ema_validation": ema_validation, "mask_weight": mask_weight,
+                                "unmasked_weight": unmasked_weight, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         return (jobs.REGISTRY.start(config, resume=resume_arg),)

@@ -115,7 +115,8 @@ def cmd_train(args) -> None:
 
 
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
-TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"))
+TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
+               ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"))
 
 
 def train_overrides(args) -> dict:
@@ -228,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "as NAME_ema.safetensors")
     p.add_argument("--ema-validation", action="store_true", default=None,
                    help="train.ema_validation: validation images use the EMA LoRA")
+    p.add_argument("--mask-weight", type=float, help="train.mask_weight: loss weight inside the masks' edited "
+                   "regions (pairs with NAME_mask.png or masks/NAME.png)")
+    p.add_argument("--unmasked-weight", type=float, help="train.unmasked_weight: loss weight outside them")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded tiny model")

@@ -154,6 +154,10 @@ class TrainConfig:
     #: optimizer steps with a non-finite (NaN/Inf) loss that are skipped (gradients dropped) before training
     #: stops; 0: stop at the first one. Training that stops keeps its last good checkpoint
     skip_nonfinite_steps: int = 0
+    #: region-weighted loss for pairs with a mask (NAME_mask.png or masks/NAME.png; white = edited region):
+    #: each target token's squared error is weighted mask_weight inside the region, unmasked_weight outside
+    mask_weight: float = 2.0
+    unmasked_weight: float = 1.0
     #: > 0: keep an exponential moving average of the LoRA (e.g. 0.999), saved as LORA_NAME_ema.safetensors
     ema_decay: float = 0.0
     #: with ema_decay: validation images use the averaged LoRA instead of the trained one

@@ -6,8 +6,9 @@ that computes an entry's tensors on a miss (`samples.encode_example` in this pro
 Naming. An entry lives at `root/<digest[:2]>/<digest>.safetensors`, where `digest` is the sha256 of a
 `CacheKey`: the sha256 of every image file's bytes (target, then each control), the caption, the identity
 of the encoders (`component_identity`), the VAE and VL areas, the target and control buckets, the template
-and its prefix length, the dtype and the format version. Entries are therefore shared across runs and
-datasets (the same image bytes + caption + settings hit), and any change to a key field makes a new entry.
+and its prefix length, the dtype, the format version and the sha256 of the pair's mask file (if any).
+Entries are therefore shared across runs and datasets (the same image bytes + caption + settings hit), and
+any change to a key field makes a new entry.
 
 On-disk format (format version 1).
   Tensors, all contiguous, on the CPU:
@@ -16,6 +17,8 @@ On-disk format (format version 1).
     `prompt_embeds`         (S, D)  valid tokens only, key dtype
     `empty_prompt_embeds`   (S0, D) the empty caption with the same control image(s) (caption dropout)
     `img_shapes`            (1 + n, 3) int64, packed units: (1, h // 2, w // 2) of each latent above
+    `loss_mask`             (h // 2 * w // 2,) float32, only when the pair has a mask (key field mask_hash):
+                            the mask area-averaged onto the target's token grid
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
   (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
   `format_version` included.
@@ -56,7 +59,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".sf
 _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                   "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                   "U8": torch.uint8, "BOOL": torch.bool}
-_STRING_FIELDS = ("caption", "component_identity", "template", "dtype")
+_STRING_FIELDS = ("caption", "component_identity", "template", "dtype", "mask_hash")
+#: the optional float32 tensor of an entry whose key has a mask_hash: (target tokens,) loss-weight fractions
+LOSS_MASK = "loss_mask"
+#: key fields that entries written before they existed lack (their default applies)
+_OPTIONAL_FIELDS = ("mask_hash",)
 _INT_FIELDS = ("vae_area", "vl_area", "prefix_len", "format_version")
 
 
@@ -90,6 +97,8 @@ class CacheKey:
     prefix_len: int
     dtype: str
     format_version: int = CACHE_FORMAT_VERSION
+    #: sha256 of the pair's mask file ("" without a mask): the entry then holds `loss_mask`
+    mask_hash: str = ""
 
     def __post_init__(self):
         # Normalize lists (from JSON or a caller) to tuples so equal keys compare and hash equal.
@@ -114,8 +123,12 @@ class CacheKey:
         return len(self.control_buckets)
 
     def canonical(self) -> str:
-        """A canonical JSON of every field (sorted keys): the text hashed by `digest`."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, ensure_ascii=False)
+        """A canonical JSON of every field (sorted keys): the text hashed by `digest`. An empty `mask_hash` is
+        left out, so entries of pairs without a mask keep the names they had before masks existed."""
+        fields = dataclasses.asdict(self)
+        if not fields["mask_hash"]:
+            del fields["mask_hash"]
+        return json.dumps(fields, sort_keys=True, ensure_ascii=False)
 
     def digest(self) -> str:
         """sha256 hex of `canonical()`: the entry's file name."""
@@ -130,6 +143,8 @@ class CacheKey:
         """The key stored by `to_metadata`; ValueError or TypeError if a field is absent or malformed."""
         values = {}
         for f in dataclasses.fields(cls):
+            if f.name not in metadata and f.name in _OPTIONAL_FIELDS:
+                continue
             if f.name not in metadata:
                 raise ValueError(f"cache metadata lacks the key field {f.name!r}")
             text = metadata[f.name]
@@ -295,6 +310,8 @@ def prepare_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> dict[
         tensor = tensor.detach().to("cpu")
         if name == "img_shapes" and not tensor.is_floating_point():
             tensor = tensor.to(torch.int64)
+        elif name == LOSS_MASK:
+            tensor = tensor.float()
         elif name != "img_shapes" and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         out[name] = tensor.contiguous()
@@ -308,7 +325,7 @@ def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | N
     """What is wrong with an entry's tensors for `key` (None if nothing). Works on meta tensors too, except
     that `img_shapes` must hold its values."""
     latents = ("target_latents",) + control_names(key.n_controls)
-    expected = set(CACHE_TENSORS) | set(latents)
+    expected = set(CACHE_TENSORS) | set(latents) | ({LOSS_MASK} if key.mask_hash else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         return f"missing tensors {missing}" if missing else f"holding unexpected tensors {unexpected}"
@@ -316,7 +333,16 @@ def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | N
     for name in latents + EMBEDDING_TENSORS:
         if tensors[name].dtype != dtype:
             return f"holding {name} of dtype {tensors[name].dtype}, not {dtype}"
-    return _check_embeddings(tensors) or _check_latents(tensors, latents)
+    return _check_embeddings(tensors) or _check_latents(tensors, latents) or _check_loss_mask(tensors)
+
+
+def _check_loss_mask(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    if LOSS_MASK not in tensors:
+        return None
+    mask, (_, rows, cols) = tensors[LOSS_MASK], tensors["img_shapes"][0].tolist()
+    if mask.dtype != torch.float32 or tuple(mask.shape) != (rows * cols,):
+        return f"holding {LOSS_MASK} {mask.dtype} {tuple(mask.shape)}, not float32 ({rows * cols},)"
+    return None
 
 
 def _check_embeddings(tensors: Mapping[str, torch.Tensor]) -> str | None:

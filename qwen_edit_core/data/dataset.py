@@ -8,6 +8,10 @@ surrounding whitespace stripped):
 - flat: one folder with ``NAME.png`` (target), ``NAME_control.png`` (= control 1) or ``NAME_control_1.png``,
   ``NAME_control_2.png``, ... and ``NAME.txt``.
 
+A pair may have a mask of the edited region (white; black elsewhere) for a region-weighted loss:
+``NAME_mask.png`` beside the target (``images/NAME_mask.png`` in the folders layout) or ``masks/NAME.png`` in
+the dataset folder (both layouts); masks are validated with everything else (see ``data.masks``).
+
 The caption of target ``NAME`` is ``NAME.txt`` beside the target image (``images/NAME.txt`` in the folders
 layout); if there is none, ``captions/NAME.txt`` in the dataset folder (both layouts). When both exist the one
 beside the image wins and a note says so. Hidden files (``.NAME``, e.g. macOS ``._NAME.png``) are ignored;
@@ -41,6 +45,7 @@ from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACC
                                         _mode_name, check_image, inspect_image,
                                         load_rgb)
 from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
+from qwen_edit_core.data.masks import MASKS_DIR, check_mask, split_mask_stems
 from qwen_edit_core.model.geometry import bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class EditExample:
     caption: str
     target_size: tuple[int, int]  # (w, h) as displayed (EXIF orientation applied)
     control_sizes: tuple[tuple[int, int], ...]
+    mask: Optional[Path] = None  # the edited region (white) for a region-weighted loss, if the pair has one
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class _Candidate:
     controls: tuple[Path, ...]
     captions: tuple[Path, ...]  # existing caption files in order of precedence (may be empty)
     default_caption: Path       # where the caption is expected, for the "missing" message
+    mask: Optional[Path] = None
 
 
 @dataclass
@@ -196,6 +203,7 @@ def _discover_folders(folder: Path) -> _Discovery:
     targets = _list_folder(folder / "images", found.issues)
     controls = [_list_folder(d, found.issues) for d in control_dirs]
     captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    masks = _masks(folder, targets, found.issues)
     for directory, listing in zip(control_dirs, controls):
         for stem in sorted(set(listing.images) - set(targets.images) - targets.ambiguous):
             found.issues.append((None, Problem(listing.images[stem], f"control image has no target "
@@ -209,7 +217,7 @@ def _discover_folders(folder: Path) -> _Discovery:
         if None in paths:
             continue
         found.candidates.append(_Candidate(stem, target, tuple(paths), _captions_of(stem, targets, captions),
-                                           target.with_suffix(CAPTION_EXTENSION)))
+                                           target.with_suffix(CAPTION_EXTENSION), masks.get(stem)))
     return found
 
 
@@ -241,7 +249,10 @@ def _discover_flat(folder: Path) -> _Discovery:
     found = _Discovery("flat")
     listing = _list_folder(folder, found.issues, name_of=_flat_sample_name)
     captions = _list_folder(folder / CAPTIONS_DIR, found.issues)
+    masks = _masks(folder, listing, found.issues)
     targets, controls = _split_flat(listing, found.issues)
+    for stem in sorted((set(masks) & set(listing.images)) - set(targets)):
+        found.issues.append((None, Problem(masks[stem], f"mask has no target {stem}.png/.jpg/.webp")))
     for base in sorted(set(controls) - set(targets) - listing.ambiguous):
         for path in controls[base].values():
             found.issues.append((None, Problem(path, f"control image has no target {base}.png/.jpg/.webp")))
@@ -258,8 +269,20 @@ def _discover_flat(folder: Path) -> _Discovery:
         else:
             found.candidates.append(_Candidate(stem, target, tuple(numbered[i] for i in order),
                                                _captions_of(stem, listing, captions),
-                                               target.with_suffix(CAPTION_EXTENSION)))
+                                               target.with_suffix(CAPTION_EXTENSION), masks.get(stem)))
     return found
+
+
+def _masks(folder: Path, listing: _Listing, issues: list[_Issue]) -> dict[str, Path]:
+    """{sample name: mask}: `NAME_mask` images are taken out of `listing` (when NAME is there too), and
+    `masks/NAME` images are added; two masks for one sample, or a mask without its sample, are issues."""
+    listing.images, beside = split_mask_stems(listing.images)
+    in_dir = _list_folder(folder / MASKS_DIR, issues).images
+    for stem in sorted(set(beside) & set(in_dir)):
+        issues.append((stem, Problem(in_dir[stem], f"is a second mask of {stem}, like {beside[stem].name}; keep one")))
+    for stem in sorted(set(in_dir) - set(listing.images)):
+        issues.append((None, Problem(in_dir[stem], f"mask has no target {stem}.png/.jpg/.webp")))
+    return {**in_dir, **beside}
 
 
 def _discover(folder: Path) -> _Discovery:
@@ -338,6 +361,10 @@ def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | Non
             continue
         sizes.append(check.size)
         notes += _image_notes(path, check)
+    if candidate.mask is not None and sizes and not problems:
+        mask_problem = check_mask(candidate.mask, sizes[0], limits.max_pixels)
+        if mask_problem:
+            problems.append(Problem(candidate.mask, mask_problem))
     caption, caption_problem = _read_caption(candidate)
     if caption_problem:
         problems.append(caption_problem)
@@ -345,7 +372,8 @@ def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | Non
         notes.append(Problem(candidate.captions[1], f"ignored: {candidate.captions[0]} is the caption used"))
     if problems:
         return None, problems, notes
-    example = EditExample(candidate.name, candidate.target, candidate.controls, caption, sizes[0], tuple(sizes[1:]))
+    example = EditExample(candidate.name, candidate.target, candidate.controls, caption, sizes[0], tuple(sizes[1:]),
+                          candidate.mask)
     return example, problems, notes
 
 

@@ -17,6 +17,7 @@ import torch
 from qwen_edit_core.model import encode, variants
 from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identity, hash_file
 from qwen_edit_core.data.dataset import EditExample, load_rgb
+from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
                     vl_area=variants.get(settings.variant).vl_area_key(settings.vl_area),
                     target_bucket=target_bucket, control_buckets=control_buckets,
                     template=variants.get(settings.variant).encoding,
-                    prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."))
+                    prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."),
+                    mask_hash=hash_file(example.mask) if example.mask is not None else "")
 
 
 def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor_dir=None) -> str:
@@ -70,7 +72,8 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
     """The cache tensors of one example, on the CPU in `settings.dtype`.
 
     Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
-    its own bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout.
+    its own bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout. A pair
+    with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32).
     """
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)
@@ -90,6 +93,8 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
         shapes.append(encode.packed_shape(pixels.shape[-1], pixels.shape[-2]))
     tensors = {k: v.to("cpu", settings.dtype).contiguous() for k, v in tensors.items()}
     tensors["img_shapes"] = torch.tensor(shapes, dtype=torch.int64)
+    if example.mask is not None:
+        tensors["loss_mask"] = mask_tokens(example.mask, *target_size)
     return tensors
 
 

@@ -104,10 +104,12 @@ def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-               token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, per-sample loss) of (B, S, C) predictions: the squared error averaged over channels and the valid
-    tokens of each sample (`token_mask` (B, S) bool, None = all valid), times the sample's weight (B,), then
-    averaged over samples. Computed in float32.
+               token_mask: torch.Tensor | None = None,
+               token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-sample loss) of (B, S, C) predictions: the squared error averaged over channels, times each
+    token's weight (`token_weights` (B, S), None = 1; region masks), averaged over the valid tokens of each
+    sample (`token_mask` (B, S) bool, None = all valid), times the sample's weight (B,), then averaged over
+    samples. Computed in float32.
 
     Why per sample first: every sample then counts equally whatever its resolution, so a padded
     mixed-resolution batch gives exactly the mean of the one-by-one losses (padded tokens contribute nothing),
@@ -120,6 +122,11 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"masked_mse: token_mask {tuple(token_mask.shape)} must be (batch, tokens) = "
                          f"{tuple(pred.shape[:2])}")
     err = (pred.float() - target.float()).square().mean(dim=-1)  # (B, S)
+    if token_weights is not None:
+        if tuple(token_weights.shape) != tuple(err.shape):
+            raise ValueError(f"masked_mse: token_weights {tuple(token_weights.shape)} must be (batch, tokens) = "
+                             f"{tuple(err.shape)}")
+        err = err * token_weights.to(err.device, err.dtype)
     if token_mask is None:
         per_sample = err.mean(dim=1)
     else:

@@ -11,13 +11,14 @@ equally whatever its resolution, so a batch equals the average of one-by-one ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from qwen_edit_core.adapters import multires
+from qwen_edit_core.data import masks
 from qwen_edit_core.config import Config
 from qwen_edit_core.model import encode
 from qwen_edit_core.model.encode import PromptEmbeds
@@ -34,6 +35,8 @@ class TrainBatch:
     embeds: PromptEmbeds
     img_shapes: list[list[tuple[int, int, int]]]
     generators: list[torch.Generator]
+    #: per sample: its mask's fractions per target token (float32), or None (no mask)
+    loss_masks: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Generator:
@@ -49,7 +52,7 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
     (the mean image in normalized latent space). Each draw uses the sample's own generator.
     """
-    embeds, controls, targets, shapes = [], [], [], []
+    embeds, controls, targets, shapes, masks = [], [], [], [], []
     for item, gen in zip(items, generators):
         drop_caption = torch.rand((), generator=gen).item() < caption_dropout
         drop_control = torch.rand((), generator=gen).item() < control_dropout
@@ -59,16 +62,22 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
         controls.append((torch.zeros_like(control) if drop_control else control).to(device, dtype))
         targets.append(encode.pack(item["target_latents"][None])[0].to(device, dtype))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
+        masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
     return TrainBatch(targets=targets, controls=controls, embeds=encode.pad_embeddings(embeds).to(device, dtype),
-                      img_shapes=shapes, generators=list(generators))
+                      img_shapes=shapes, generators=list(generators), loss_masks=masks)
 
 
-def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
-    """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
+def _padded(rows: Sequence[torch.Tensor], n_max: int) -> torch.Tensor:
+    """Stack (N_b, ...) rows into (B, n_max, ...), zero-padded at the end of each."""
+    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, n_max - r.shape[0])) for r in rows])
+
+
+def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: dict):
+    """One forward pass at each sample's sampled sigma: (prediction (B, n_max, 64), velocity target (same),
+    token mask (B, n_max) or None when nothing is padded, sigmas (B,)).
 
     Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
-    attention and of the loss, so each sample's loss equals its one-by-one loss.
+    attention, so each sample's prediction equals its one-by-one prediction.
     """
     t = config.train
     noisy, velocities, sigmas = [], [], []
@@ -87,10 +96,48 @@ def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: 
                        encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
                        attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
     n_max = max(packed.n_target)
-    target = torch.stack([F.pad(v, (0, 0, 0, n_max - v.shape[0])) for v in velocities])
     token_mask = None
     if any(n != n_max for n in packed.n_target):
         token_mask = torch.arange(n_max, device=pred.device)[None] < torch.tensor(packed.n_target,
                                                                                    device=pred.device)[:, None]
+    return pred[:, :n_max], _padded(velocities, n_max), token_mask, sig
+
+
+def region_weights(batch: TrainBatch, n_max: int, mask_weight: float, unmasked_weight: float,
+                   device) -> torch.Tensor | None:
+    """(B, n_max) per-token loss weights from the samples' masks (1 for samples without one), or None when no
+    sample has a mask (the plain loss, bit for bit)."""
+    if all(m is None for m in batch.loss_masks):
+        return None
+    rows = [masks.token_weights(m, mask_weight, unmasked_weight) if m is not None
+            else torch.ones(t.shape[0], device=t.device) for m, t in zip(batch.loss_masks, batch.targets)]
+    return _padded(rows, n_max).to(device)
+
+
+def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
+
+    Padding is masked out of the loss, so each sample's loss equals its one-by-one loss. Samples with a mask
+    weight each token by `train.unmasked_weight` outside the edited region and `train.mask_weight` inside.
+    """
+    t = config.train
+    pred, target, token_mask, sig = predict(transformer, batch, config, scheduler_config)
     weights = flow.loss_weights(t.loss_weighting, sig).to(pred.device)
-    return flow.masked_mse(pred[:, :n_max].float(), target.float(), weights, token_mask)
+    per_token = region_weights(batch, pred.shape[1], t.mask_weight, t.unmasked_weight, pred.device)
+    return flow.masked_mse(pred.float(), target.float(), weights, token_mask, per_token)
+
+
+@torch.no_grad()
+def region_losses(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[float, float]:
+    """(masked, unmasked): the plain squared error averaged inside each sample's edited region (weighted by
+    its mask) and outside it, then over the samples; every sample of `batch` needs a mask."""
+    if any(m is None for m in batch.loss_masks):
+        raise ValueError("region_losses needs samples with masks")
+    pred, target, _, _ = predict(transformer, batch, config, scheduler_config)
+    err = (pred.float() - target.float()).square().mean(dim=-1)
+    inside = _padded([m.to(err.device) for m in batch.loss_masks], err.shape[1])
+    outside = _padded([1 - m.to(err.device) for m in batch.loss_masks], err.shape[1])
+    masked = (err * inside).sum(1) / inside.sum(1).clamp(min=1e-12)
+    unmasked = (err * outside).sum(1) / outside.sum(1).clamp(min=1e-12)
+    return masked.mean().item(), unmasked.mean().item()

@@ -25,6 +25,7 @@ from qwen_edit_core.config import Config, to_dict
 from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
 from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
+from qwen_edit_core.train.validation import RegionLosses
 from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
 from qwen_edit_core.train.distributed import Distributed, PaddingMeter, image_tokens, local_device  # noqa: F401
 from qwen_edit_core.train.log import LossLog, plot_loss
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: text tokens assumed by the memory planner (a long caption plus the Edit template's prefix)
 TEXT_TOKENS = 512
+#: masked pairs whose region losses validation reports
+REGION_SAMPLES = 4
 PRECISIONS = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -47,6 +50,8 @@ class TrainResult:
     loss_plot: Path | None
     history: list[tuple[int, float]] = field(default_factory=list)
     validation_images: list[Path] = field(default_factory=list)
+    #: (step, masked-region loss, unmasked loss) at each validation step, for datasets with masks
+    region_losses: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +81,7 @@ class RunState:
     last_saved: int = -1
     state: str = "done"
     ema: LoraEma | None = None  # the LoRA's moving average (train.ema_decay > 0)
+    regions: RegionLosses | None = None  # masked/unmasked validation losses (datasets with masks)
 
 
 def _autocast_dtype(name: str) -> torch.dtype | None:
@@ -176,12 +182,13 @@ def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | No
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
         progress(Progress("train", step, t.max_steps, loss=loss))
-    if validate is not None and t.validation_every and step % t.validation_every == 0:
+    if t.validation_every and step % t.validation_every == 0 and (run.dist.is_main or run.dist.fsdp):
+        # With FSDP the sharded forward passes need every process; only the first one writes.
         with run.ema.applied(run.params) if run.ema is not None and t.ema_validation else contextlib.nullcontext():
-            if run.dist.is_main:
-                validate(step)
-            elif run.dist.fsdp:  # the sharded forward passes need every process; only the first one writes
-                validate(step, write=False)
+            if validate is not None:
+                validate(step) if run.dist.is_main else validate(step, write=False)
+            if run.regions is not None:
+                run.regions(run.transformer, step, write=run.dist.is_main)
         run.transformer.train()
     if t.checkpoint_every and step % t.checkpoint_every == 0:
         save_checkpoint(run, write_lora)
@@ -240,6 +247,9 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory.
     """
     run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
+    masked = [i for i, example in enumerate(examples) if example.mask is not None][:REGION_SAMPLES]
+    if masked and config.train.validation_every:
+        run.regions = RegionLosses([load_item(i) for i in masked], config, scheduler_config, out_dir)
     started = time.perf_counter()
     try:
         while run.step < config.train.max_steps:
@@ -260,6 +270,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         if run.losslog is not None:
             run.losslog.close()
     result = finish(run, write_lora)
+    result.region_losses = run.regions.history if run.regions is not None else []
     log.info("training %s at step %d (%.1f s)", run.state, run.step, time.perf_counter() - started)
     return result
 

@@ -1,4 +1,5 @@
-"""Validation during training: sample the config's prompt + control image every N steps.
+"""Validation during training: sample the config's prompt + control image every N steps, and (for datasets
+with masks) the loss inside and outside the edited regions.
 
 The conditioning comes from the embedding cache like any training sample (so training from the cache still
 loads no encoder); the sampled latents are written to `validation/step-N.safetensors` and decoded to PNG
@@ -92,4 +93,33 @@ def decode_file(vae, path: Path) -> Path:
     return png
 
 
-__all__ = ["PromptEmbeds", "Validator", "conditioning_from_entry", "decode_file", "validation_example"]
+class RegionLosses:
+    """Callable(transformer, step): the loss inside and outside the edited regions of up to `limit` masked
+    pairs, with fixed noise and sigmas (so steps compare), logged and appended to
+    `validation/region_loss.csv` (step, masked_loss, unmasked_loss)."""
+
+    def __init__(self, items: list[dict], config, scheduler_config: dict, out_dir: Path):
+        self.items, self.config, self.scheduler_config = items, config, scheduler_config
+        self.csv = out_dir / "validation" / "region_loss.csv"
+        self.history: list[tuple[int, float, float]] = []
+
+    def __call__(self, transformer, step: int, write: bool = True) -> tuple[float, float]:
+        from qwen_edit_core.train.batch import collate, region_losses, sample_generator
+        param = next(transformer.parameters())
+        gens = [sample_generator(self.config.train.seed, 0, 0, j) for j in range(len(self.items))]
+        batch = collate(self.items, gens, caption_dropout=0.0, control_dropout=0.0, device=param.device,
+                        dtype=transformer.img_in.weight.dtype)
+        transformer.eval()
+        masked, unmasked = region_losses(transformer, batch, self.config, self.scheduler_config)
+        self.history.append((step, masked, unmasked))
+        if not write:
+            return masked, unmasked
+        self.csv.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.csv.is_file()
+        with open(self.csv, "a", encoding="utf-8") as fh:
+            fh.write(("step,masked_loss,unmasked_loss\n" if new else "") + f"{step},{masked:.8g},{unmasked:.8g}\n")
+        log.info("validation at step %d: masked-region loss %.6f, unmasked loss %.6f", step, masked, unmasked)
+        return masked, unmasked
+
+
+__all__ = ["PromptEmbeds", "RegionLosses", "Validator", "conditioning_from_entry", "decode_file", "validation_example"]

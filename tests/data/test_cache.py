@@ -421,4 +421,4 @@ def test_component_identity_of_tokenizers_single_files_and_absent_parts(tmp_path
 def test_key_is_dataclass_of_plain_fields():
     assert [f.name for f in dataclasses.fields(CacheKey)] == [
         "image_hashes", "caption", "component_identity", "vae_area", "vl_area", "target_bucket", "control_buckets",
-        "template", "prefix_len", "dtype", "format_version"]
+        "template", "prefix_len", "dtype", "format_version", "mask_hash"]
