@@ -54,8 +54,9 @@ class QwenEditDataset:
     def load(self, folder, skip_invalid):
         path = _folder(folder)
         report = load_dataset(path, skip_invalid=skip_invalid)
+        counts = sorted({len(e.controls) for e in report.examples})
         summary = (f"{len(report.examples)} pairs ({report.layout} layout), "
-                   f"{len(report.examples[0].controls)} control image(s) each; {len(report.skipped)} skipped")
+                   f"{'/'.join(map(str, counts))} control image(s) each; {len(report.skipped)} skipped")
         return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report), summary)}
 
 
@@ -221,12 +222,16 @@ class QwenEditTrain:
                                                  "(NAME_mask.png or masks/NAME.png, white = edited)"}),
             "unmasked_weight": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
                                           "tooltip": "loss weight outside the masks' edited regions"}),
+            "bucket_grouping": (["similar", "similar-count", "equal"], {
+                "tooltip": "similar: neighbouring sizes (and any numbers of control images) share a batch; "
+                           "similar-count: one number of control images per batch; equal: one exact size"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
               checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
-              ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0):
+              ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
+              bucket_grouping="similar"):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -242,7 +247,7 @@ class QwenEditTrain:
                           "validation_prompt": validation_prompt}
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
                          model={"lora": {"rank": rank, "alpha": alpha, "targets": targets}},
-                         data={"batch_size": batch_size, "bucket_grouping": "similar"},
+                         data={"batch_size": batch_size, "bucket_grouping": bucket_grouping},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
                                 "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,

@@ -116,7 +116,8 @@ def cmd_train(args) -> None:
 
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
 TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
-               ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"))
+               ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
+               ("bucket_grouping", "data", "bucket_grouping"))
 
 
 def train_overrides(args) -> dict:
@@ -232,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-weight", type=float, help="train.mask_weight: loss weight inside the masks' edited "
                    "regions (pairs with NAME_mask.png or masks/NAME.png)")
     p.add_argument("--unmasked-weight", type=float, help="train.unmasked_weight: loss weight outside them")
+    p.add_argument("--bucket-grouping", choices=["equal", "similar", "similar-count"],
+                   help="data.bucket_grouping: similar-count batches neighbouring sizes with one number of control "
+                   "images per batch; similar mixes control counts too")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded tiny model")

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 #: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
 AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
 Quantize = typing.Literal["none", "int8", "nf4"]
-BucketGrouping = typing.Literal["equal", "similar"]
+BucketGrouping = typing.Literal["equal", "similar", "similar-count"]
 MixedPrecision = typing.Literal["no", "fp32", "bf16", "fp16"]
 #: mirror sample.flow.TIMESTEP_SCHEMES / LOSS_WEIGHTINGS and train.optim.SCHEDULES
 TimestepSampling = typing.Literal["shift", "uniform", "logit_normal", "fixed_shift"]
@@ -96,7 +96,8 @@ class DataConfig:
     vl_area: int = 384 * 384
     batch_size: int = 1
     #: "equal": a batch holds one bucket (no padding); "similar": neighbouring sizes share a batch (padded,
-    #: masked, equal to one-by-one)
+    #: masked, equal to one-by-one), whatever their numbers of control images; "similar-count": like
+    #: similar, but a batch holds pairs with one number of control images
     bucket_grouping: BucketGrouping = "equal"
     caption_dropout_rate: float = 0.0
     prompt_image_dropout_rate: float = 0.0

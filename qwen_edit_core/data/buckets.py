@@ -22,18 +22,23 @@ class BucketBatchSampler:
     """
 
     def __init__(self, bucket_keys: Sequence[Hashable], batch_size: int, seed: int, drop_last: bool = False,
-                 shuffle: bool = True, sizes: Sequence[int] | None = None):
+                 shuffle: bool = True, sizes: Sequence[int] | None = None,
+                 groups: Sequence[Hashable] | None = None):
         """`sizes` (token counts per sample) switches to similar-size grouping: samples are ordered by size
         and cut into batches, so a batch may mix neighbouring sizes (padded by the trainer) instead of
-        leaving many part-filled batches of one exact size."""
+        leaving many part-filled batches of one exact size. `groups` (with `sizes`; e.g. each sample's number
+        of control images) keeps every batch inside one group."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not bucket_keys:
             raise ValueError("no samples to batch (bucket_keys is empty)")
         if sizes is not None and len(sizes) != len(bucket_keys):
             raise ValueError(f"sizes has {len(sizes)} entries for {len(bucket_keys)} samples")
+        if groups is not None and (sizes is None or len(groups) != len(bucket_keys)):
+            raise ValueError("groups needs sizes and one group per sample")
         self.keys = list(bucket_keys)
         self.sizes = list(sizes) if sizes is not None else None
+        self.groups = list(groups) if groups is not None else None
         self.batch_size, self.seed, self.drop_last, self.shuffle = batch_size, int(seed), drop_last, shuffle
         self.epoch, self.index = 0, 0
 
@@ -71,7 +76,12 @@ class BucketBatchSampler:
             rng.shuffle(order)
         # Stable sort by (size, bucket): equal buckets stay together, neighbours in size come next.
         order.sort(key=lambda i: (self.sizes[i], repr(self.keys[i])))
-        return self._cut(order)
+        if self.groups is None:
+            return self._cut(order)
+        batches = []
+        for group in sorted(set(self.groups), key=repr):
+            batches += self._cut([i for i in order if self.groups[i] == group])
+        return batches
 
     def _cut(self, indices: list[int]) -> list[list[int]]:
         batches = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]

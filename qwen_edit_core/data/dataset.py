@@ -19,7 +19,9 @@ other image formats (gif, bmp, tiff, ...) are reported rather than silently igno
 
 Everything is validated before any work and every problem is reported at once, each naming its file and what
 would be accepted: unpaired images, missing/empty/non-UTF-8 captions, images that do not decode (truncated or
-damaged), modes other than RGB, images too small or too large, and differing numbers of controls. Layout
+damaged), modes other than RGB, images too small or too large, and invalid masks. Pairs may have different
+numbers of controls (Edit Plus batches mix them); in the folders layout a pair with k controls has them in
+the first k control folders. Layout
 problems that make pairing impossible (``control/`` beside ``control_1/``, a gap in the control numbering)
 stop discovery at once, as there is nothing sensible to validate.
 
@@ -210,13 +212,14 @@ def _discover_folders(folder: Path) -> _Discovery:
                                                                      f"images/{stem}.png/.jpg/.webp")))
     for stem, target in targets.images.items():
         paths = [listing.images.get(stem) for listing in controls]
-        missing = [d.name for d, p in zip(control_dirs, paths) if p is None]
+        count = len(paths) - next((k for k, p in enumerate(reversed(paths)) if p is not None), len(paths))
+        # A pair may have fewer controls than there are folders (1 to 3 for Edit Plus), but no gaps.
+        missing = [d.name for d, p in zip(control_dirs[:max(count, 1)], paths) if p is None]
         if missing:
             found.issues.append((stem, Problem(target, f"has no control image named {stem}.png/.jpg/.webp in "
                                                        f"{', '.join(m + '/' for m in missing)}")))
-        if None in paths:
             continue
-        found.candidates.append(_Candidate(stem, target, tuple(paths), _captions_of(stem, targets, captions),
+        found.candidates.append(_Candidate(stem, target, tuple(paths[:count]), _captions_of(stem, targets, captions),
                                            target.with_suffix(CAPTION_EXTENSION), masks.get(stem)))
     return found
 
@@ -294,18 +297,6 @@ def _discover(folder: Path) -> _Discovery:
                            header=f"1 layout problem in dataset {str(folder)!r}; accepted layouts: "
                                   + "; ".join(LAYOUTS))
     return _discover_flat(folder)
-
-
-def _control_count_issues(candidates: Sequence[_Candidate]) -> list[_Issue]:
-    """Every sample needs the same number of controls: the most common number wins (ties: the larger)."""
-    counts = Counter(len(c.controls) for c in candidates)
-    if len(counts) <= 1:
-        return []
-    expected = max(counts, key=lambda n: (counts[n], n))
-    return [(c.name, Problem(c.target, f"has {len(c.controls)} control image(s) but {counts[expected]} of "
-                                       f"{len(candidates)} samples have {expected}; every sample needs the same "
-                                       "number of control images"))
-            for c in candidates if len(c.controls) != expected]
 
 
 def _read_caption(candidate: _Candidate) -> tuple[str | None, Problem | None]:
@@ -409,7 +400,7 @@ def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_
         raise DatasetError([Problem(folder, "no images found")],
                            header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
     limits = _Limits(min_side, max_pixels, convert_modes)
-    issues = found.issues + _control_count_issues(found.candidates)
+    issues = list(found.issues)
     notes, checked = [], []
     for candidate in found.candidates:
         example, problems, own_notes = _validate(candidate, limits)
@@ -429,6 +420,7 @@ def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_
         raise DatasetError(problems, header=f"{len(problems)} problem(s) and no valid edit pairs left in "
                                             f"{str(folder)!r} after skipping; accepted layouts: "
                                             + "; ".join(LAYOUTS))
-    log.info("dataset %s: %d pair(s), %s layout, %d control image(s) each", folder, len(examples), found.layout,
-             len(examples[0].controls))
+    counts = Counter(len(e.controls) for e in examples)
+    log.info("dataset %s: %d pair(s), %s layout, control images per pair: %s", folder, len(examples), found.layout,
+             ", ".join(f"{n} ({counts[n]} pairs)" for n in sorted(counts)))
     return DatasetReport(examples, tuple(problems), found.layout, tuple(notes))

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 #: text tokens assumed by the memory planner (a long caption plus the Edit template's prefix)
 TEXT_TOKENS = 512
+#: "equal": one bucket per batch (so one control count); "similar": neighbouring sizes and any control counts
+#: share a batch; "similar-count": neighbouring sizes, one control count per batch
+BUCKET_GROUPINGS = ("equal", "similar", "similar-count")
 #: masked pairs whose region losses validation reports
 REGION_SAMPLES = 4
 PRECISIONS = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,12 +98,13 @@ def _batch_sampler(config: Config, bucket_keys: Sequence, world: int) -> BucketB
         raise ValueError(f"data.batch_size {config.data.batch_size} must be a multiple of the number of processes "
                          f"({world}): each process takes an equal share of the global batch")
     grouping = config.data.bucket_grouping
-    if grouping not in ("equal", "similar"):
-        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: equal, similar")
+    if grouping not in BUCKET_GROUPINGS:
+        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: {', '.join(BUCKET_GROUPINGS)}")
+    similar = grouping != "equal"
     # Several processes need full batches (an empty share would stall the gradient all-reduce).
     return BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=config.train.seed,
-                              drop_last=world > 1,
-                              sizes=[image_tokens(k) for k in bucket_keys] if grouping == "similar" else None)
+                              drop_last=world > 1, sizes=[image_tokens(k) for k in bucket_keys] if similar else None,
+                              groups=[len(k[1]) for k in bucket_keys] if grouping == "similar-count" else None)
 
 
 def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, resume: Path | None,
