@@ -358,6 +358,8 @@ _RANGES = [
     ("train.checkpoint_blocks", lambda v: v >= -1, ">= -1 (-1: all)"),
     ("train.offload_blocks", lambda v: v >= 0, ">= 0"), ("train.memory_budget_gb", lambda v: v >= 0, ">= 0"),
     ("train.skip_nonfinite_steps", lambda v: v >= 0, ">= 0"),
+    ("train.ema_decay", lambda v: 0 <= v < 1, "in [0, 1) (0: off)"),
+    ("train.mask_weight", lambda v: v >= 0, ">= 0"), ("train.unmasked_weight", lambda v: v >= 0, ">= 0"),
     ("optimizer.lr", lambda v: v > 0, "> 0"), ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
     ("optimizer.eps", lambda v: v > 0, "> 0"),
     ("optimizer.betas", lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),

@@ -99,7 +99,8 @@ def _batch_sampler(config: Config, bucket_keys: Sequence, world: int) -> BucketB
                          f"({world}): each process takes an equal share of the global batch")
     grouping = config.data.bucket_grouping
     if grouping not in BUCKET_GROUPINGS:
-        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: {', '.join(BUCKET_GROUPINGS)}")
+        raise ValueError(f"data.bucket_grouping {grouping!r} is not accepted; accepted: "
+                         f"{', '.join(BUCKET_GROUPINGS)}")
     similar = grouping != "equal"
     # Several processes need full batches (an empty share would stall the gradient all-reduce).
     return BucketBatchSampler(bucket_keys, batch_size=config.data.batch_size, seed=config.train.seed,
