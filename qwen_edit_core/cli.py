@@ -1,4 +1,4 @@
-"""`qwen-edit`: tiny | sample | cache | train | demo | bench.
+"""`qwen-edit`: tiny | sample | cache | train | pairs | demo | bench.
 
 Errors a user can fix (bad path, device, size, prompt) print one line naming the input and exit with
 status 2; no traceback from inside diffusers.
@@ -30,9 +30,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_tiny(args) -> None:
+    if args.pretrained:
+        from qwen_edit_core.pretrain import Recipe, pretrain
+        from qwen_edit_core.model.toy import WEIGHTS_DIR, build_toy
+        if args.variant != variants.DEFAULT or args.size != "tiny":
+            raise ValueError("--pretrained builds the Edit variant at size tiny; drop --variant/--size")
+        weights = Path(args.weights_dir) if args.weights_dir else WEIGHTS_DIR
+        if args.train or not (weights / "toy.json").is_file():
+            pretrain(weights, Recipe(seed=args.seed))
+        out = build_toy(args.out_dir, weights)
+        log.info("pretrained toy model written to %s (weights: %s)", out, weights)
+        return
     from qwen_edit_core.model.tiny import build_tiny
     out = build_tiny(args.out_dir, variant=args.variant, seed=args.seed, size=args.size)
-    log.info("tiny %s model written to %s", args.variant, out)
+    log.info("tiny %s model (random weights) written to %s", args.variant, out)
 
 
 def _progress_bar(total_desc: str):
@@ -147,15 +158,24 @@ def _train_bar():
     return update
 
 
+def cmd_pairs(args) -> None:
+    from qwen_edit_core.data.synthetic import write_pairs
+    pairs = write_pairs(Path(args.folder), args.count, args.seed, args.edit, args.size)
+    log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
+
+
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
-    run_demo(Path(args.out))
+    run_demo(Path(args.out), steps=args.steps)
 
 
 def cmd_bench(args) -> None:
     if args.what == "sample":
         from qwen_edit_core.bench.sample import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
+    elif args.what == "threads":
+        from qwen_edit_core.bench.threads import run
+        run(repeats=args.repeats)
     elif args.what == "batching":
         from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
@@ -165,19 +185,40 @@ def cmd_bench(args) -> None:
             variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except unset ones (None) and off switches."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows each option's default."""
+    return sub.add_parser(name, help=help, description=help, formatter_class=_DefaultsHelp)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen-edit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="qwen-edit", description=__doc__.splitlines()[0],
+                                     formatter_class=_DefaultsHelp)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("tiny", help="build the offline tiny model directory")
-    p.add_argument("out_dir")
-    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=["tiny", "real-width"], default="tiny")
+    p = _command(sub, "tiny", help="build the offline tiny model directory (random weights, or --pretrained)")
+    p.add_argument("out_dir", help="directory to write (replaced if it holds a previous build)")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT, help="pipeline variant")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (with --pretrained --train: the training seed)")
+    p.add_argument("--size", choices=["tiny", "real-width"], default="tiny", help="layer widths")
+    p.add_argument("--pretrained", action="store_true",
+                   help="the pretrained toy model (trained VAE and transformer; the package's weights)")
+    p.add_argument("--train", action="store_true",
+                   help="with --pretrained: train the toy weights from scratch into --weights-dir first")
+    p.add_argument("--weights-dir", default=None,
+                   help="with --pretrained: toy weights folder (default: the package's model/toy_weights)")
     p.set_defaults(func=cmd_tiny)
 
-    p = sub.add_parser("sample", help="edit an image with true CFG")
+    p = _command(sub, "sample", help="edit an image with true CFG")
     p.add_argument("--model", required=True, help="diffusers-layout model directory")
     p.add_argument("--transformer-file", help="transformer as one safetensors file (ComfyUI diffusion_models)")
     p.add_argument("--transformer-fp8", choices=["auto", "keep", "upcast"],
@@ -191,19 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer serves "
                                          "--text-encoder-file when --model has no processor/")
     p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default=" ")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompt", required=True, help="edit instruction")
+    p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG")
+    p.add_argument("--steps", type=int, default=20, help="sampling steps")
     p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (<= 1 turns CFG off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--width", type=int)
-    p.add_argument("--height", type=int)
+    p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
+    p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")
     p.add_argument("--devices", help="text_encoder=cpu,vae=cpu,transformer=cuda:0")
     p.add_argument("--uncond-device", help="second transformer device for --cfg-mode split")
-    p.add_argument("--cfg-mode", choices=["sequential", "batched", "split"], default="sequential")
-    p.add_argument("--shift-mode", choices=["dynamic", "fixed"], default="dynamic")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default 1024*1024)")
+    p.add_argument("--cfg-mode", choices=["sequential", "batched", "split"], default="sequential", help="how the two CFG branches run")
+    p.add_argument("--shift-mode", choices=["dynamic", "fixed"], default="dynamic", help="timestep shift: diffusers' (dynamic) or ComfyUI's (fixed)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
+    p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default: the config's, 1024*1024)")
     p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
     p.add_argument("--config", help="YAML config whose predict section gives defaults")
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
@@ -211,18 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="compile each transformer block (~30 s once)")
     p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
                    help="attention kernel tried first (cudnn: fastest on Hopper)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output image file (png)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="split the transformer's tokens over N processes started by `torchrun --nproc_per_node N`")
     p.add_argument("--cp-mode", choices=["ulysses", "ring"], default="ulysses",
                    help="context parallel: ulysses (all-to-all over heads) or ring (keys/values around the ring)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("cache", help="precompute the embedding cache of a dataset")
+    p = _command(sub, "cache", help="precompute the embedding cache of a dataset")
     p.add_argument("config", help="YAML config (model, data, cache sections)")
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("train", help="train a LoRA (Ctrl-C saves a checkpoint and exits)")
+    p = _command(sub, "train", help="train a LoRA (Ctrl-C saves a checkpoint and exits)")
     p.add_argument("config", help="YAML config")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
@@ -238,16 +279,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "images per batch; similar mixes control counts too")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="the main job on the embedded tiny model")
-    p.add_argument("--out", default="demo_out")
+    from qwen_edit_core.data.synthetic import DEMO_EDIT, EDITS
+    p = _command(sub, "pairs", "write synthetic edit pairs (NAME_control.png, NAME.png, NAME.txt) to train on")
+    p.add_argument("folder", help="dataset folder to write")
+    p.add_argument("--count", type=int, default=16, help="number of pairs")
+    p.add_argument("--edit", choices=[DEMO_EDIT[0], *EDITS], default=DEMO_EDIT[0], help="the edit (and caption)")
+    p.add_argument("--size", type=int, default=128, help="picture side in pixels")
+    p.add_argument("--seed", type=int, default=0, help="pictures seed")
+    p.set_defaults(func=cmd_pairs)
+
+    p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
+    p.add_argument("--out", default="demo_out", help="output folder")
+    p.add_argument("--steps", type=int, default=300, help="LoRA training steps")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train", "batching"])
+    p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
+    p.add_argument("what", choices=["sample", "train", "batching", "threads"], help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
                    "VARIANTS to run after the reference (default: all)")
     p.set_defaults(func=cmd_bench)

@@ -1,15 +1,17 @@
 """Loss logging: a CSV row per step, TensorBoard when installed and asked for, and a loss plot PNG.
 
-The plot is drawn with Pillow (no plotting library needed): raw loss in grey, a moving average in blue.
+The plot is drawn with Pillow (no plotting library needed): labelled axes with ticks, raw loss in grey and
+an exponential moving average in blue.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import math
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +53,72 @@ class LossLog:
             self._tb.close()
 
 
-def plot_loss(history: list[tuple[int, float]], path: Path, size: tuple[int, int] = (640, 360)) -> Image.Image:
-    """Draw the loss curve; writes `path` and returns the image."""
+def smooth(values: list[float], weight: float = 0.9) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing): each point weighs the past by `weight`."""
+    out, avg = [], 0.0
+    for i, value in enumerate(values):
+        avg = weight * avg + (1 - weight) * value
+        out.append(avg / (1 - weight ** (i + 1)))
+    return out
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round tick values covering [lo, hi]."""
+    span = max(hi - lo, 1e-12)
+    raw = span / count
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 5, 10) if raw <= m * step)
+    first = math.ceil(lo / step) * step
+    digits = max(0, -math.floor(math.log10(step)))
+    return [round(first + i * step, digits) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def plot_loss(history: list[tuple[int, float]], path: Path, size: tuple[int, int] = (720, 400),
+              title: str = "Training loss") -> Image.Image:
+    """Draw the loss curve with labelled axes (x: optimizer step, y: flow-matching loss, the mean squared error
+    of the predicted velocity in normalized latent units), the raw values in grey and a smoothed line
+    (`smooth`) in blue; writes `path` (PNG) and returns the image."""
     width, height = size
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
-    margin = 40
-    draw.rectangle([margin, 10, width - 10, height - margin], outline="black")
+    font = ImageFont.load_default(size=13)
+    left, right, top, bottom = 78, width - 16, 34, height - 52
+    draw.text((width // 2, 8), title, fill="black", font=ImageFont.load_default(size=16), anchor="mt")
+    draw.text((width // 2, height - 8), "optimizer step", fill="black", font=font, anchor="mb")
+    label = Image.new("RGB", (bottom - top, 16), "white")
+    ImageDraw.Draw(label).text(((bottom - top) // 2, 8), "loss (velocity MSE, latent units)", fill="black",
+                               font=font, anchor="mm")
+    image.paste(label.rotate(90, expand=True), (4, top))
+    draw.rectangle([left, top, right, bottom], outline="black")
     if history:
         steps = [s for s, _ in history]
         losses = [v for _, v in history]
         lo, hi = min(losses), max(losses)
-        span_s = max(steps[-1] - steps[0], 1)
-        span_l = max(hi - lo, 1e-12)
+        if hi - lo < 1e-12:
+            lo, hi = lo - 0.5 * abs(lo or 1), hi + 0.5 * abs(hi or 1)
+        s0, s1 = steps[0], max(steps[-1], steps[0] + 1)
 
         def xy(step, value):
-            x = margin + (step - steps[0]) / span_s * (width - 10 - margin)
-            y = height - margin - (value - lo) / span_l * (height - margin - 10)
-            return x, y
+            return (left + (step - s0) / (s1 - s0) * (right - left),
+                    bottom - (value - lo) / (hi - lo) * (bottom - top))
 
-        draw.line([xy(s, v) for s, v in history], fill=(170, 170, 170), width=1)
-        window = max(1, len(history) // 20)
-        smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-                  for i in range(len(losses))]
-        draw.line([xy(s, v) for s, v in zip(steps, smooth)], fill=(30, 90, 200), width=2)
-        draw.text((margin + 4, 12), f"loss {hi:.4g}", fill="black")
-        draw.text((margin + 4, height - margin - 14), f"{lo:.4g}", fill="black")
-        draw.text((margin, height - margin + 6), f"step {steps[0]}", fill="black")
-        draw.text((width - 90, height - margin + 6), f"step {steps[-1]}", fill="black")
+        for tick in _ticks(lo, hi):
+            y = xy(s0, tick)[1]
+            draw.line([left - 4, y, left, y], fill="black")
+            draw.line([left + 1, y, right - 1, y], fill=(232, 232, 232))
+            draw.text((left - 6, y), f"{tick:.3g}", fill="black", font=font, anchor="rm")
+        for tick in _ticks(s0, s1):
+            x = xy(tick, lo)[0]
+            draw.line([x, bottom, x, bottom + 4], fill="black")
+            draw.text((x, bottom + 6), f"{tick:g}", fill="black", font=font, anchor="mt")
+        if len(history) > 1:
+            draw.line([xy(s, v) for s, v in history], fill=(175, 175, 175), width=1)
+            draw.line([xy(s, v) for s, v in zip(steps, smooth(losses))], fill=(30, 90, 200), width=3)
+        else:
+            x, y = xy(*history[0])
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(30, 90, 200))
+        draw.text((right - 6, top + 6), f"last {smooth(losses)[-1]:.4g} (smoothed)  raw: grey", fill=(30, 90, 200),
+                  font=font, anchor="ra")
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return image

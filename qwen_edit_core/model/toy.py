@@ -1,0 +1,102 @@
+"""The pretrained toy Qwen-Image-Edit: the tiny architecture with trained VAE and transformer weights.
+
+The weights ship with the package (`toy_weights/`: `vae.safetensors`, `transformer.safetensors` and
+`toy.json` with both configs, the build command, seed and the files' sha256). `build_toy(dir)` writes a
+complete diffusers-layout directory: the random tiny model of `tiny.build_tiny` (tokenizer, processor,
+scheduler and the random tiny text encoder, seed 0) with the trained VAE and transformer in place of the
+random ones. The classes are diffusers' own, so every code path is the real one.
+
+The weights come from `qwen-edit tiny --pretrained` (qwen_edit_core/pretrain.py); see docs/TOY_MODEL.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "toy_weights"
+MANIFEST = "toy.json"
+FILES = ("vae.safetensors", "transformer.safetensors")
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest(weights_dir: Path = WEIGHTS_DIR) -> dict:
+    """The toy model's manifest: configs, build command, seed, sha256 of each weights file."""
+    path = Path(weights_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: build the toy weights with `qwen-edit tiny --pretrained "
+                                f"--weights-dir {weights_dir}`")
+    return json.loads(path.read_text())
+
+
+def check_weights(weights_dir: Path = WEIGHTS_DIR) -> dict:
+    """Raise unless every weights file matches the manifest's sha256; returns the manifest."""
+    info = manifest(weights_dir)
+    for name in FILES:
+        got = sha256(Path(weights_dir) / name)
+        if got != info["sha256"][name]:
+            raise ValueError(f"{Path(weights_dir) / name}: sha256 {got} differs from {MANIFEST}'s "
+                             f"{info['sha256'][name]}; rebuild with `{info['command']}`")
+    return info
+
+
+def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
+    """Write the toy model directory (diffusers layout, Edit variant) to `out_dir`; returns its path.
+
+    The directory is assembled beside `out_dir` and renamed into place; an existing `out_dir` is replaced
+    only if it is empty or holds a previous model (as `build_tiny`).
+    """
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from safetensors.torch import load_file
+
+    from qwen_edit_core.model.tiny import _check_replaceable, _isolated_init, build_tiny
+
+    info = check_weights(weights_dir)
+    out = Path(out_dir)
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.toy-", dir=out.parent))
+    try:
+        model = build_tiny(work / "model", variant="edit", seed=info["text_encoder_seed"])
+        for sub, cls, name in (("vae", AutoencoderKLQwenImage, "vae"),
+                               ("transformer", QwenImageTransformer2DModel, "transformer")):
+            with _isolated_init(0):
+                module = cls(**info[f"{name}_config"])
+            module.load_state_dict(load_file(str(Path(weights_dir) / f"{name}.safetensors")))
+            shutil.rmtree(model / sub)
+            module.save_pretrained(model / sub)
+        if out.exists():
+            shutil.rmtree(out)
+        model.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("built the toy model in %s", out)
+    return out
+
+
+def ensure_toy(out_dir) -> Path:
+    """`out_dir` holding the toy model: built when missing or built from other weights (checked by the
+    manifest's sha256 recorded in `out_dir/toy.json`)."""
+    out = Path(out_dir)
+    info = manifest()
+    stamp = out / MANIFEST
+    if (out / "model_index.json").is_file() and stamp.is_file() and \
+            json.loads(stamp.read_text()).get("sha256") == info["sha256"]:
+        return out
+    build_toy(out)
+    stamp.write_text(json.dumps({"sha256": info["sha256"]}, indent=1) + "\n")
+    return out

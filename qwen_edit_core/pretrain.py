@@ -1,0 +1,276 @@
+"""Build the toy model's weights (`qwen-edit tiny --pretrained --train`): a VAE, then a transformer.
+
+1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) gets constructed
+   weights (`constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels, its decoder
+   upsamples the cell colours smoothly. Gradient training of this architecture from random weights barely
+   moved in the CPU time available (300 Adam steps: pixel MSE 0.17 -> 0.15 in [-1, 1] units), so the
+   weights are set directly; `latents_mean`/`latents_std` are the measured per-channel statistics, so
+   normalized latents have unit scale as the flow-matching maths assumes.
+2. The transformer (QwenImageTransformer2DModel: 2 blocks, 2 heads of 32) learns the edits of
+   `synthetic.EDITS` from (control, prompt) -> target pairs in that VAE's latent space with the trainer's own
+   flow-matching loss (train/batch.py `flow_loss`: the sampler's shifted timesteps, per-sample generators).
+   Prompts are embedded by the random tiny text encoder of `build_tiny(seed=0)`, which is kept as it is:
+   the transformer learns to tell its embeddings of the few fixed prompts apart. The samplers' default
+   negative prompt " " is trained as "keep the image".
+
+Deterministic for its seed: every draw comes from seeded generators and the intra-op thread count is fixed
+to one for the build (float sums then do not depend on the machine's core count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qwen_edit_core.data import synthetic
+from qwen_edit_core.model import encode, toy
+from qwen_edit_core.model.tiny import _isolated_init, build_tiny, transformer_config
+
+log = logging.getLogger(__name__)
+
+VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                  temperal_downsample=[False, True, True], dropout=0.0)
+#: The keep-the-image prompt's stand-in for an empty prompt (the samplers' default negative prompt).
+NEGATIVE = " "
+#: the constructed VAE's constant channel (large, so the RMS norms divide by it alone)
+CONST = 1000.0
+
+
+#: the 2x2 sub-positions a latent cell's 12 colour channels hold (4 px squares of an 8 px cell)
+_SUBCELLS = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+def _zero_residuals(vae) -> None:
+    """Residual branches and attention outputs to zero: every residual block and attention block is the
+    identity (plus its 1x1 shortcut), so the VAE starts as the linear path set below."""
+    for name, param in vae.named_parameters():
+        if name.endswith(("conv2.weight", "conv2.bias", "proj.weight", "proj.bias")) or ".conv_shortcut." in name:
+            param.zero_()
+
+
+def _copy_shortcuts(vae, channels: int = 4) -> None:
+    for name, module in vae.named_modules():
+        if name.endswith("conv_shortcut") and hasattr(module, "weight"):
+            for c in range(channels):
+                module.weight[c, c, 0, 0, 0] = 1.0
+
+
+def _head_gain(dim: int) -> float:
+    """conv_out's gain after RMS_norm(dim) and SiLU: the norm scales by sqrt(dim)/|f| (|f| ~ CONST, the
+    constant channel) and SiLU(u) ~ u/2 near 0."""
+    return 2 * CONST / dim ** 0.5
+
+
+@torch.no_grad()
+def constructed_vae(config: dict):
+    """An AutoencoderKLQwenImage whose weights compute, exactly up to SiLU's curvature (< 0.3 % here):
+
+    - encoder: RGB and a constant channel (CONST) through 2x2 averages at the first two downsamples, a
+      2x2 space-to-depth at the third, so latent channels 0-11 are the mean colours of the four 4x4-pixel
+      squares of each 8x8-pixel cell (12-15 stay 0);
+    - decoder: the cell's mean colour, upsampled three times (nearest, then a [1 2 1] tent filter per axis;
+      the constant channel is filtered alike, and the final RMS norm divides by it, so borders are a
+      normalized convolution): a smooth 8x-upsampled picture.
+    Training (`train_vae`) starts from here.
+    """
+    from diffusers import AutoencoderKLQwenImage
+
+    vae = AutoencoderKLQwenImage(**config)
+    for param in vae.parameters():
+        param.zero_()
+    for name, param in vae.named_parameters():
+        if name.endswith("gamma"):
+            param.fill_(1.0)
+    enc, dec = vae.encoder, vae.decoder
+    for c in range(3):
+        enc.conv_in.weight[c, c, 2, 1, 1] = 1.0
+    enc.conv_in.bias[3] = CONST
+    _copy_shortcuts(vae)
+    for block in (enc.down_blocks[1], enc.down_blocks[3]):
+        conv = block.resample[1]
+        for c in range(4):
+            conv.weight[c, c, :2, :2] = 0.25 if c < 3 else 0.0
+        conv.weight[3, 3, 0, 0] = 1.0
+    last = enc.down_blocks[5].resample[1]
+    for k, (dy, dx) in enumerate(_SUBCELLS):
+        for c in range(3):
+            last.weight[3 * k + c, c, dy, dx] = 1.0
+    last.weight[12, 3, 0, 0] = 1.0
+    gain = _head_gain(enc.conv_out.weight.shape[1])
+    for c in range(12):
+        enc.conv_out.weight[c, c, 2, 1, 1] = gain
+    vae.quant_conv.weight[:16, :16, 0, 0, 0] = torch.eye(16)
+    vae.quant_conv.bias[16:] = -10.0  # log-variance: the posterior is (almost) its mode
+    vae.post_quant_conv.weight[:, :, 0, 0, 0] = torch.eye(16)
+    for k in range(4):
+        for c in range(3):
+            dec.conv_in.weight[c, 3 * k + c, 2, 1, 1] = 0.25
+    dec.conv_in.bias[3] = CONST
+    tent = torch.tensor([1.0, 2.0, 1.0])
+    tent = torch.outer(tent, tent) / 16
+    for block in dec.up_blocks:
+        for up in block.upsamplers or []:
+            for c in range(4):
+                up.resample[1].weight[c, c] = tent
+    gain = _head_gain(dec.conv_out.weight.shape[1])
+    for c in range(3):
+        dec.conv_out.weight[c, c, 2, 1, 1] = gain
+    return vae
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the weights depend on (with the code)."""
+
+    seed: int = 0
+    size: int = 128
+    pictures: int = 192
+    transformer_steps: int = 1500
+    transformer_batch: int = 16
+    transformer_lr: float = 2e-3
+    heads: int = 2
+    head_dim: int = 32
+    layers: int = 2
+
+
+def transformer_settings(recipe: Recipe) -> dict:
+    """The toy transformer's config: the tiny one with `recipe.heads` heads of `recipe.head_dim` and
+    `recipe.layers` blocks. The rotary split keeps Qwen-Image's 1/4 : 3/8 : 3/8 (frames, rows, columns): with
+    32-wide heads each image axis gets 6 frequencies, enough to tell all 8 token rows of a 128 px picture
+    apart (16-wide heads have one usable frequency per axis, which repeats every 6 tokens)."""
+    time = recipe.head_dim // 4
+    space = (recipe.head_dim - time) // 2
+    return {**transformer_config("tiny", num_layers=recipe.layers), "num_attention_heads": recipe.heads,
+            "attention_head_dim": recipe.head_dim, "axes_dims_rope": (time, space, recipe.head_dim - time - space)}
+
+
+def _cosine(step: int, total: int, warmup: int = 20) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def _pixels(images) -> torch.Tensor:
+    """PIL images -> (B, 3, 1, H, W) in [-1, 1] (the pipelines' VAE input)."""
+    return torch.cat([encode.pixels_for_vae(img, img.width, img.height) for img in images])
+
+
+def _stats_batch(rng: np.random.Generator, size: int, n: int = 8):
+    """Synthetic pictures under every edit (the demo's too)."""
+    edits = [*synthetic.EDITS.values(), synthetic.DEMO_EDIT[1]]
+    return [edits[int(rng.integers(0, len(edits)))](synthetic.picture(rng, size)) for _ in range(n)]
+
+
+@torch.no_grad()
+def make_vae(recipe: Recipe):
+    """The constructed VAE with `latents_mean`/`latents_std` set to its latents' per-channel statistics over
+    64 synthetic pictures (the always-zero channels 12-15 keep mean 0 and std 1)."""
+    vae = constructed_vae(VAE_CONFIG).eval()
+    rng = np.random.default_rng(recipe.seed + 1)
+    z = torch.cat([vae.encode(_pixels(_stats_batch(rng, recipe.size))).latent_dist.mode() for _ in range(8)])
+    mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
+    live = std > 1e-6
+    mean, std = torch.where(live, mean, 0.0), torch.where(live, std, 1.0)
+    vae.register_to_config(latents_mean=[round(float(v), 4) for v in mean],
+                           latents_std=[round(float(v), 4) for v in std])
+    return vae
+
+
+@torch.no_grad()
+def edit_dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
+    """Per (control picture, prompt): packed control and target tokens (16, 64) and the prompt's embeddings."""
+    rng = np.random.default_rng(recipe.seed + 2)
+    prompts = [*synthetic.EDITS, NEGATIVE]
+    functions = [*synthetic.EDITS.values(), synthetic.keep]
+    items = []
+    for start in range(0, recipe.pictures, 32):
+        controls = [synthetic.picture(rng, recipe.size) for _ in range(min(32, recipe.pictures - start))]
+        control_tokens = encode.pack(encode.encode_latents(vae, _pixels(controls)))
+        for prompt, function in zip(prompts, functions):
+            target_tokens = control_tokens if function is synthetic.keep else \
+                encode.pack(encode.encode_latents(vae, _pixels([function(c) for c in controls])))
+            embeds = encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
+                                           [[c] for c in controls], "edit", device=torch.device("cpu"))
+            items += [{"control": control_tokens[i], "target": target_tokens[i], "embeds": embeds[i]}
+                      for i in range(len(controls))]
+    return items
+
+
+def train_transformer(recipe: Recipe, items: list[dict], scheduler_config: dict):
+    """The toy transformer trained on `items` with the trainer's flow-matching loss."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qwen_edit_core.adapters import multires
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.train.batch import TrainBatch, flow_loss, sample_generator
+
+    with _isolated_init(recipe.seed):
+        transformer = QwenImageTransformer2DModel(**transformer_settings(recipe))
+    multires.install(transformer)
+    config = load_config()
+    opt = torch.optim.AdamW(transformer.parameters(), lr=recipe.transformer_lr, weight_decay=0.0)
+    order = torch.Generator().manual_seed(recipe.seed + 3)
+    side = recipe.size // encode.LATENT_MULTIPLE
+    started = time.perf_counter()
+    for step in range(recipe.transformer_steps):
+        for group in opt.param_groups:
+            group["lr"] = recipe.transformer_lr * _cosine(step, recipe.transformer_steps)
+        picked = [items[i] for i in torch.randint(len(items), (recipe.transformer_batch,), generator=order)]
+        batch = TrainBatch(targets=[it["target"] for it in picked], controls=[it["control"] for it in picked],
+                           embeds=encode.pad_embeddings([it["embeds"] for it in picked]),
+                           img_shapes=[[(1, side, side), (1, side, side)]] * len(picked),
+                           generators=[sample_generator(recipe.seed, step, 0, i) for i in range(len(picked))])
+        loss, _ = flow_loss(transformer, batch, config, scheduler_config)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == recipe.transformer_steps - 1:
+            log.info("transformer step %d/%d: loss %.4f (%.0f s)", step + 1, recipe.transformer_steps, loss.item(),
+                     time.perf_counter() - started)
+    return transformer
+
+
+def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
+    """Train both components and write `vae.safetensors`, `transformer.safetensors` and `toy.json` to
+    `weights_dir`; returns the manifest."""
+    from safetensors.torch import save_file
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tiny = build_tiny(Path(tmp) / "tiny", variant="edit", seed=0)
+            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "text_encoder").eval()
+            processor = AutoProcessor.from_pretrained(tiny / "processor")
+            scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+            with torch.random.fork_rng(devices=[]):
+                vae = make_vae(recipe)
+                items = edit_dataset(recipe, vae, text_encoder, processor)
+                transformer = train_transformer(recipe, items, scheduler_config)
+    finally:
+        torch.set_num_threads(threads)
+    weights_dir = Path(weights_dir)
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    info = {"command": "qwen-edit tiny --pretrained" + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
+            "seed": recipe.seed, "recipe": asdict(recipe), "text_encoder_seed": 0, "edits": list(synthetic.EDITS),
+            "vae_config": {**VAE_CONFIG, "latents_mean": vae.config.latents_mean,
+                           "latents_std": vae.config.latents_std},
+            "transformer_config": transformer_settings(recipe), "sha256": {}}
+    for name, module in (("vae", vae), ("transformer", transformer)):
+        state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+        save_file(state, str(weights_dir / f"{name}.safetensors"), metadata={"format": "pt"})
+        info["sha256"][f"{name}.safetensors"] = toy.sha256(weights_dir / f"{name}.safetensors")
+    (weights_dir / toy.MANIFEST).write_text(json.dumps(info, indent=1) + "\n")
+    log.info("toy weights written to %s in %.0f s", weights_dir, time.perf_counter() - started)
+    return info
