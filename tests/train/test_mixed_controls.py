@@ -67,7 +67,7 @@ def test_mixed_control_counts_batch_equals_one_by_one_in_loss_and_gradients(tiny
     from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
     from qwen_edit_core.train.batch import collate, flow_loss, sample_generator
     data = _mixed_count_pairs(tmp_path / "data")
-    config = train_config(tiny_plus_dir, data, tmp_path / "o", data={"vae_area": 64 * 64, "vl_area": 48 * 48})
+    config = train_config(tiny_plus_dir, data, tmp_path / "o", data={"vae_area": 64 * 64, "vl_area": 64 * 64})
     trainer = QwenImageEditTrainer(config)
     examples = list(trainer.dataset().examples)
     trainer.cache(examples)
