@@ -9,7 +9,7 @@ import torch
 from qwen_edit_core.model import encode
 from qwen_edit_core.adapters import lora
 from qwen_edit_core import speed
-from qwen_edit_core.sample import sampler
+from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.model.components import replicate
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
@@ -43,6 +43,16 @@ VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
                                "~1 megapixel, the model's native size; 512 for quick tries)"})
 
 
+SCHEDULE = (list(schedules.SCHEDULES), {
+    "default": "diffusers",
+    "tooltip": "diffusers: the pipelines' schedule and true CFG; comfyui: what stock ComfyUI renders (its model "
+               "sampling, simple scheduler, Euler, plain CFG and noise), to preview a LoRA as ComfyUI users see "
+               "it; lightning: few-step Lightning LoRAs (fixed shift 3; run 4 or 8 steps at CFG 1)"})
+SHIFT_VALUE = ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.01,
+                         "tooltip": "0: the schedule's own shift; > 0: a fixed shift, e.g. 3 (comfyui: the shift "
+                                    "of ComfyUI's ModelSamplingAuraFlow node)"})
+
+
 def _size(name: str) -> tuple:
     return ("INT", {"default": 0, "min": 0, "max": 4096, "step": 16,
                     "tooltip": f"output {name} in pixels (multiple of 16); 0: from the first control image"})
@@ -53,11 +63,12 @@ def _controls(image, image2=None, image3=None) -> list:
 
 
 def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative=" ", cfg_mode="batched",
-              vae_area=1024, vl_area=384) -> sampler.SampleSettings:
+              vae_area=1024, vl_area=384, schedule="diffusers", shift=0.0) -> sampler.SampleSettings:
     return sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative, seed=seed,
                                   width=width or None, height=height or None, cfg_mode=cfg_mode,
                                   shift_mode="fixed" if shift_mode.startswith("fixed") else "dynamic",
-                                  vae_area=vae_area * vae_area, vl_area=vl_area * vl_area)
+                                  vae_area=vae_area * vae_area, vl_area=vl_area * vl_area, schedule=schedule,
+                                  shift=shift or None)
 
 
 def _preview(latents: torch.Tensor, width: int, height: int):
@@ -75,7 +86,9 @@ def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, un
     settings = dataclasses.replace(settings, attention=model.attention)
     replica = None
     main_device = next(comps.transformer.parameters()).device
-    if settings.do_cfg and uncond_device not in ("same", str(main_device)):
+    if not settings.do_cfg and uncond_device not in ("same", str(main_device)):
+        settings = dataclasses.replace(settings, cfg_mode="split")  # the sampler logs that nothing is split
+    elif settings.do_cfg and uncond_device not in ("same", str(main_device)):
         key = (uncond_device, model.loras)
         if key not in model.replicas:
             model.replicas.clear()  # one replica at a time: a 20 B model does not fit twice per device
@@ -116,14 +129,14 @@ class QwenEditSampler:
             "model": MODEL_IN, "image": IMAGE_IN, "prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": STEPS,
             "true_cfg_scale": CFG, "seed": SEED, "width": _size("width"), "height": _size("height"),
             "shift_mode": SHIFT, "uncond_device": UNCOND, "vae_side": VAE_SIDE,
-        }, "optional": dict(EXTRA_IMAGES),
+        }, "optional": {**EXTRA_IMAGES, "schedule": SCHEDULE, "shift": SHIFT_VALUE},
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
-               uncond_device, vae_side, image2=None, image3=None, unique_id=None):
+               uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0):
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=vae_side)
+                                 vae_area=vae_side, schedule=schedule, shift=shift)
             cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
             return (_run(model, cond, settings, uncond_device, unique_id),)
 
@@ -167,10 +180,12 @@ class QwenEditSampleConditioning:
                              "conditioning": (CONDITIONING, {"tooltip": "from Encode Prompt + Image"}),
                              "steps": STEPS, "true_cfg_scale": CFG, "seed": SEED, "shift_mode": SHIFT,
                              "uncond_device": UNCOND},
+                "optional": {"schedule": SCHEDULE, "shift": SHIFT_VALUE},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None):
-        settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode)
+    def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None,
+               schedule="diffusers", shift=0.0):
+        settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift)
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)
         with torch.inference_mode(False), torch.no_grad():

@@ -16,6 +16,7 @@ from qwen_edit_core.config import load_config
 from qwen_edit_core.data.dataset import load_dataset
 from qwen_edit_core.adapters.lora import TARGET_PRESETS
 from qwen_edit_core.common.progress import Cancelled, CancelToken
+from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
 from . import comfy_runtime
 from .common import CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils
@@ -86,6 +87,11 @@ class QwenEditSyntheticDataset:
         path = _folder(folder)
         pairs = write_dataset(path, count, seed=seed)
         return (DatasetHandle(path, load_dataset(path)), files_to_image([pairs[0][0]]))
+
+
+def _lora_path(name: str) -> Path:
+    """A LoRA named in a text input: a file path, else a file of ComfyUI's loras folder."""
+    return Path(name) if Path(name).is_file() else comfy_runtime.folder_file_path("loras", name)
 
 
 def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int, cache_dir: str = "",
@@ -225,13 +231,26 @@ class QwenEditTrain:
             "bucket_grouping": (["similar", "similar-count", "equal"], {
                 "tooltip": "similar: neighbouring sizes (and any numbers of control images) share a batch; "
                            "similar-count: one number of control images per batch; equal: one exact size"}),
+            "validation_previews": ("STRING", {
+                "default": "", "multiline": True,
+                "tooltip": "several previews side by side in the validation grid, one per line: SCHEDULE "
+                           "[steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], SCHEDULE one of "
+                           "diffusers, comfyui, lightning; e.g. 'diffusers steps=30' and 'lightning steps=4 "
+                           "lora=Qwen-Image-Edit-Lightning-4steps.safetensors' (FILE: a name in the loras "
+                           "folder). Empty: one preview"}),
+            "companion_loras": ("STRING", {
+                "default": "", "multiline": True,
+                "tooltip": "LoRAs kept active and frozen while training, FILE[:STRENGTH] per line (names in the "
+                           "loras folder), e.g. a Lightning LoRA to train on top of; the saved LoRA holds only "
+                           "the trained one"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
               checkpoint_every, resume, seed, use_cache, validation_image=None, validation_prompt="",
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
-              bucket_grouping="similar"):
+              bucket_grouping="similar",
+              validation_previews="", companion_loras=""):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -244,9 +263,11 @@ class QwenEditTrain:
             path = out / "validation_input.png"
             image_to_pils(validation_image)[0].save(path)
             validation = {"validation_every": validation_every, "validation_image": str(path),
-                          "validation_prompt": validation_prompt}
+                          "validation_prompt": validation_prompt,
+                          "validation_previews": parse_previews(validation_previews, _lora_path)}
+        stack = parse_lora_lines(companion_loras, _lora_path)
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
-                         model={"lora": {"rank": rank, "alpha": alpha, "targets": targets}},
+                         model={"lora": {"rank": rank, "alpha": alpha, "targets": targets, "stack": stack}},
                          data={"batch_size": batch_size, "bucket_grouping": bucket_grouping},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,

@@ -68,10 +68,10 @@ class QwenImageEditTrainer:
         comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comfyui_dir_near(m.comfyui_models_dir)
         return {**files, "comfyui_dir": comfyui, "transformer_fp8": m.transformer_fp8}
 
-    def setup_predict(self) -> None:
+    def setup_predict(self, replica: bool = True) -> None:
         """Ready the loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the
         transformer in place (qwen_edit_core.speed; it stays so until reloaded); the uncond replica for split
-        CFG. `predict` calls it on first use."""
+        CFG unless `replica=False` (CFG off: nothing to split). `predict` calls it on first use."""
         comps = self._require()
         comps.transformer.eval()
         p = self.config.predict
@@ -85,9 +85,12 @@ class QwenImageEditTrainer:
             from qwen_edit_core.sample import context_parallel
             context_parallel.enable(comps.transformer, p.context_parallel, p.cp_mode)
         self._predict_ready = True
-        if self.config.predict.cfg_mode == "split":
-            device = self.uncond_device or self.plan.transformer
-            self._uncond_transformer = replicate(comps.transformer, device)
+        if self.config.predict.cfg_mode == "split" and replica:
+            self._make_replica()
+
+    def _make_replica(self) -> None:
+        device = self.uncond_device or self.plan.transformer
+        self._uncond_transformer = replicate(self._require().transformer, device)
 
     def _require(self) -> Components:
         if self.components is None:
@@ -95,10 +98,15 @@ class QwenImageEditTrainer:
         return self.components
 
     # -- sampling ----------------------------------------------------------------------------------------
-    def predict(self, prompt_image, prompt: str, negative_prompt: str | None = "", num_inference_steps: int = 20,
-                true_cfg_scale: float = 4.0, seed: int | None = None, height: int | None = None,
-                width: int | None = None, output_type: str = "np", *, progress=None, cancel=None):
+    def predict(self, prompt_image, prompt: str, negative_prompt: str | None = "",
+                num_inference_steps: int | None = None, true_cfg_scale: float | None = None, seed: int | None = None,
+                height: int | None = None, width: int | None = None, output_type: str = "np", *,
+                schedule: str | None = None, shift: float | None = None, progress=None, cancel=None):
         """Edit `prompt_image` (a PIL/array image, or a list of them for Edit Plus) by `prompt`.
+
+        `schedule` / `shift`: a named schedule (sample/schedules.py) and shift override, default
+        `predict.schedule` / `predict.shift`. Steps and CFG not given: the schedule's (lightning: 4 and 1.0),
+        else `predict.num_inference_steps` / `predict.true_cfg_scale`.
 
         Returns float32 (H, W, 3) in [0, 1] (`output_type="np"`), a PIL image (`"pil"`) or a torch tensor
         (`"pt"`, (1, H, W, 3)).
@@ -107,13 +115,19 @@ class QwenImageEditTrainer:
             raise ValueError(f"output_type {output_type!r} is not accepted; accepted: np, pil, pt")
         comps = self._require()
         p = self.config.predict
+        from qwen_edit_core.sample import schedules
+        schedule = schedule or p.schedule
+        steps, cfg = schedules.steps_and_cfg(schedule, num_inference_steps, true_cfg_scale, p.num_inference_steps,
+                                             p.true_cfg_scale)
         settings = sampler.SampleSettings(
-            num_inference_steps=num_inference_steps, true_cfg_scale=true_cfg_scale, negative_prompt=negative_prompt,
+            num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative_prompt,
             seed=seed, width=width, height=height, cfg_mode=p.cfg_mode, shift_mode=p.shift_mode,
-            fixed_mu=p.fixed_mu, vae_area=p.vae_area, vl_area=p.vl_area, attention=p.attention)
-        if not self._predict_ready or (settings.do_cfg and settings.cfg_mode == "split"
-                                       and self._uncond_transformer is None):
-            self.setup_predict()
+            fixed_mu=p.fixed_mu, vae_area=p.vae_area, vl_area=p.vl_area, attention=p.attention,
+            schedule=schedule, shift=shift if shift is not None else p.shift)
+        if not self._predict_ready:
+            self.setup_predict(replica=settings.do_cfg)
+        elif settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None:
+            self._make_replica()
         images = list(prompt_image) if isinstance(prompt_image, (list, tuple)) else [prompt_image]
         image = sampler.sample(comps, prompt, images, settings, uncond_transformer=self._uncond_transformer,
                                progress=progress, cancel=cancel)
@@ -226,6 +240,8 @@ class QwenImageEditTrainer:
         out_dir = Path(cfg.train.output_dir)
         resume_path = resolve_resume(out_dir, resume)
         plan = self._encoder_plan()
+        from qwen_edit_core.train.checkpoint import lora_stack
+        stack = lora_stack(cfg.model.lora.stack, resume_path)
         n_controls = len(examples[0].controls)
         val_example = None
         if cfg.train.validation_every and cfg.train.validation_image:
@@ -251,14 +267,13 @@ class QwenImageEditTrainer:
                 return encode_example(comps, examples[i], settings)
         validator = None
         if val_example is not None:
-            from qwen_edit_core.train.validation import Validator
+            from qwen_edit_core.train.validation import Validator, previews_from_config
             if cfg.cache.enabled:
                 val_tensors = self._cache().get(cache_key(val_example, settings,
                                                           self._identity(model_dir)))
             else:
                 val_tensors = encode_example(comps, val_example, settings)
-            validator = Validator(comps, val_tensors, out_dir, steps=cfg.train.validation_steps,
-                                  cfg=cfg.predict.true_cfg_scale, seed=cfg.train.seed)
+            validator = Validator(comps, val_tensors, out_dir, previews_from_config(cfg), stack=stack)
         spec = lora_mod.LoraSpec(rank=cfg.model.lora.rank, alpha=cfg.model.lora.alpha,
                                  targets=lora_mod.resolve_targets(cfg.model.lora.targets),
                                  dropout=cfg.model.lora.dropout, init=cfg.model.lora.init)
@@ -270,6 +285,9 @@ class QwenImageEditTrainer:
             if cfg.model.lora.init_from:
                 lora_mod.load_lora_into(comps.transformer, lora_mod.read_lora_file(cfg.model.lora.init_from),
                                         adapter_name="default", strength=1.0)
+            if stack:
+                # companions: active and frozen; saved files and checkpoints hold only "default"
+                lora_mod.activate_with_trained(comps.transformer, stack)
             self.components, self._spec = comps, spec
             identity_str = str(model_dir)
 

@@ -74,6 +74,8 @@ def cmd_sample(args) -> None:
     overrides = {"model": {"pretrained_model_name_or_path": args.model, **files},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
+                             **({"schedule": args.schedule} if args.schedule else {}),
+                             **({"shift": args.shift} if args.shift is not None else {}),
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
@@ -90,7 +92,6 @@ def cmd_sample(args) -> None:
     for spec in args.lora or []:
         path, _, strength = spec.partition(":") if not Path(spec).is_file() else (spec, "", "")
         trainer.load_lora(path, scale=float(strength) if strength else 1.0)
-    trainer.setup_predict()
     image = trainer.predict(images if len(images) > 1 else images[0], args.prompt,
                             negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                             true_cfg_scale=args.cfg, seed=args.seed, height=args.height, width=args.width,
@@ -115,7 +116,11 @@ def cmd_train(args) -> None:
     from qwen_edit_core.config import load_config
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.common.progress import CancelToken
-    trainer = QwenImageEditTrainer(load_config(args.config, overrides=train_overrides(args)))
+    overrides = train_overrides(args)
+    if args.preview:
+        from qwen_edit_core.train.validation import parse_previews
+        overrides.setdefault("train", {})["validation_previews"] = parse_previews("\n".join(args.preview))
+    trainer = QwenImageEditTrainer(load_config(args.config, overrides=overrides))
     resume = True if args.resume == "" else args.resume
     bar = _train_bar()
     result = trainer.fit(resume=resume, progress=bar, cancel=CancelToken())
@@ -234,8 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG")
-    p.add_argument("--steps", type=int, default=20, help="sampling steps")
-    p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (<= 1 turns CFG off)")
+    p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
+    p.add_argument("--cfg", type=float,
+                   help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
+    p.add_argument("--schedule", choices=["diffusers", "comfyui", "lightning"],
+                   help="diffusers (default; dynamic shift), comfyui (what stock ComfyUI renders), lightning "
+                        "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
+    p.add_argument("--shift", type=float,
+                   help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
     p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")
@@ -277,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-grouping", choices=["equal", "similar", "similar-count"],
                    help="data.bucket_grouping: similar-count batches neighbouring sizes with one number of control "
                    "images per batch; similar mixes control counts too")
+    p.add_argument("--preview", action="append",
+                   help="a validation preview (repeat for several, side by side): SCHEDULE [steps=N] [cfg=X] "
+                        "[shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], e.g. 'lightning steps=4 lora=l.safetensors'")
     p.set_defaults(func=cmd_train)
 
     from qwen_edit_core.data.synthetic import DEMO_EDIT, EDITS

@@ -35,9 +35,18 @@ CfgMode = typing.Literal["sequential", "batched", "split"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
 ContextParallelMode = typing.Literal["ulysses", "ring"]
+#: mirrors sample.schedules.SCHEDULES
+Schedule = typing.Literal["diffusers", "comfyui", "lightning"]
 
 class ConfigError(ValueError):
     """A config key or value that is not accepted; the message names its dotted path."""
+
+
+@dataclass(frozen=True)
+class LoraStackItem:
+    """A LoRA file kept active at a strength (frozen while training; stacked in a validation preview)."""
+    path: str = ""
+    strength: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,9 @@ class LoraConfig:
     init: LoraInit = "default"
     #: LoRA file(s) to start from (continue training); any layout lora.read_lora_file accepts
     init_from: str | None = None
+    #: companion LoRA files kept active and frozen while training ([{path, strength}], e.g. a Lightning or style
+    #: LoRA to train on top of); the saved file holds only the trained LoRA; resume restores the stack
+    stack: tuple[LoraStackItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,23 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ValidationPreview:
+    """One validation preview: a named schedule, its steps/CFG/shift and LoRA files stacked for it only."""
+    #: "diffusers", "comfyui" or "lightning" (qwen_edit_core/sample/schedules.py)
+    schedule: Schedule = "diffusers"
+    #: null: the schedule's (lightning 4), else train.validation_steps
+    steps: int | None = None
+    #: null: the schedule's (lightning 1.0), else predict.true_cfg_scale
+    cfg: float | None = None
+    #: null: the schedule's shift
+    shift: float | None = None
+    #: LoRA files active in this preview only ([{path, strength}]), beside the trained LoRA and model.lora.stack
+    loras: tuple[LoraStackItem, ...] = ()
+    #: the grid label; empty: "<schedule> <steps> steps"
+    label: str = ""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     output_dir: str = "output"
     device: str = "cpu"
@@ -136,6 +165,9 @@ class TrainConfig:
     validation_prompt: str = ""
     validation_image: str = ""
     validation_steps: int = 8
+    #: several previews side by side in one labelled grid per validation step ([{schedule, steps, cfg, shift,
+    #: loras, label}]); empty: one preview with predict.schedule
+    validation_previews: tuple[ValidationPreview, ...] = ()
     lora_name: str = "lora"
     #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
@@ -202,9 +234,16 @@ class PredictConfig:
     #: second transformer device for cfg_mode "split"
     uncond_device: str = ""
     dtype: str = "float32"
+    #: steps and CFG scale when a call gives none and the schedule has none of its own (lightning: 4 and 1.0)
     num_inference_steps: int = 20
     true_cfg_scale: float = 4.0
     negative_prompt: str = " "
+    #: named schedule (qwen_edit_core/sample/schedules.py): "diffusers" (diffusers' pipelines), "comfyui" (stock
+    #: ComfyUI's model sampling, simple scheduler, Euler, plain CFG and noise), "lightning" (fixed shift 3, no
+    #: terminal stretch; 4 or 8 steps at CFG 1 with a Lightning LoRA)
+    schedule: Schedule = "diffusers"
+    #: a fixed shift replacing the schedule's own (comfyui: ModelSamplingAuraFlow's shift); null: the schedule's
+    shift: float | None = None
     #: "sequential" (as diffusers), "batched" (cond+uncond in one call), "split" (two devices at once)
     cfg_mode: CfgMode = "sequential"
     #: "dynamic" (mu from the target token count, as diffusers) or "fixed" (ComfyUI's mu)
@@ -264,6 +303,9 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is tuple or origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
         return tuple(value)
     if hint is bool:
         if not isinstance(value, bool):

@@ -145,6 +145,25 @@ WORKFLOWS = {
             {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
         (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
                    {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
+    "qwen_edit_train_lightning_preview": ("Train a LoRA with a 4-step Lightning-style preview", (
+        "Trains a LoRA like qwen_edit_train_cached and shows each validation edit twice, side by side and "
+        "labelled: the base schedule at 8 steps and the few-step 'lightning' schedule at 4 steps and CFG 1, "
+        "what you will get with a Lightning LoRA.\n\nChange first: in Train LoRA's validation_previews add "
+        "lora=<your Lightning LoRA in models/loras> to the lightning line (e.g. lora=Qwen-Image-Edit-Lightning-"
+        f"4steps-V1.0.safetensors), and 30 steps on the base line.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        (LOAD, [TINY_LOADER]),
+        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
+                            "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
+        (TRAINING, [
+            {"id": 4, "type": "QwenEditTrain", "widgets": {
+                **TRAIN, "lora_name": "qwen_edit_lightning_preview_lora", "use_cache": True, "validation_every": 20,
+                "validation_prompt": "invert the colors",
+                "validation_previews": "diffusers steps=8 label=base_8_steps\nlightning steps=4 cfg=1 "
+                                       "label=lightning_4_steps"},
+             "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
+            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
+                   {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_train_realtime": ("Train a LoRA in real time (no cache)", (
         "Trains a LoRA encoding every batch as it goes (no cache: the text encoder and VAE stay loaded; use it "
         f"for changing data or augmentation). The LoRA lands in models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [

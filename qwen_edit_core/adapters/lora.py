@@ -161,11 +161,17 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     config = _lora_config(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         init_lora_weights=True if spec.init == "default" else "gaussian", target_modules=modules)
     _add_adapter(transformer, config, adapter_name)
+    train_only(transformer, adapter_name)
+    log.info("LoRA adapter %r: rank %d, alpha %g on %d modules", adapter_name, spec.rank, spec.alpha, len(modules))
+
+
+def train_only(transformer, adapter_name: str = "default") -> None:
+    """Make adapter `adapter_name`'s A and B the only parameters that require grad (peft makes every active
+    adapter trainable whenever adapters are activated: call this after each activation while training)."""
     trainable = {id(p) for layer in adapter_layers(transformer, adapter_name).values()
                  for p in (*layer.lora_A[adapter_name].parameters(), *layer.lora_B[adapter_name].parameters())}
     for param in transformer.parameters():
         param.requires_grad_(id(param) in trainable)
-    log.info("LoRA adapter %r: rank %d, alpha %g on %d modules", adapter_name, spec.rank, spec.alpha, len(modules))
 
 
 def check_against(transformer, weights: LoraWeights) -> LoraWeights:
@@ -334,6 +340,20 @@ def activate(transformer, stack: Sequence[tuple[str, float]]) -> None:
         names.append(name)
         strengths.append(float(strength))
     use_adapters(transformer, names, strengths)
+
+
+def activate_with_trained(transformer, stack: Sequence[tuple[str, float]], trained: str = "default") -> None:
+    """While training: the trained adapter (strength 1) and the LoRA files of `stack` ((path, strength) pairs,
+    a path given twice keeps its last strength) active together; only the trained adapter requires grad, so the
+    files stay frozen companions and a saved `trained` adapter holds none of them."""
+    strengths: dict[str, float] = {}
+    for path, strength in stack:
+        name = file_adapter_name(path)
+        if name not in _adapter_names(transformer):
+            load_lora_into(transformer, read_lora_file(path), adapter_name=name, strength=1.0)
+        strengths[name] = float(strength)
+    use_adapters(transformer, [trained, *strengths], [1.0, *strengths.values()])
+    train_only(transformer, trained)
 
 
 def lora_delta(weights: LoraWeights, module: str) -> torch.Tensor:

@@ -66,7 +66,28 @@ def _tiny(device: str, steps: int, repeats: int) -> str:
         t = median_time(lambda: sampler.sample(comps, PROMPT, [image], settings), dev, repeats)
         rows.append(["qwen_edit_core sampler", mode, f"{t:.3f}", _gib(peak_gib(dev)), f"{t_ref / t:.2f}"])
     title = f"sample: tiny transformer, 1024^2 control, {steps} steps, true CFG 4.0, {dev}, {dtype}"
-    return print_table(title, ["implementation", "cfg", "median s", "peak GiB", "speed vs reference"], rows)
+    text = print_table(title, ["implementation", "cfg", "median s", "peak GiB", "speed vs reference"], rows)
+    return text + "\n\n" + _fast_path(comps, image, dev, repeats)
+
+
+def fast_path_settings() -> list[tuple[str, sampler.SampleSettings]]:
+    """The reference edit (50 steps, true CFG 4, diffusers' schedule) and the few-step path (lightning, 4 steps,
+    CFG 1: one transformer call per step, no negative prompt encoded)."""
+    return [("50 steps, true CFG 4.0 (diffusers)", sampler.SampleSettings(
+                num_inference_steps=50, true_cfg_scale=4.0, negative_prompt=NEGATIVE, seed=0)),
+            ("4 steps, CFG 1 (lightning)", sampler.SampleSettings(
+                num_inference_steps=4, true_cfg_scale=1.0, negative_prompt=NEGATIVE, seed=0, schedule="lightning"))]
+
+
+def _fast_path(comps, image, dev, repeats: int) -> str:
+    """End-to-end edit time (encode, denoise, decode) of the few-step path beside the 50-step true-CFG edit."""
+    rows, reference = [], None
+    for label, settings in fast_path_settings():
+        t = median_time(lambda: sampler.sample(comps, PROMPT, [image], settings), dev, repeats)
+        reference = reference or t
+        rows.append([label, f"{t:.3f}", f"{reference / t:.2f}"])
+    return print_table(f"fast path: end-to-end edit, tiny transformer, {dev}",
+                       ["edit", "median s", "speed vs 50-step true CFG"], rows)
 
 
 def forward_flops(tokens: int, layers: int = 60, dim: int = 3072) -> float:
@@ -150,6 +171,8 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
         full_edit("diffusers QwenImageEditPipeline", lambda: pipe(
             image=image, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps,
             generator=torch.Generator("cpu").manual_seed(0), output_type="np").images)
+        fast = dataclasses.replace(settings, num_inference_steps=4, true_cfg_scale=1.0, schedule="lightning")
+        full_edit("ours, lightning 4 steps, CFG 1", lambda: sampler.sample(comps, PROMPT, [image], fast)[0].numpy())
 
     def reference_step():
         for e in (cond.cond, cond.uncond):  # the pipeline passes its prompt mask (all ones here)

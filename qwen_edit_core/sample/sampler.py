@@ -13,6 +13,7 @@ CFG modes:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from qwen_edit_core.model import encode
 from qwen_edit_core import speed
 from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.sample import schedules
 from qwen_edit_core.sample.flow import mu_from_scheduler_config
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 
@@ -52,9 +54,14 @@ class SampleSettings:
     vl_area: int = 384 * 384
     #: which fused attention kernel goes first (speed.ATTENTION_KERNELS): "cudnn" is fastest on Hopper
     attention: str = "auto"
+    #: the named schedule (schedules.SCHEDULES): "diffusers", "comfyui" or "lightning"
+    schedule: str = "diffusers"
+    #: a fixed shift replacing the schedule's own (None: the schedule's); see schedules
+    shift: float | None = None
 
     def validate(self) -> None:
         speed.check_attention_kernel(self.attention)
+        schedules.check_schedule(self.schedule, self.shift)
         if self.cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
         if self.shift_mode not in SHIFT_MODES:
@@ -125,25 +132,39 @@ def _compute_dtype(transformer) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.bfloat16
 
 
-def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype) -> torch.Tensor:
+def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype,
+                  schedule: str = "diffusers") -> torch.Tensor:
     """Packed Gaussian noise drawn on the CPU from `seed` (device-independent, as diffusers does with a CPU
-    generator), then moved to `device`."""
+    generator), then moved to `device`: in `dtype` (diffusers), or in float32 then cast ("comfyui", as
+    ComfyUI's prepare_noise draws for a float32 latent)."""
     h, w = height // encode.VAE_SCALE, width // encode.VAE_SCALE
     generator = torch.Generator("cpu").manual_seed(seed)
-    # diffusers draws (B, 1, C, h, w); (B, C, 1, h, w) holds the same numbers in the same memory order.
-    noise = torch.randn((1, channels, 1, h, w), generator=generator, dtype=dtype)
+    # diffusers draws (B, 1, C, h, w), ComfyUI (B, C, h, w) or (B, C, 1, h, w); all hold the same numbers in
+    # the same memory order as (B, C, 1, h, w).
+    draw_dtype = torch.float32 if schedule == "comfyui" else dtype
+    noise = torch.randn((1, channels, 1, h, w), generator=generator, dtype=draw_dtype).to(dtype)
     return encode.pack(noise).to(device)
 
 
 def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_len: int, device):
-    """A fresh scheduler set to the run's sigmas and shift (mu); returns (scheduler, timesteps, mu)."""
+    """A fresh scheduler set to the run's schedule (schedules.PRESETS), sigmas and shift; returns (scheduler,
+    timesteps, mu) (mu: the exponential shift's log, for the log line)."""
     n = settings.num_inference_steps
+    if settings.schedule == "comfyui":
+        scheduler = schedules.ComfyEuler(schedules.comfyui_sigmas(n, settings.shift), device)
+        mu = math.log(settings.shift) if settings.shift else schedules.COMFYUI_QWEN_MU
+        return scheduler, scheduler.timesteps, mu
+    if settings.schedule == "lightning":
+        scheduler_config = schedules.lightning_scheduler_config(scheduler_config,
+                                                                settings.shift or schedules.LIGHTNING_SHIFT)
     if n == 1:
         # shift_terminal stretches the schedule so its last sigma hits the terminal value; with one sigma that
         # divides by zero (diffusers returns NaN). One step goes straight from sigma 1 to 0 instead.
         scheduler_config = {**scheduler_config, "shift_terminal": None}
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    if settings.shift_mode == "dynamic":
+    if settings.shift is not None:
+        mu = math.log(settings.shift)
+    elif settings.shift_mode == "dynamic":
         mu = mu_from_scheduler_config(scheduler_config, image_seq_len)
     else:
         mu = settings.fixed_mu
@@ -173,8 +194,12 @@ def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
     return encode.pad_embeddings(items).to(a.embeds.device)
 
 
-def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float) -> torch.Tensor:
-    """True CFG with the pipelines' per-token norm rescale: comb * ||cond|| / ||comb|| (norm over channels)."""
+def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
+          schedule: str = "diffusers") -> torch.Tensor:
+    """True CFG with the pipelines' per-token norm rescale: comb * ||cond|| / ||comb|| (norm over channels);
+    plain CFG uncond + scale * (cond - uncond) with schedule "comfyui" (ComfyUI's cfg_function)."""
+    if schedule == "comfyui":
+        return uncond_pred + (cond_pred - uncond_pred) * scale
     comb = uncond_pred + scale * (cond_pred - uncond_pred)
     return comb * (torch.norm(cond_pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
@@ -185,6 +210,10 @@ class _Denoiser:
     def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None):
         self.transformer, self.cond, self.settings = transformer, cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
+        if settings.cfg_mode == "split" and not settings.do_cfg:
+            log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is no negative pass "
+                     "to split: the transformer runs alone on its own device", settings.true_cfg_scale,
+                     "unset" if settings.negative_prompt is None else "set")
         if self.mode == "batched":
             self.both = _stack_embeds(cond.cond, cond.uncond)
         if self.mode == "split":
@@ -213,7 +242,7 @@ class _Denoiser:
                                       self.replica_uncond, t.to(device))
             cond_pred = _forward(self.transformer, latents, self.cond, self.cond.cond, t)
             uncond_pred = future.result().to(latents.device)
-        return guide(cond_pred, uncond_pred, self.settings.true_cfg_scale)
+        return guide(cond_pred, uncond_pred, self.settings.true_cfg_scale, self.settings.schedule)
 
     def close(self) -> None:
         if self.mode == "split":
@@ -234,10 +263,11 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
     device, dtype = next(transformer.parameters()).device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
     channels = transformer.config.in_channels // 4
-    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype)
+    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
     scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
-    log.info("sampling %dx%d, %d steps, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
-             len(timesteps), settings.true_cfg_scale, settings.cfg_mode if settings.do_cfg else "off", mu, seed)
+    log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
+             len(timesteps), settings.schedule, settings.true_cfg_scale,
+             settings.cfg_mode if settings.do_cfg else "off", mu, seed)
     denoiser = _Denoiser(transformer, cond, settings, uncond_transformer)
     try:
         with speed.attention_kernel(settings.attention):
@@ -302,7 +332,7 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
     conds = [build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
     device = next(transformer.parameters()).device
     channels = transformer.config.in_channels // 4
-    latents = [initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype)
+    latents = [initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype, settings.schedule)
                for s, c in zip(seeds, conds)]
     schedules = [make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2] for x in latents]
     with speed.attention_kernel(settings.attention):
@@ -320,7 +350,7 @@ def _denoise_many(transformer, conds, latents, schedules, settings, progress, ca
         if settings.do_cfg:
             both = _forward_many(transformer, latents * 2, conds * 2, [c.cond for c in conds] +
                                  [c.uncond for c in conds], ts * 2)
-            preds = [guide(c, u, settings.true_cfg_scale) for c, u in zip(both[: len(conds)], both[len(conds):])]
+            preds = [guide(c, u, settings.true_cfg_scale, settings.schedule) for c, u in zip(both[: len(conds)], both[len(conds):])]
         else:
             preds = _forward_many(transformer, latents, conds, [c.cond for c in conds], ts)
         latents = [sched.step(v, t, x, return_dict=False)[0].to(x.dtype)

@@ -158,3 +158,19 @@ def prune(root: Path, keep: int) -> None:
         return
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
+
+
+def lora_stack(configured: tuple, resume: Path | None) -> tuple[tuple[str, float], ...]:
+    """The companion LoRAs ((path, strength) pairs) to train with: `model.lora.stack`, or, when resuming with no
+    stack configured, the stack the checkpoint's run trained with (its state.json config). A configured stack
+    that differs from the checkpoint's is an error: the trained LoRA was fitted on top of the other one."""
+    stack = tuple((item.path, float(item.strength)) for item in configured)
+    if resume is None:
+        return stack
+    state = json.loads((Path(resume) / STATE_FILE).read_text())
+    lora = state.get("config", {}).get("model", {}).get("lora", {})
+    recorded = tuple((item["path"], float(item["strength"])) for item in lora.get("stack", ()))
+    if stack and recorded != stack:
+        raise ValueError(f"model.lora.stack {list(stack)} differs from the stack checkpoint {str(resume)!r} was "
+                         f"trained with {list(recorded)}: resume with that stack (or leave model.lora.stack empty)")
+    return stack or recorded

@@ -1,5 +1,6 @@
-"""Validation during training: sample the config's prompt + control image every N steps, and (for datasets
-with masks) the loss inside and outside the edited regions.
+"""Validation during training: sample the config's prompt + control image every N steps, in one or several
+previews (named schedules, steps, CFG, LoRA files stacked for a preview only) shown side by side, and (for
+datasets with masks) the loss inside and outside the edited regions.
 
 The conditioning comes from the embedding cache like any training sample (so training from the cache still
 loads no encoder); the sampled latents are written to `validation/step-N.safetensors` and decoded to PNG
@@ -8,14 +9,17 @@ when a VAE is at hand: at once in realtime mode, after training in cached mode.
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from qwen_edit_core.model import encode
-from qwen_edit_core.sample import sampler
+from qwen_edit_core.config import ValidationPreview
+from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
 
@@ -45,34 +49,120 @@ def conditioning_from_entry(tensors: dict, device, dtype) -> sampler.Conditionin
                                 width=cols * encode.LATENT_MULTIPLE, height=rows * encode.LATENT_MULTIPLE)
 
 
-class Validator:
-    """Callable(step): sample the validation input with the training transformer; keeps the latents."""
+@dataclass(frozen=True)
+class Preview:
+    """One validation preview: its grid label, sampler settings and LoRA files ((path, strength)) for it only."""
 
-    def __init__(self, components, tensors: dict, out_dir: Path, *, steps: int, cfg: float, seed: int):
+    label: str
+    settings: sampler.SampleSettings
+    loras: tuple[tuple[str, float], ...] = ()
+
+
+def previews_from_config(config) -> list[Preview]:
+    """The previews of `train.validation_previews` (empty: one with `predict.schedule`); steps and CFG not
+    given are the schedule's (lightning: 4 and 1.0), else train.validation_steps and predict.true_cfg_scale."""
+    items = config.train.validation_previews or (ValidationPreview(schedule=config.predict.schedule,
+                                                                   shift=config.predict.shift),)
+    previews = []
+    for item in items:
+        steps, cfg = schedules.steps_and_cfg(item.schedule, item.steps, item.cfg, config.train.validation_steps,
+                                             config.predict.true_cfg_scale)
+        settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt="",
+                                          seed=config.train.seed, schedule=item.schedule, shift=item.shift)
+        settings.validate()
+        loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)
+        for path, _ in loras:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"train.validation_previews: LoRA file {path!r} does not exist")
+        previews.append(Preview(item.label or f"{item.schedule} {steps} steps", settings, loras))
+    return previews
+
+
+def parse_lora_lines(text: str, resolve=Path) -> list[dict]:
+    """`FILE[:STRENGTH]` per line (or comma-separated) -> [{path, strength}] for model.lora.stack; `resolve`
+    turns a name into a path (e.g. a name in ComfyUI's loras folder)."""
+    items = []
+    for part in (p.strip() for line in text.splitlines() for p in line.split(",")):
+        if not part:
+            continue
+        name, _, strength = part.rpartition(":") if _has_strength(part) else (part, "", "")
+        items.append({"path": str(resolve(name.strip())), "strength": float(strength) if strength else 1.0})
+    return items
+
+
+def _has_strength(part: str) -> bool:
+    head, sep, tail = part.rpartition(":")
+    try:
+        float(tail)
+    except ValueError:
+        return False
+    return bool(sep and head)
+
+
+def parse_previews(text: str, resolve=Path) -> list[dict]:
+    """One preview per line, `SCHEDULE [steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]]... [label=TEXT]`
+    (e.g. `lightning steps=4 lora=Qwen-Image-Edit-Lightning-4steps.safetensors`) -> dicts for
+    train.validation_previews; LoRA names go through `resolve`."""
+    previews = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words:
+            continue
+        schedules.check_schedule(words[0])
+        item: dict = {"schedule": words[0], "loras": []}
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if not sep or key not in ("steps", "cfg", "shift", "lora", "label"):
+                raise ValueError(f"validation previews line {number} {line!r}: {word!r} is not key=value with a "
+                                 "key among steps, cfg, shift, lora, label")
+            if key == "lora":
+                item["loras"] += parse_lora_lines(value, resolve)
+            elif key == "label":
+                item["label"] = value.replace("_", " ")
+            else:
+                item[key] = int(value) if key == "steps" else float(value)
+        previews.append(item)
+    return previews
+
+
+class Validator:
+    """Callable(step): sample the validation input with the training transformer in every preview; keeps the
+    latents (one file per step, a labelled grid image per step once decoded)."""
+
+    def __init__(self, components, tensors: dict, out_dir: Path, previews: list[Preview],
+                 stack: tuple[tuple[str, float], ...] = ()):
         self.components, self.tensors, self.out_dir = components, tensors, out_dir / "validation"
-        self.settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt="",
-                                               seed=seed)
+        self.previews, self.stack = previews, tuple(stack)
         self.latent_files: list[Path] = []
         self.images: list[Path] = []
 
     def __call__(self, step: int, write: bool = True) -> Path | None:
-        """Sample at `step`; `write=False` takes part in the sampling (sharded training needs every process)
-        without writing anything."""
+        """Sample every preview at `step`; `write=False` takes part in the sampling (sharded training needs every
+        process) without writing anything."""
+        from qwen_edit_core.adapters import lora
         transformer = self.components.transformer
         param = next(transformer.parameters())
         cond = conditioning_from_entry(self.tensors, param.device, transformer.img_in.weight.dtype)
         transformer.eval()
-        latents = sampler.denoise(self.components, cond, self.settings)
+        tensors = {"size": torch.tensor([cond.width, cond.height])}
+        try:
+            for i, preview in enumerate(self.previews):
+                if preview.loras:
+                    lora.activate_with_trained(transformer, self.stack + preview.loras)
+                tensors[f"latents_{i}"] = sampler.denoise(self.components, cond, preview.settings).cpu().contiguous()
+                if preview.loras:
+                    lora.activate_with_trained(transformer, self.stack)
+        finally:
+            transformer.train()
         if not write:
             return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step-{step:07d}.safetensors"
-        save_file({"latents": latents.cpu().contiguous(),
-                   "size": torch.tensor([cond.width, cond.height])}, path)
+        save_file(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews])})
         self.latent_files.append(path)
         if self.components.vae is not None:
             self.images.append(decode_file(self.components.vae, path))
-        log.info("validation at step %d -> %s", step, path)
+        log.info("validation at step %d (%s) -> %s", step, ", ".join(p.label for p in self.previews), path)
         return path
 
     def decode_pending(self, vae) -> list[Path]:
@@ -83,13 +173,18 @@ class Validator:
 
 
 def decode_file(vae, path: Path) -> Path:
-    from PIL import Image
+    """A validation latents file -> PNG beside it: the previews side by side, each labelled above its image."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        labels = json.loads((f.metadata() or {}).get("labels", "[]"))
     data = load_file(path)
     width, height = data["size"].tolist()
-    pixels = encode.decode_latents(vae, encode.unpack(data["latents"], height, width))
-    image = (encode.postprocess(pixels)[0].numpy() * 255).round().astype("uint8")
+    images = []
+    for i in range(len(labels)):
+        pixels = encode.decode_latents(vae, encode.unpack(data[f"latents_{i}"], height, width))
+        images.append((encode.postprocess(pixels)[0].numpy() * 255).round().astype("uint8"))
     png = path.with_suffix(".png")
-    Image.fromarray(image).save(png)
+    labelled_grid(images, labels).save(png)
     return png
 
 
@@ -122,4 +217,18 @@ class RegionLosses:
         return masked, unmasked
 
 
-__all__ = ["PromptEmbeds", "RegionLosses", "Validator", "conditioning_from_entry", "decode_file", "validation_example"]
+def labelled_grid(images: list, labels: list[str], band: int = 14):
+    """(H, W, 3) uint8 arrays side by side on a white canvas, each with its label in a band above it."""
+    from PIL import Image, ImageDraw
+    height = max(img.shape[0] for img in images)
+    canvas = Image.new("RGB", (sum(img.shape[1] for img in images), height + band), "white")
+    draw, x = ImageDraw.Draw(canvas), 0
+    for img, label in zip(images, labels):
+        canvas.paste(Image.fromarray(img), (x, band))
+        draw.text((x + 2, 1), label, fill="black")
+        x += img.shape[1]
+    return canvas
+
+
+__all__ = ["PromptEmbeds", "Preview", "RegionLosses", "Validator", "conditioning_from_entry", "decode_file",
+           "labelled_grid", "parse_lora_lines", "parse_previews", "previews_from_config", "validation_example"]

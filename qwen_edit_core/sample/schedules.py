@@ -1,0 +1,123 @@
+"""Named sampling schedules: which sigmas the Euler loop visits, which CFG formula it uses, which noise it draws.
+
+- ``diffusers`` (the default): diffusers' Qwen-Image-Edit pipelines. FlowMatchEulerDiscreteScheduler from the
+  model's scheduler config, sigmas ``linspace(1, 1/n, n)`` shifted with a dynamic mu from the target token count
+  (`flow.mu_from_scheduler_config`) and stretched to ``shift_terminal``; true CFG with the per-token norm
+  rescale (`sampler.guide`).
+- ``lightning``: the few-step "Lightning" LoRAs' recipe (4 or 8 steps at CFG 1): the same scheduler with
+  ``base_shift = max_shift = ln 3`` (a fixed shift of 3 through the exponential time shift) and
+  ``shift_terminal = None`` (no terminal stretch).
+- ``comfyui``: what stock ComfyUI does for Qwen-Image(-Edit) with its default model sampling (ComfyUI commit
+  a125cd84b054a57729b5eecab930ca9408719832, 0.3.64): comfy/supported_models.py ``QwenImage.sampling_settings
+  = {"multiplier": 1.0, "shift": 1.15}`` on ``ModelType.FLUX`` (comfy/model_base.py), so
+  ``ModelSamplingFlux``: a float32 table of 10000 sigmas ``exp(1.15) / (exp(1.15) + 1/t - 1)`` for
+  ``t = 1/10000 .. 1``; the ``simple`` scheduler picks ``table[-(1 + int(i * 10000 / n))]`` for i < n, then 0
+  (comfy/samplers.py ``simple_scheduler``); Euler in k-diffusion's form (``denoised = x - sigma * v``,
+  ``d = (x - denoised) / sigma``, ``x += d * (sigma_next - sigma)``); plain CFG ``uncond + cfg * (cond -
+  uncond)`` on the denoised predictions, no rescale, and no uncond pass at CFG 1 (comfy/samplers.py
+  ``cfg_function``, ``sampling_function``); noise ``torch.randn`` of the latent's shape in float32 on the CPU
+  from ``torch.manual_seed(seed)`` (comfy/sample.py ``prepare_noise``).
+
+A ``shift`` override replaces the preset's shift: with ``diffusers`` and ``lightning`` a fixed shift s (mu =
+ln s: sigma' = s * sigma / (1 + (s - 1) * sigma), no dynamic mu); with ``comfyui`` ComfyUI's
+ModelSamplingAuraFlow node at that shift (comfy_extras/nodes_model_advanced.py: ``ModelSamplingDiscreteFlow``
+with multiplier 1.0, a table of 1000 sigmas ``s * t / (1 + (s - 1) * t)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULES = ("diffusers", "comfyui", "lightning")
+#: ComfyUI's default model-sampling shift for Qwen-Image (ModelSamplingFlux: used as mu, exponential shift)
+COMFYUI_QWEN_MU = 1.15
+COMFYUI_FLUX_TABLE = 10000
+COMFYUI_AURAFLOW_TABLE = 1000
+#: the Lightning LoRAs' fixed shift (their scheduler config's base_shift = max_shift = ln 3)
+LIGHTNING_SHIFT = 3.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A schedule's defaults: the step count and CFG scale its users run it with (None: the caller's)."""
+
+    name: str
+    steps: int | None
+    cfg: float | None
+    description: str
+
+
+PRESETS: dict[str, Preset] = {
+    "diffusers": Preset("diffusers", None, None, "diffusers' pipelines: dynamic shift from the image size, "
+                        "true CFG with norm rescale"),
+    "comfyui": Preset("comfyui", None, None, "stock ComfyUI: default Qwen-Image model sampling, simple scheduler, "
+                      "Euler, plain CFG, ComfyUI's noise"),
+    "lightning": Preset("lightning", 4, 1.0, "few-step Lightning LoRAs: fixed shift 3, no terminal stretch, "
+                        "4 or 8 steps at CFG 1"),
+}
+
+
+def check_schedule(name: str, shift: float | None = None) -> Preset:
+    """The preset called `name`; a ValueError naming the accepted ones otherwise (and for a shift <= 0)."""
+    if name not in PRESETS:
+        raise ValueError(f"schedule {name!r} is not accepted; accepted: {', '.join(SCHEDULES)}")
+    if shift is not None and not shift > 0:
+        raise ValueError(f"shift must be > 0 (or unset for the schedule's own), got {shift}")
+    return PRESETS[name]
+
+
+def lightning_scheduler_config(scheduler_config: dict, shift: float = LIGHTNING_SHIFT) -> dict:
+    """The model's FlowMatchEulerDiscreteScheduler config with the Lightning recipe: dynamic shifting with
+    ``base_shift = max_shift = ln shift`` (so mu = ln shift at every size), exponential time shift,
+    ``shift_terminal = None``."""
+    return {**scheduler_config, "base_shift": math.log(shift), "max_shift": math.log(shift),
+            "use_dynamic_shifting": True, "time_shift_type": "exponential", "shift_terminal": None, "shift": 1.0}
+
+
+def comfyui_sigma_table(shift: float | None = None) -> torch.Tensor:
+    """ComfyUI's model-sampling table (float32, ascending): the default ModelSamplingFlux of Qwen-Image
+    (mu 1.15, 10000 entries) when `shift` is None, else ModelSamplingAuraFlow(shift) (1000 entries)."""
+    if shift is None:
+        t = torch.arange(1, COMFYUI_FLUX_TABLE + 1, 1) / COMFYUI_FLUX_TABLE
+        return math.exp(COMFYUI_QWEN_MU) / (math.exp(COMFYUI_QWEN_MU) + (1 / t - 1) ** 1.0)
+    t = torch.arange(1, COMFYUI_AURAFLOW_TABLE + 1, 1) / COMFYUI_AURAFLOW_TABLE * 1.0
+    return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
+
+
+def comfyui_sigmas(steps: int, shift: float | None = None) -> torch.Tensor:
+    """ComfyUI's ``simple`` scheduler over `comfyui_sigma_table`: steps + 1 float32 sigmas ending in 0."""
+    table = comfyui_sigma_table(shift)
+    stride = len(table) / steps
+    sigmas = [float(table[-(1 + int(i * stride))]) for i in range(steps)] + [0.0]
+    return torch.FloatTensor(sigmas)
+
+
+class ComfyEuler:
+    """ComfyUI's Euler sampler over a sigma list, with the scheduler interface the loop uses (`timesteps`,
+    `step`): `timesteps` are sigma * 1000 (the transformer is called with timestep / 1000 = sigma)."""
+
+    def __init__(self, sigmas: torch.Tensor, device):
+        self.sigmas = sigmas.to(device)
+        self.timesteps = self.sigmas[:-1] * 1000
+        self._index = 0
+
+    def step(self, velocity: torch.Tensor, timestep, sample: torch.Tensor, return_dict: bool = False):
+        sigma, sigma_next = self.sigmas[self._index], self.sigmas[self._index + 1]
+        self._index += 1
+        denoised = sample - velocity * sigma
+        d = (sample - denoised) / sigma
+        return (sample + d * (sigma_next - sigma),)
+
+
+
+def steps_and_cfg(name: str, steps: int | None, cfg: float | None, fallback_steps: int = 20,
+                  fallback_cfg: float = 4.0) -> tuple[int, float]:
+    """The step count and CFG scale to run: the given ones, else the preset's (lightning: 4 and 1.0), else the
+    fallbacks (the caller's configured values)."""
+    preset = check_schedule(name)
+    steps = steps if steps is not None else (preset.steps if preset.steps is not None else fallback_steps)
+    cfg = cfg if cfg is not None else (preset.cfg if preset.cfg is not None else fallback_cfg)
+    return int(steps), float(cfg)
