@@ -48,7 +48,7 @@ SCHEDULE = (list(schedules.SCHEDULES), {
     "tooltip": "diffusers: the pipelines' schedule and true CFG; comfyui: what stock ComfyUI renders (its model "
                "sampling, simple scheduler, Euler, plain CFG and noise), to preview a LoRA as ComfyUI users see "
                "it; lightning: few-step Lightning LoRAs (fixed shift 3; run 4 or 8 steps at CFG 1)"})
-SHIFT_VALUE = ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.01,
+SHIFT_VALUE = ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.01, "round": 0.01,
                          "tooltip": "0: the schedule's own shift; > 0: a fixed shift, e.g. 3 (comfyui: the shift "
                                     "of ComfyUI's ModelSamplingAuraFlow node)"})
 
