@@ -109,7 +109,16 @@ def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, un
     except Cancelled:
         comfy_runtime.raise_if_interrupted()
         raise
-    return sampler.decode(comps, latents, cond.width, cond.height)
+    return sampler.decode(comps, latents, cond.width, cond.height), stock_latent(comps, latents, cond)
+
+
+def stock_latent(comps, latents: torch.Tensor, cond) -> dict:
+    """Packed sampler latents -> a stock ComfyUI LATENT (raw VAE latents, (B, 16, 1, H/8, W/8), on the CPU)."""
+    grid = encode.unpack(latents, cond.height, cond.width)
+    return {"samples": encode.to_raw_latents(comps.vae, grid.to(next(comps.vae.parameters()).dtype)).float().cpu()}
+
+
+STOCK_LATENT = "stock LATENT (raw Qwen-Image VAE latents): decodes with ComfyUI's VAE Decode and its Qwen-Image VAE"
 
 
 class QwenEditSampler:
@@ -119,8 +128,9 @@ class QwenEditSampler:
     CATEGORY = f"{CATEGORY}/sampling"
     DESCRIPTION = ("Edits the control image following the prompt, with true CFG (cond and uncond branches). "
                    "Put the uncond branch on a second GPU with uncond_device.")
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("image",)
+    RETURN_TYPES = ("IMAGE", "LATENT")  # the LATENT came later: outputs are added last
+    RETURN_NAMES = ("image", "latent")
+    OUTPUT_TOOLTIPS = ("the edited image", STOCK_LATENT)
     FUNCTION = "sample"
 
     @classmethod
@@ -138,7 +148,7 @@ class QwenEditSampler:
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
                                  vae_area=vae_side, schedule=schedule, shift=shift)
             cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
-            return (_run(model, cond, settings, uncond_device, unique_id),)
+            return _run(model, cond, settings, uncond_device, unique_id)
 
 
 class QwenEditEncodePrompt:
@@ -170,8 +180,9 @@ class QwenEditSampleConditioning:
     CATEGORY = f"{CATEGORY}/sampling"
     DESCRIPTION = ("Samples an edit from conditioning made by Encode Prompt + Image (change steps, CFG or "
                    "seed without encoding again).")
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("image",)
+    RETURN_TYPES = ("IMAGE", "LATENT")  # the LATENT came later: outputs are added last
+    RETURN_NAMES = ("image", "latent")
+    OUTPUT_TOOLTIPS = ("the edited image", STOCK_LATENT)
     FUNCTION = "sample"
 
     @classmethod
@@ -189,16 +200,18 @@ class QwenEditSampleConditioning:
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)
         with torch.inference_mode(False), torch.no_grad():
-            return (_run(model, conditioning, settings, uncond_device, unique_id),)
+            return _run(model, conditioning, settings, uncond_device, unique_id)
 
 
 class QwenEditEncodeImage:
     """Image(s) -> Qwen-Image VAE latents (normalized, 16 channels, 1/8 of the size)."""
 
     CATEGORY = f"{CATEGORY}/encode"
-    DESCRIPTION = ("Encodes images with the model's VAE into latents.")
-    RETURN_TYPES = (LATENT,)
-    RETURN_NAMES = ("latent",)
+    DESCRIPTION = ("Encodes images with the model's VAE: latent for Decode Latent, and samples, a stock LATENT "
+                   "that ComfyUI's VAE Decode with the Qwen-Image VAE decodes to the same picture.")
+    RETURN_TYPES = (LATENT, "LATENT")
+    RETURN_NAMES = ("latent", "samples")
+    OUTPUT_TOOLTIPS = ("normalized latents for Decode Latent", STOCK_LATENT)
     FUNCTION = "encode"
 
     @classmethod
@@ -214,26 +227,36 @@ class QwenEditEncodeImage:
             for pil in image_to_pils(image):
                 size = encode.image_size_at_area(pil, vae_side * vae_side)
                 latents.append(encode.encode_latents(comps.vae, encode.pixels_for_vae(pil, *size)))
-            return (latents,)
+            raw = torch.cat([encode.to_raw_latents(comps.vae, x) for x in latents])  # one IMAGE: one size
+            return (latents, {"samples": raw.float().cpu()})
 
 
 class QwenEditDecodeLatent:
-    """Latents of Encode Image -> images, through the model's VAE."""
+    """Latents of Encode Image, or a stock LATENT, -> images, through the model's VAE."""
 
     CATEGORY = f"{CATEGORY}/encode"
-    DESCRIPTION = ("Decodes latents of Encode Image into images with the model's VAE.")
+    DESCRIPTION = ("Decodes latents of Encode Image, or a stock LATENT of Qwen-Image VAE latents (VAE Encode, "
+                   "the Sampler's latent), into images with the model's VAE.")
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("image",)
     FUNCTION = "decode"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": MODEL_IN, "latent": (LATENT, {"tooltip": "from Encode Image"})}}
+        return {"required": {"model": MODEL_IN},
+                "optional": {"latent": (LATENT, {"tooltip": "from Encode Image (or connect samples instead)"}),
+                             "samples": ("LATENT", {"tooltip": "a stock LATENT of Qwen-Image VAE latents (VAE "
+                                                               "Encode, our Sampler or Encode Image); used "
+                                                               "when latent is not connected"})}}
 
-    def decode(self, model, latent):
+    def decode(self, model, latent=None, samples=None):
         comps = model.components
         comps.require("vae")
+        if latent is None and samples is None:
+            raise ValueError("Decode Latent: connect latent (Encode Image) or samples (a stock LATENT)")
         with torch.inference_mode(False), torch.no_grad():
+            if latent is None:
+                latent = list(encode.from_raw_latents(comps.vae, samples["samples"]).split(1))
             images = [encode.postprocess(encode.decode_latents(comps.vae, x)).cpu() for x in latent]
         if len({tuple(i.shape) for i in images}) > 1:
             raise ValueError("latents of different sizes cannot form one IMAGE batch; decode them separately")

@@ -169,6 +169,26 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
 
 
+def to_raw_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalized latents -> the VAE's own (raw) latents, z * latents_std + latents_mean: what ComfyUI keeps
+    in a LATENT's "samples" for Qwen-Image (its VAEEncode returns the raw latent; the model's latent format,
+    Wan21 in ComfyUI's comfy/latent_formats.py, normalizes inside sampling)."""
+    mean, std = _latent_stats(vae, latents)
+    return latents * std + mean
+
+
+def from_raw_latents(vae, raw: torch.Tensor) -> torch.Tensor:
+    """The VAE's raw latents (a ComfyUI LATENT's "samples", (B, 16, 1, h, w) or (B, 16, h, w)) -> normalized
+    latents (B, 16, 1, h, w)."""
+    if raw.ndim == 4:
+        raw = raw.unsqueeze(2)
+    if raw.ndim != 5 or raw.shape[1] != vae.config.z_dim or raw.shape[2] != 1:
+        raise EncodeError(f"LATENT samples of shape {tuple(raw.shape)}: expected (batch, {vae.config.z_dim}, 1, "
+                          "height/8, width/8) from a Qwen-Image VAE (VAE Encode with the Qwen-Image VAE)")
+    mean, std = _latent_stats(vae, raw)
+    return (raw - mean) / std
+
+
 def _latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channels = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(like.device, like.dtype)

@@ -127,11 +127,11 @@ def _image(seed=0, h=48, w=64):
 
 def test_sampler_and_encode_nodes_in_inference_mode(model):
     with torch.inference_mode():
-        (image,) = nodes.QwenEditSampler().sample(model, _image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic",
+        (image, _) = nodes.QwenEditSampler().sample(model, _image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic",
                                                   "same", 64)
         (cond,) = nodes.QwenEditEncodePrompt().encode(model, _image(), "make it blue", " ", 0, 0, 64)
-        (again,) = nodes.QwenEditSampleConditioning().sample(model, cond, 2, 3.0, 1, "dynamic", "same")
-        (latent,) = nodes.QwenEditEncodeImage().encode(model, _image(), 64)
+        (again, _) = nodes.QwenEditSampleConditioning().sample(model, cond, 2, 3.0, 1, "dynamic", "same")
+        (latent, _) = nodes.QwenEditEncodeImage().encode(model, _image(), 64)
         (decoded,) = nodes.QwenEditDecodeLatent().decode(model, latent)
     assert image.ndim == 4 and image.shape[-1] == 3 and 0 <= image.min() and image.max() <= 1
     assert torch.allclose(image, again, atol=1e-6)
@@ -140,7 +140,7 @@ def test_sampler_and_encode_nodes_in_inference_mode(model):
 
 def test_split_cfg_node_equals_batched(model):
     with torch.inference_mode():
-        (batched,) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
+        (batched, _) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
                                                     64)
         # Two CFG devices: here both are the CPU, so the uncond branch runs on a replica in its own thread.
         handle = ModelHandle(model.components)
@@ -240,9 +240,9 @@ def test_speed_node_applies_fp8_and_the_attention_kernel_to_a_fresh_model(env):
     with torch.inference_mode():
         (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
         args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
-        (plain,) = nodes.QwenEditSampler().sample(handle, *args)
+        (plain, _) = nodes.QwenEditSampler().sample(handle, *args)
         (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
-        (image,) = nodes.QwenEditSampler().sample(fast, *args)
+        (image, _) = nodes.QwenEditSampler().sample(fast, *args)
     assert fast.attention == "math" and perf.has_fp8(fast.components.transformer)
     assert float((image - plain).abs().mean()) < 0.002
     spec = nodes.QwenEditSpeed.INPUT_TYPES()["required"]
@@ -258,9 +258,9 @@ def test_speed_node_leaves_its_input_model_unchanged(env):
         (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
         (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
         nodes.QwenEditSampler().sample(fast, *args)
-        (after,) = nodes.QwenEditSampler().sample(handle, *args)
+        (after, _) = nodes.QwenEditSampler().sample(handle, *args)
         (fresh,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
-        (reference,) = nodes.QwenEditSampler().sample(fresh, *args)
+        (reference, _) = nodes.QwenEditSampler().sample(fresh, *args)
     assert torch.equal(after, reference)
     assert not perf.has_fp8(handle.components.transformer) and handle.attention == "auto"
     assert fast.components.transformer is not handle.components.transformer
