@@ -71,6 +71,15 @@ def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic"
                                   shift=shift or None)
 
 
+#: previews per sampling run: each one copies the latents to the host (a device sync), so not every step
+PREVIEWS = 8
+
+
+def preview_due(step: int, total: int) -> bool:
+    """Whether step `step` (1-based) of `total` sends a preview: about PREVIEWS evenly spaced, and the last."""
+    return step == total or step % max(1, -(-total // PREVIEWS)) == 0
+
+
 def _preview(latents: torch.Tensor, width: int, height: int):
     """A cheap preview: three latent channels as RGB (no VAE decode per step)."""
     from PIL import Image
@@ -100,7 +109,8 @@ def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, un
     token = CancelToken()
 
     def progress(event):
-        bar.update_absolute(event.step, event.total, _preview(event.preview, cond.width, cond.height))
+        preview = _preview(event.preview, cond.width, cond.height) if preview_due(event.step, event.total) else None
+        bar.update_absolute(event.step, event.total, preview)
         if comfy_runtime.interrupt_requested():
             token.cancel()
 

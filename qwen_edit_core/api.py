@@ -19,6 +19,7 @@ from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import Components, load_components, replicate
 from qwen_edit_core.config import Config
 from qwen_edit_core.model.devices import DevicePlan, resolve_device
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class QwenImageEditTrainer:
         return self.components
 
     # -- sampling ----------------------------------------------------------------------------------------
-    def predict(self, prompt_image, prompt: str, negative_prompt: str | None = "",
+    def predict(self, prompt_image, prompt: str, negative_prompt: str | None = EMPTY_PROMPT,
                 num_inference_steps: int | None = None, true_cfg_scale: float | None = None, seed: int | None = None,
                 height: int | None = None, width: int | None = None, output_type: str = "np", *,
                 schedule: str | None = None, shift: float | None = None, progress=None, cancel=None):

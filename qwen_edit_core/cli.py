@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from qwen_edit_core.model import variants
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger("qwen_edit_core.cli")
 
@@ -157,7 +158,8 @@ def _train_bar():
         if bar is None:
             bar = tqdm(total=event.total, initial=event.step - 1, desc="train", unit="step", file=sys.stderr)
         bar.update(event.step - bar.n)
-        bar.set_postfix(loss=f"{event.loss:.4f}")
+        if event.loss is not None:  # read every logging.every steps
+            bar.set_postfix(loss=f"{event.loss:.4f}")
         if event.step >= event.total:
             bar.close()
     return update
@@ -238,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "--text-encoder-file when --model has no processor/")
     p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
     p.add_argument("--prompt", required=True, help="edit instruction")
-    p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG")
+    p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
     p.add_argument("--cfg", type=float,
                    help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")

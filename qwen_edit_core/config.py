@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from qwen_edit_core.model.templates import EMPTY_PROMPT
+
 log = logging.getLogger(__name__)
 
 #: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
@@ -219,6 +221,8 @@ class LoggingConfig:
     csv: bool = True
     tensorboard: bool = False
     plot: bool = True
+    #: read the loss from the device (one sync) and log the mean of the last `every` steps' losses
+    every: int = 1
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,7 @@ class PredictConfig:
     #: steps and CFG scale when a call gives none and the schedule has none of its own (lightning: 4 and 1.0)
     num_inference_steps: int = 20
     true_cfg_scale: float = 4.0
-    negative_prompt: str = " "
+    negative_prompt: str = EMPTY_PROMPT
     #: named schedule (qwen_edit_core/sample/schedules.py): "diffusers" (diffusers' pipelines), "comfyui" (stock
     #: ComfyUI's model sampling, simple scheduler, Euler, plain CFG and noise), "lightning" (fixed shift 3, no
     #: terminal stretch; 4 or 8 steps at CFG 1 with a Lightning LoRA)
@@ -407,6 +411,7 @@ _RANGES = [
     ("optimizer.betas", lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
      "two numbers in [0, 1)"),
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("logging.every", lambda v: v >= 1, ">= 1"),
     ("predict.num_inference_steps", lambda v: v >= 1, ">= 1"),
     ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
     ("predict.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),

@@ -64,8 +64,10 @@ class TrainingJob:
     def _progress(self, event: Progress) -> None:
         with self._lock:
             if event.stage == "train":
-                self._state, self._step, self._loss = "training", event.step, event.loss
-                self._history.append((event.step, event.loss))
+                self._state, self._step = "training", event.step
+                if event.loss is not None:  # the loss is read every `logging.every` steps
+                    self._loss = event.loss
+                    self._history.append((event.step, event.loss))
             elif event.stage == "cache":
                 self._state = "caching"
 
@@ -113,15 +115,25 @@ class TrainingJob:
                              last_checkpoint=found.path if found else None, error=self._error)
 
 
+def device_key(name: str) -> str:
+    """The registry's name for a device: "cuda" is "cuda:0" (as everywhere in the core), so "cuda" and
+    "cuda:0" are one device; other names as torch spells them ("cpu", "cuda:1", "mps")."""
+    import torch
+    device = torch.device(name)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, 0)
+    return str(device)
+
+
 class JobRegistry:
-    """One running job per transformer device."""
+    """One running job per transformer device ("cuda" and "cuda:0" are the same device)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[str, TrainingJob] = {}
 
     def start(self, config: Config, *, resume=None) -> TrainingJob:
-        device = config.train.device
+        device = device_key(config.train.device)
         with self._lock:
             busy = self._running.get(device)
             if busy is not None:
@@ -135,8 +147,9 @@ class JobRegistry:
 
     def _finished(self, job: TrainingJob) -> None:
         with self._lock:
-            if self._running.get(job.device) is job:
-                del self._running[job.device]
+            key = device_key(job.device)
+            if self._running.get(key) is job:
+                del self._running[key]
 
     def running(self) -> list[TrainingJob]:
         with self._lock:

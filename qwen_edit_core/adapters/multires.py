@@ -34,6 +34,15 @@ class PerSampleRope(nn.Module):
     def __init__(self, stock: nn.Module):
         super().__init__()
         self.stock = stock
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stock module's (pos, neg) frequency tables on `device`, copied there once and kept (they are
+        plain complex tensors, not buffers, so `.to()` on the model does not move them)."""
+        key = str(torch.device(device) if device is not None else self.stock.pos_freqs.device)
+        if key not in self._tables:
+            self._tables[key] = (self.stock.pos_freqs.to(key), self.stock.neg_freqs.to(key))
+        return self._tables[key]
 
     def forward(self, video_fhw, device=None, max_txt_seq_len=None):
         samples = video_fhw if isinstance(video_fhw, list) and video_fhw and isinstance(video_fhw[0], list) \
@@ -48,7 +57,7 @@ class PerSampleRope(nn.Module):
         return torch.stack(image), torch.stack(text)
 
     def _sample(self, shapes, device, n_text: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos, neg = self.stock.pos_freqs.to(device), self.stock.neg_freqs.to(device)
+        pos, neg = self.tables(device)
         half = [d // 2 for d in self.stock.axes_dim]
         pos_t, pos_h, pos_w = pos.split(half, dim=1)
         _, neg_h, neg_w = neg.split(half, dim=1)

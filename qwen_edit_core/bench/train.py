@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core.model.devices import resolve_device
 
@@ -109,9 +110,8 @@ def _reference(device, dtype, steps: int, item) -> dict:
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     model.enable_gradient_checkpointing()
     model.train()
+    cast_training_params(model, dtype=torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
     opt = torch.optim.AdamW(params, lr=1e-4)
     loss0 = fixed_batch_loss(model, item, device, dtype)
     x0, control, text, shapes = _model_inputs(item, device, dtype)
@@ -166,10 +166,8 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     from qwen_edit_core.train.loop import train
 
     model = _build(device, dtype)
+    # The product's own setup: `train` casts the LoRA to fp32 (train.loop.setup), as it does for users.
     lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16, targets=lora.TARGET_PRESETS["attn-img"]))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
     work = Path(tempfile.mkdtemp(prefix="qwen-edit-bench-real-"))
     # lr 0: the step does the same work, and the weights stay those of the fixed-batch loss below.
     config = load_config(overrides={"train": {"output_dir": str(work), "max_steps": steps, "device": str(device),

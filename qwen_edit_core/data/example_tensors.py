@@ -19,6 +19,7 @@ from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identi
 from qwen_edit_core.data.dataset import EditExample, load_rgb
 from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
     """The cache tensors of one example, on the CPU in `settings.dtype`.
 
     Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
-    its own bucket. `empty_prompt_embeds` (empty caption, same control images) serve caption dropout. A pair
+    its own bucket. `empty_prompt_embeds` (`EMPTY_PROMPT`, same control images) serve caption dropout. A pair
     with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32).
     """
     components.require("vae", "text_encoder")
@@ -82,7 +83,7 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
                                                            vl_area=settings.vl_area)
     target_size = encode.image_size_at_area(target, settings.vae_area)
     te = components.text_encoder
-    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, ""], [vl_images, vl_images],
+    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT], [vl_images, vl_images],
                                           settings.variant, device=te.device)
     tensors = {"target_latents": encode.encode_latents(components.vae, encode.pixels_for_vae(target,
                                                                                             *target_size))[0],

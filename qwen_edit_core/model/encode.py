@@ -95,30 +95,42 @@ def postprocess(pixels: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PromptEmbeds:
-    """Right-padded prompt embeddings (B, S, D) and a 0/1 mask (B, S); `lengths` are the valid tokens."""
+    """Right-padded prompt embeddings (B, S, D), a 0/1 mask (B, S) and each sample's valid token count.
+
+    `lengths` is a host-side fact (from the unpadded inputs, or read once from the mask when not given), so
+    deciding whether a call needs the mask never reads the device in the denoising or training loop.
+    """
 
     embeds: torch.Tensor
     mask: torch.Tensor
+    lengths: tuple[int, ...] = ()
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.mask.sum(dim=1).tolist()
+    def __post_init__(self):
+        if not self.lengths:
+            object.__setattr__(self, "lengths", tuple(int(n) for n in self.mask.sum(dim=1).tolist()))
 
     def mask_or_none(self) -> torch.Tensor | None:
         """The mask, or None when nothing is padded, so attention stays on the fused kernels."""
-        return None if bool(self.mask.all()) else self.mask
+        return None if all(n == self.mask.shape[1] for n in self.lengths) else self.mask
+
+    def valid(self, b: int) -> torch.Tensor:
+        """Sample b's valid (S_b, D) embeddings (a slice: no device read)."""
+        return self.embeds[b, : self.lengths[b]]
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "PromptEmbeds":
-        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype or self.embeds.dtype), self.mask.to(device))
+        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype or self.embeds.dtype), self.mask.to(device),
+                            self.lengths)
 
 
-def pad_embeddings(items: Sequence[torch.Tensor]) -> PromptEmbeds:
-    """Stack per-sample (S_i, D) valid-token embeddings into (B, max S, D) with a right-padding 0/1 mask."""
-    longest = max(item.shape[0] for item in items)
+def pad_embeddings(items: Sequence[torch.Tensor], multiple: int = 1) -> PromptEmbeds:
+    """Stack per-sample (S_i, D) valid-token embeddings into (B, S, D) with a right-padding 0/1 mask; S is the
+    longest S_i rounded up to a multiple of `multiple` (text-length buckets keep compiled shapes few)."""
+    lengths = tuple(item.shape[0] for item in items)
+    longest = -(-max(lengths) // multiple) * multiple
     embeds = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in items])
-    mask = torch.stack([torch.cat([torch.ones(e.shape[0], dtype=torch.long),
-                                   torch.zeros(longest - e.shape[0], dtype=torch.long)]) for e in items])
-    return PromptEmbeds(embeds, mask.to(embeds.device))
+    mask = torch.stack([torch.cat([torch.ones(n, dtype=torch.long), torch.zeros(longest - n, dtype=torch.long)])
+                        for n in lengths])
+    return PromptEmbeds(embeds, mask.to(embeds.device), lengths)
 
 
 @torch.no_grad()

@@ -34,3 +34,8 @@ T2I_DROP = 34
 
 #: The text encoder's position limit used by the pipelines (tokens after the template prefix is dropped).
 MAX_SEQUENCE_LENGTH = 1024
+
+#: The one "empty" prompt: caption dropout's empty caption, the default negative prompt of sampling and
+#: `predict`. A single space, as the model card's examples pass it (diffusers' pipelines turn true CFG off for
+#: `negative_prompt=None`); training drops captions to the same embeddings inference uses as its negative.
+EMPTY_PROMPT = " "

@@ -27,6 +27,7 @@ from qwen_edit_core.model import encode
 from qwen_edit_core import speed
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.sample import schedules
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.sample.flow import mu_from_scheduler_config
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 
@@ -42,7 +43,7 @@ class SampleSettings:
 
     num_inference_steps: int = 20
     true_cfg_scale: float = 4.0
-    negative_prompt: str | None = " "
+    negative_prompt: str | None = EMPTY_PROMPT
     seed: int | None = 0
     width: int | None = None
     height: int | None = None
@@ -190,8 +191,7 @@ def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: 
 
 def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
     """Cond and uncond as one right-padded batch of 2."""
-    items = [a.embeds[0][a.mask[0].bool()], b.embeds[0][b.mask[0].bool()]]
-    return encode.pad_embeddings(items).to(a.embeds.device)
+    return encode.pad_embeddings([a.valid(0), b.valid(0)]).to(a.embeds.device)
 
 
 def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
@@ -305,8 +305,7 @@ def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditio
     """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
     from qwen_edit_core.adapters import multires
     device = next(transformer.parameters()).device
-    items = [e.embeds[0][e.mask[0].bool()] for e in embeds]
-    text = encode.pad_embeddings(items).to(device)
+    text = encode.pad_embeddings([e.valid(0) for e in embeds]).to(device)
     packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
                                    [c.img_shapes for c in conds])
     dtype = latents[0].dtype

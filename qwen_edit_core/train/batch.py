@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +28,10 @@ from qwen_edit_core.sample import flow
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """A batch on the transformer's device: per-sample packed target and control tokens (samples may differ
-    in size; `flow_loss` pads them), right-padded prompt embeddings, and each sample's generator."""
+    """A batch on the transformer's device: per-sample packed target tokens in float32 (the flow target and
+    the noisy input are formed in fp32; only the model input is cast), control tokens in the model's dtype
+    (samples may differ in size; `flow_loss` pads them), right-padded prompt embeddings, and each sample's
+    generator."""
 
     targets: list[torch.Tensor]          # (N_target_b, 64)
     controls: list[torch.Tensor]         # (N_control_b, 64), all control images concatenated
@@ -40,9 +43,12 @@ class TrainBatch:
 
 
 def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Generator:
-    """The generator of one sample of one micro-step (independent of rank, device and history)."""
-    mixed = (seed * 1_000_003 + step * 10_007 + micro * 101 + index) % (2**63 - 1)
-    return torch.Generator("cpu").manual_seed(mixed)
+    """The generator of one sample of one micro-step (independent of rank, device and history).
+
+    The four numbers are mixed by numpy's `SeedSequence` (a hash of the whole tuple), so no two tuples share
+    a seed the way a weighted sum would (step 1, micro 0, index 0 against step 0, micro 99, index 8)."""
+    state = np.random.SeedSequence([seed, step, micro, index]).generate_state(2, dtype=np.uint32)
+    return torch.Generator("cpu").manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
@@ -60,7 +66,7 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
         n_controls = len(item["img_shapes"]) - 1
         control = torch.cat([encode.pack(item[f"control_latents_{i}"][None])[0] for i in range(n_controls)])
         controls.append((torch.zeros_like(control) if drop_control else control).to(device, dtype))
-        targets.append(encode.pack(item["target_latents"][None])[0].to(device, dtype))
+        targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
     return TrainBatch(targets=targets, controls=controls, embeds=encode.pad_embeddings(embeds).to(device, dtype),
@@ -81,12 +87,15 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     """
     t = config.train
     noisy, velocities, sigmas = [], [], []
+    dtype = batch.controls[0].dtype
     for x0, gen in zip(batch.targets, batch.generators):
-        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device, x0.dtype)
+        x0 = x0.float()
+        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device)
         mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
         sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
                                    logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
-        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, x0.dtype))[0])
+        # fp32 maths; only the model input is cast to the model's dtype.
+        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, torch.float32))[0].to(dtype))
         velocities.append(flow.flow_target(x0, noise))
         sigmas.append(sigma)
     packed = multires.pack_samples(noisy, batch.controls, batch.img_shapes)

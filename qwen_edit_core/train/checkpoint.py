@@ -46,8 +46,10 @@ def rng_state() -> dict:
              "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
              "numpy_meta": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
              "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # The current device's generator only: `get_rng_state_all` would create a CUDA context on every
+        # visible GPU from every process (each rank uses its own GPU).
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -59,7 +61,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1],
                          float(state["numpy_gauss"][0])))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+        cuda = state["cuda"]
+        if cuda.dim() == 2:  # written by earlier versions: one row per visible GPU
+            cuda = cuda[min(torch.cuda.current_device(), cuda.shape[0] - 1)]
+        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
 
 
 def _tuplify(value):

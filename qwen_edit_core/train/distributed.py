@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from datetime import timedelta
 
 import torch
 
@@ -13,6 +14,20 @@ from qwen_edit_core.model import encode
 from qwen_edit_core.train import sharding
 
 log = logging.getLogger(__name__)
+
+
+#: How long a rank waits in a collective (gradient all-reduce, barrier) before the run fails. Rank 0 alone
+#: samples validation images between steps while the other ranks wait in the next step's all-reduce; torch's
+#: default (10 min on NCCL) is shorter than a validation pass of the real model can take.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+def ddp_kwargs() -> list:
+    """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, ~19 GiB
+    that every rank already holds; DDP would send them from rank 0 before every synced forward) and the
+    collective timeout above."""
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    return [DistributedDataParallelKwargs(broadcast_buffers=False), InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)]
 
 
 class Distributed:
@@ -24,7 +39,7 @@ class Distributed:
         self.accelerator = None
         if self.world > 1:
             from accelerate import Accelerator
-            self.accelerator = Accelerator(cpu=config.train.device == "cpu")
+            self.accelerator = Accelerator(cpu=config.train.device == "cpu", kwargs_handlers=ddp_kwargs())
         self.rank = self.accelerator.process_index if self.accelerator else 0
         self.is_main = self.rank == 0
         self.fsdp = self.accelerator is not None and sharding.is_fsdp()
@@ -44,11 +59,11 @@ class Distributed:
         if self.fsdp:
             sharding.average_gradients(list(params), self.world)
 
-    def mean(self, value: float) -> float:
-        if self.accelerator is None:
-            return value
-        tensor = torch.tensor([value], device=self.accelerator.device)
-        return float(self.accelerator.reduce(tensor, reduction="mean")[0])
+    def mean_tensor(self, value: torch.Tensor) -> float:
+        """The mean of a one-element device tensor over processes, read on the host once."""
+        if self.accelerator is not None:
+            value = self.accelerator.reduce(value.reshape(1), reduction="mean")
+        return float(value.reshape(-1)[0])
 
     def barrier(self) -> None:
         if self.accelerator is not None:

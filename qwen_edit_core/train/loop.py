@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core import speed
 from qwen_edit_core.adapters import multires
@@ -85,6 +86,9 @@ class RunState:
     state: str = "done"
     ema: LoraEma | None = None  # the LoRA's moving average (train.ema_decay > 0)
     regions: RegionLosses | None = None  # masked/unmasked validation losses (datasets with masks)
+    #: the loss summed on the device since the last logged step, and how many steps it holds
+    pending_loss: torch.Tensor | None = None
+    pending_steps: int = 0
 
 
 def _autocast_dtype(name: str) -> torch.dtype | None:
@@ -122,6 +126,9 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
     multires.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
     # fp8 base, selective checkpointing, offloading, compile; `gradient_checkpointing` alone = every block.
     speed.configure_training(transformer, t, device, tokens=max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS)
+    # peft gives adapters the base layer's dtype (bf16 on a bf16 base, fp32 beside an fp8 one): the LoRA and
+    # its AdamW state train in fp32 whatever the base, so no speed lever changes the optimizer's precision.
+    cast_training_params(transformer, dtype=torch.float32)
     transformer.train()
     params = trainable_parameters(transformer)
     optimizer = make_optimizer(list(params.values()), config)
@@ -143,8 +150,9 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
     return run
 
 
-def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> float:
-    """Forward and backward of this process's share of one micro-batch; returns its share of the step's loss."""
+def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> torch.Tensor:
+    """Forward and backward of this process's share of one micro-batch; returns its share of the step's loss
+    as a detached device tensor (read on the host only when logged: `after_step`)."""
     config, dist = run.config, run.dist
     accum = config.train.gradient_accumulation_steps
     indices = next(run.batches)
@@ -161,7 +169,7 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> f
         loss, _ = flow_loss(run.model, batch, config, run.scheduler_config)
         # Each rank averages its share; DDP averages ranks; equal shares make it the global mean.
         run.scaler.scale(loss * len(mine) * dist.world / len(indices) / accum).backward()
-    return loss.item() * len(mine) / len(indices) * dist.world / accum
+    return loss.detach() * (len(mine) / len(indices) * dist.world / accum)
 
 
 def optimizer_step(run: RunState) -> None:
@@ -179,11 +187,24 @@ def optimizer_step(run: RunState) -> None:
     run.step += 1
 
 
-def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | None, validate) -> None:
-    """Log the step's loss, report progress, validate and checkpoint when due."""
+def read_loss(run: RunState, loss: torch.Tensor) -> float | None:
+    """Add the step's device loss to the pending sum; every `logging.every` steps (and at the last) return the
+    mean over ranks and steps since the last read: one host read per logging interval."""
+    run.pending_loss = loss if run.pending_loss is None else run.pending_loss + loss
+    run.pending_steps += 1
+    every = max(1, run.config.logging.every)
+    if run.step % every and run.step < run.config.train.max_steps:
+        return None
+    value = run.dist.mean_tensor(run.pending_loss / run.pending_steps)
+    run.pending_loss, run.pending_steps = None, 0
+    return value
+
+
+def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: ProgressFn | None, validate) -> None:
+    """Log the loss when due, report progress, validate and checkpoint when due."""
     t, step = run.config.train, run.step
-    loss = run.dist.mean(loss)
-    if run.losslog is not None:
+    loss = read_loss(run, loss)
+    if run.losslog is not None and loss is not None:
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
         progress(Progress("train", step, t.max_steps, loss=loss))
@@ -195,6 +216,8 @@ def after_step(run: RunState, loss: float, write_lora, progress: ProgressFn | No
             if run.regions is not None:
                 run.regions(run.transformer, step, write=run.dist.is_main)
         run.transformer.train()
+        # Every rank waits here (distributed.COLLECTIVE_TIMEOUT), not inside the next step's all-reduce.
+        run.dist.barrier()
     if t.checkpoint_every and step % t.checkpoint_every == 0:
         save_checkpoint(run, write_lora)
 
@@ -261,11 +284,12 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             # Capture the data position before drawing this step's batches: a checkpoint saved at the end of
             # the step must resume at the position after them, one saved on cancel at the position before.
             run.position = run.sampler.state_dict()
-            total = 0.0
+            total = None
             for micro in range(config.train.gradient_accumulation_steps):
                 if cancel is not None:
                     cancel.check()
-                total += micro_step(run, micro, load_item)
+                share = micro_step(run, micro, load_item)
+                total = share if total is None else total + share
             optimizer_step(run)
             after_step(run, total, write_lora, progress, validate)
     except (Cancelled, KeyboardInterrupt):

@@ -22,6 +22,7 @@ from qwen_edit_core.config import ValidationPreview
 from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def previews_from_config(config) -> list[Preview]:
     for item in items:
         steps, cfg = schedules.steps_and_cfg(item.schedule, item.steps, item.cfg, config.train.validation_steps,
                                              config.predict.true_cfg_scale)
-        settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt="",
+        settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=EMPTY_PROMPT,
                                           seed=config.train.seed, schedule=item.schedule, shift=item.shift)
         settings.validate()
         loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)

@@ -96,7 +96,7 @@ def test_round_trip_and_reuse_across_instances(tmp_path):
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in got.values())
     assert other.stats() == {"hits": 1, "misses": 0, "recomputed": 0}
     with safe_open(str(path), framework="pt") as fh:
-        assert CacheKey.from_metadata(fh.metadata()) == key and fh.metadata()["format_version"] == "1"
+        assert CacheKey.from_metadata(fh.metadata()) == key and fh.metadata()["format_version"] == str(CACHE_FORMAT_VERSION)
     assert other.contains(key) and not other.contains(_key(caption="other"))
 
 
