@@ -19,15 +19,43 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def _fp8_out_dtype(t: torch.Tensor) -> torch.dtype:
-    """The fp8 kernel's output dtype: the input's half-precision dtype; bf16 for fp32 inputs on CUDA (its fp8
-    kernel does not write fp32 there; the CPU reference kernel does)."""
-    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) or not t.is_cuda else torch.bfloat16
+#: The fp8 kernel's output dtype, whatever the activations' dtype: row-wise scaled `torch._scaled_mm` writes
+#: bf16 on every torch/GPU combination (fp16 output is rejected there, fp32 on several); the result is cast.
+KERNEL_OUT = torch.bfloat16
+#: Output rows computed per chunk where the fp8 kernel cannot run (dims not multiples of 16): the weight is
+#: dequantized a chunk at a time, never whole.
+_CHUNK_ROWS = 256
 
 
-def _fp8_shapes_ok(rows: int, k: int, n: int) -> bool:
-    """The fp8 kernel wants 16-aligned dims and enough rows to pay for quantizing them."""
-    return rows >= 16 and k % 16 == 0 and n % 16 == 0
+def _fp8_shapes_ok(k: int, n: int) -> bool:
+    """The fp8 kernel wants the inner and output dims 16-aligned (rows are padded to 16 when fewer)."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+def _fp8_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows @ (weight * scale)^T in `KERNEL_OUT`, through the fp8 kernel: activations quantized per row; fewer
+    than 16 rows (the timestep modulation's one row per sample) padded with zeros rather than dequantizing
+    the weight (a third of a block's weights are modulation layers)."""
+    n_rows = rows.shape[0]
+    if n_rows < 16:
+        rows = torch.cat([rows, rows.new_zeros(16 - n_rows, rows.shape[1])])
+    x8, x_scale = quantize_rows(rows)
+    y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(), out_dtype=KERNEL_OUT)
+    return y[:n_rows]
+
+
+def _chunked_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same product in `dtype` without the fp8 kernel, dequantizing `_CHUNK_ROWS` weight rows at a time."""
+    x = rows.to(dtype)
+    return torch.cat([F.linear(x, weight[i: i + _CHUNK_ROWS].to(dtype)) * scale[i: i + _CHUNK_ROWS, 0].to(dtype)
+                      for i in range(0, weight.shape[0], _CHUNK_ROWS)], dim=-1)
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an fp8 layer returns: autocast's dtype when autocast is on for x's device (as `nn.Linear`
+    under autocast: activations stay bf16 even after an fp32 LayerNorm), else x's dtype."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -41,31 +69,28 @@ class _Fp8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, scale, fp8_grad: bool):
+    def forward(ctx, x, weight, scale, fp8_grad: bool, out_dtype: torch.dtype):
         rows = x.reshape(-1, x.shape[-1])
-        out_dtype = _fp8_out_dtype(x)
-        if _fp8_shapes_ok(rows.shape[0], rows.shape[1], weight.shape[0]):
-            x8, x_scale = quantize_rows(rows)
-            y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(),
-                                 out_dtype=out_dtype)
-        else:  # too small or oddly shaped for the fp8 kernel (e.g. the timestep modulation's one row)
-            y = F.linear(rows.to(out_dtype), (weight.to(out_dtype) * scale.to(out_dtype)))
+        if _fp8_shapes_ok(rows.shape[1], weight.shape[0]):
+            y = _fp8_mm(rows, weight, scale)
+        else:  # dims the fp8 kernel does not take
+            y = _chunked_mm(rows, weight, scale, out_dtype)
         ctx.save_for_backward(weight, scale)
-        ctx.fp8_grad = fp8_grad
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.fp8_grad, ctx.x_dtype = fp8_grad, x.dtype
+        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         weight, scale = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        if ctx.fp8_grad and _fp8_shapes_ok(g.shape[0], weight.shape[0], weight.shape[1]):
+        if ctx.fp8_grad and g.shape[0] >= 16 and _fp8_shapes_ok(weight.shape[0], weight.shape[1]):
             g8, g_scale = quantize_rows(g.float() * scale.t())
             ones = torch.ones(1, weight.shape[1], device=g.device, dtype=torch.float32)
             grad_x = torch._scaled_mm(g8, weight.t().contiguous().t(), scale_a=g_scale, scale_b=ones,
-                                      out_dtype=_fp8_out_dtype(g)).to(g.dtype)
+                                      out_dtype=KERNEL_OUT).to(g.dtype)
         else:
             grad_x = (g * scale.t().to(g.dtype)) @ weight.to(g.dtype)
-        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]).to(ctx.x_dtype), None, None, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -90,7 +115,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.fp8_backward)
+        y = _Fp8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.fp8_backward, output_dtype(x))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -125,6 +150,36 @@ def _set_fp8_backward(transformer: nn.Module, enabled: bool) -> None:
     for module in transformer.modules():
         if isinstance(module, Fp8Linear):
             module.fp8_backward = enabled
+
+
+def dequantize_fp8(transformer: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every `Fp8Linear` by an `nn.Linear` holding its dequantized weight in `dtype` (the fallback
+    when the fp8 kernel fails on this machine). Returns the count."""
+    count = 0
+    for parent in list(transformer.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                   device=child.weight_fp8.device, dtype=dtype).requires_grad_(False)
+                with torch.no_grad():
+                    linear.weight.copy_(child.dequantized(dtype))
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+                count += 1
+    return count
+
+
+def probe_fp8(device: torch.device) -> str | None:
+    """Run the fp8 kernel once on `device` exactly as `Fp8Linear` calls it (row-wise scales, bf16 output);
+    None when it works, else the error's text (some torch builds and GPUs lack the kernel or a layout)."""
+    device = torch.device(device)
+    try:
+        weight, scale = quantize_rows(torch.randn(32, 32, device=device))
+        _fp8_mm(torch.randn(4, 32, device=device), weight, scale)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        return f"{type(err).__name__}: {err}".splitlines()[0]
+    return None
 
 
 def has_fp8(module: nn.Module) -> bool:

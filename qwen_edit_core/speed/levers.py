@@ -10,7 +10,8 @@ import torch
 
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
 from qwen_edit_core.speed.compile import compile_blocks
-from qwen_edit_core.speed.fp8 import _set_fp8_backward, fp8_matmul_supported, has_fp8, quantize_fp8
+from qwen_edit_core.speed.fp8 import (_set_fp8_backward, dequantize_fp8, fp8_matmul_supported, has_fp8, probe_fp8,
+                                      quantize_fp8)
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
 from qwen_edit_core.speed.planner import model_sizes, plan_for_budget
 
@@ -73,12 +74,27 @@ def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: boo
     return fresh
 
 
+def _fp8_works(transformer, device) -> bool:
+    """Probe the fp8 kernel once on `device`; when it raises, keep (or put back) a bf16 base and say so."""
+    error = probe_fp8(device)
+    if error is None:
+        return True
+    dtype = transformer.img_in.weight.dtype
+    dtype = dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
+    log.warning("the fp8 kernel fails on %s (%s): the base stays in %s (fp8 turned off)", device, error,
+                str(dtype).removeprefix("torch."))
+    dequantize_fp8(transformer, dtype)
+    return False
+
+
 def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
            compile: bool, compile_mode: str | None = None, fp8_backward: bool = False) -> Levers:
     n_blocks = len(transformer.transformer_blocks)
     if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
         raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
                          "none: turn fp8 off")
+    if (fp8 or has_fp8(transformer)) and not _fp8_works(transformer, device):
+        fp8 = False
     if fp8:
         quantize_fp8(transformer, fp8_backward=fp8_backward)  # idempotent
     else:  # layers already in fp8 (a scaled-fp8 file kept in fp8) still take the backward mode
