@@ -169,10 +169,11 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     # The product's own setup: `train` casts the LoRA to fp32 (train.loop.setup), as it does for users.
     lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16, targets=lora.TARGET_PRESETS["attn-img"]))
     work = Path(tempfile.mkdtemp(prefix="qwen-edit-bench-real-"))
-    # lr 0: the step does the same work, and the weights stay those of the fixed-batch loss below.
+    # lr 1e-30 (the config takes lr > 0): the step does the same work, and the fp32 LoRA weights do not move
+    # (updates of 1e-30 vanish in rounding), so they stay those of the fixed-batch loss below.
     config = load_config(overrides={"train": {"output_dir": str(work), "max_steps": steps, "device": str(device),
                                               "mixed_precision": "bf16", **train_overrides},
-                                    "optimizer": {"lr": 0.0}, "logging": {"plot": False}})
+                                    "optimizer": {"lr": 1e-30}, "logging": {"plot": False}})
     reset_peak(device)
     compile_start = time.perf_counter()
     times = _step_times(lambda p: train(config, model, lambda i: item, [None], [((side, side), ((side, side),))],
