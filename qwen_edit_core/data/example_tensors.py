@@ -83,7 +83,8 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
                                                            vl_area=settings.vl_area)
     target_size = encode.image_size_at_area(target, settings.vae_area)
     te = components.text_encoder
-    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT], [vl_images, vl_images],
+    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],
+                                          [vl_images, vl_images],
                                           settings.variant, device=te.device)
     tensors = {"target_latents": encode.encode_latents(components.vae, encode.pixels_for_vae(target,
                                                                                             *target_size))[0],
