@@ -208,14 +208,16 @@ def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: Progress
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
         progress(Progress("train", step, t.max_steps, loss=loss))
-    if t.validation_every and step % t.validation_every == 0 and (run.dist.is_main or run.dist.fsdp):
-        # With FSDP the sharded forward passes need every process; only the first one writes.
-        with run.ema.applied(run.params) if run.ema is not None and t.ema_validation else contextlib.nullcontext():
-            if validate is not None:
-                validate(step) if run.dist.is_main else validate(step, write=False)
-            if run.regions is not None:
-                run.regions(run.transformer, step, write=run.dist.is_main)
-        run.transformer.train()
+    if t.validation_every and step % t.validation_every == 0:
+        if run.dist.is_main or run.dist.fsdp:
+            # With FSDP the sharded forward passes need every process; only the first one writes.
+            ema = run.ema is not None and t.ema_validation
+            with run.ema.applied(run.params) if ema else contextlib.nullcontext():
+                if validate is not None:
+                    validate(step) if run.dist.is_main else validate(step, write=False)
+                if run.regions is not None:
+                    run.regions(run.transformer, step, write=run.dist.is_main)
+            run.transformer.train()
         # Every rank waits here (distributed.COLLECTIVE_TIMEOUT), not inside the next step's all-reduce.
         run.dist.barrier()
     if t.checkpoint_every and step % t.checkpoint_every == 0:
