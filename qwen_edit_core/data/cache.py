@@ -49,8 +49,7 @@ from qwen_edit_core.common.files import save_safetensors
 
 log = logging.getLogger(__name__)
 
-#: 2: empty_prompt_embeds encode templates.EMPTY_PROMPT (" "), the negative prompt inference uses
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 1
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
 CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
 EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
