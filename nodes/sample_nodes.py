@@ -63,12 +63,13 @@ def _controls(image, image2=None, image3=None) -> list:
 
 
 def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative=" ", cfg_mode="batched",
-              vae_area=1024, vl_area=384, schedule="diffusers", shift=0.0) -> sampler.SampleSettings:
+              vae_area=1024, vl_area=384, schedule="diffusers", shift=0.0,
+              control_size="pipeline") -> sampler.SampleSettings:
     return sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative, seed=seed,
                                   width=width or None, height=height or None, cfg_mode=cfg_mode,
                                   shift_mode="fixed" if shift_mode.startswith("fixed") else "dynamic",
                                   vae_area=vae_area * vae_area, vl_area=vl_area * vl_area, schedule=schedule,
-                                  shift=shift or None)
+                                  shift=shift or None, control_size=control_size)
 
 
 #: previews per sampling run: each one copies the latents to the host (a device sync), so not every step
@@ -149,14 +150,19 @@ class QwenEditSampler:
             "model": MODEL_IN, "image": IMAGE_IN, "prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": STEPS,
             "true_cfg_scale": CFG, "seed": SEED, "width": _size("width"), "height": _size("height"),
             "shift_mode": SHIFT, "uncond_device": UNCOND, "vae_side": VAE_SIDE,
-        }, "optional": {**EXTRA_IMAGES, "schedule": SCHEDULE, "shift": SHIFT_VALUE},
+        }, "optional": {**EXTRA_IMAGES, "schedule": SCHEDULE, "shift": SHIFT_VALUE,
+                         "control_size": (["pipeline", "target"], {
+            "tooltip": "target: controls resized to the output size, which is the first control's own size when "
+                       "a multiple of 16 (no rescale); for LoRAs trained with control_size target (pixel-aligned "
+                       "pairs). pipeline: as diffusers"})},
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
-               uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0):
+               uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
+               control_size="pipeline"):
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=vae_side, schedule=schedule, shift=shift)
+                                 vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size)
             cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
             return _run(model, cond, settings, uncond_device, unique_id)
 

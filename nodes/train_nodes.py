@@ -243,6 +243,9 @@ class QwenEditTrain:
                 "tooltip": "LoRAs kept active and frozen while training, FILE[:STRENGTH] per line (names in the "
                            "loras folder), e.g. a Lightning LoRA to train on top of; the saved LoRA holds only "
                            "the trained one"}),
+            "control_size": (["pipeline", "target"], {
+                "tooltip": "target: every control resized to exactly its target's size (pixel-aligned pairs; "
+                           "sample with control_size target); pipeline: each control at the training area"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -250,7 +253,7 @@ class QwenEditTrain:
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
-              validation_previews="", companion_loras=""):
+              validation_previews="", companion_loras="", control_size="pipeline"):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -268,7 +271,8 @@ class QwenEditTrain:
         stack = parse_lora_lines(companion_loras, _lora_path)
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
                          model={"lora": {"rank": rank, "alpha": alpha, "targets": targets, "stack": stack}},
-                         data={"batch_size": batch_size, "bucket_grouping": bucket_grouping},
+                         data={"batch_size": batch_size, "bucket_grouping": bucket_grouping,
+                               "control_size": control_size},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
                                 "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,

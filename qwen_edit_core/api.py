@@ -124,7 +124,8 @@ class QwenImageEditTrainer:
             num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative_prompt,
             seed=seed, width=width, height=height, cfg_mode=p.cfg_mode, shift_mode=p.shift_mode,
             fixed_mu=p.fixed_mu, vae_area=p.vae_area, vl_area=p.vl_area, attention=p.attention,
-            schedule=schedule, shift=shift if shift is not None else p.shift)
+            schedule=schedule, shift=shift if shift is not None else p.shift,
+            control_size=p.control_size)
         if not self._predict_ready:
             self.setup_predict(replica=settings.do_cfg)
         elif settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None:
@@ -179,7 +180,7 @@ class QwenImageEditTrainer:
         d = self.config.data
         return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
                               dtype=resolve_dtype(self.config.model.dtype, component="model.dtype"),
-                              convert_modes=d.convert_modes)
+                              convert_modes=d.convert_modes, control_size=d.control_size)
 
     def _cache(self):
         from qwen_edit_core.data.cache import EmbeddingCache

@@ -80,7 +80,8 @@ def cmd_sample(args) -> None:
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
-                             **({"vl_area": args.vl_area} if args.vl_area else {})}}
+                             **({"vl_area": args.vl_area} if args.vl_area else {}),
+                             **({"control_size": args.control_size} if args.control_size else {})}}
     if args.context_parallel > 1:
         from qwen_edit_core.sample import context_parallel
         plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
@@ -134,7 +135,7 @@ def cmd_train(args) -> None:
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
 TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
-               ("bucket_grouping", "data", "bucket_grouping"))
+               ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"))
 
 
 def train_overrides(args) -> dict:
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
     p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default: the config's, 1024*1024)")
     p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
+    p.add_argument("--control-size", choices=["pipeline", "target"], help="predict.control_size: target resizes the "
+                   "controls to the output size, the control's own when a multiple of 16 (pixel-aligned LoRAs)")
     p.add_argument("--config", help="YAML config whose predict section gives defaults")
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls for the base's block linears (Ada/Hopper)")
@@ -293,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preview", action="append",
                    help="a validation preview (repeat for several, side by side): SCHEDULE [steps=N] [cfg=X] "
                         "[shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], e.g. 'lightning steps=4 lora=l.safetensors'")
+    p.add_argument("--control-size", choices=["pipeline", "target"],
+                   help="data.control_size: target resizes every control to its target's size (pixel-aligned pairs)")
     p.set_defaults(func=cmd_train)
 
     from qwen_edit_core.data.synthetic import DEMO_EDIT, EDITS

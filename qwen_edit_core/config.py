@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 #: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
 AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
 Quantize = typing.Literal["none", "int8", "nf4"]
+ControlSize = typing.Literal["pipeline", "target"]
 BucketGrouping = typing.Literal["equal", "similar", "similar-count"]
 MixedPrecision = typing.Literal["no", "fp32", "bf16", "fp16"]
 #: mirror sample.flow.TIMESTEP_SCHEMES / LOSS_WEIGHTINGS and train.optim.SCHEDULES
@@ -115,6 +116,9 @@ class DataConfig:
     bucket_grouping: BucketGrouping = "equal"
     caption_dropout_rate: float = 0.0
     prompt_image_dropout_rate: float = 0.0
+    #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
+    #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
+    control_size: ControlSize = "pipeline"
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,9 @@ class PredictConfig:
     fp8: bool = False
     #: which fused attention kernel goes first (perf.ATTENTION_KERNELS)
     attention: AttentionKernel = "auto"
+    #: "target": controls resized to the output size (the control's own when a multiple of 16): for LoRAs
+    #: trained with data.control_size: target; "pipeline": as diffusers
+    control_size: ControlSize = "pipeline"
     #: split the transformer's tokens over this many processes (`torchrun`); 1: off
     context_parallel: int = 1
     #: "ulysses" (all-to-all over heads) or "ring" (keys/values around the ring)

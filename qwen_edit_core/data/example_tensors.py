@@ -33,6 +33,9 @@ class EncodeSettings:
     vl_area: int
     dtype: torch.dtype
     convert_modes: bool = False
+    #: "pipeline": each control at its own size at the VAE area (as the pipelines); "target": every control
+    #: resized to exactly the target's bucket (pixel-aligned pairs)
+    control_size: str = "pipeline"
 
     @property
     def prefix_len(self) -> int:
@@ -43,7 +46,10 @@ def buckets(example: EditExample, settings: EncodeSettings) -> tuple[tuple[int, 
     """(target bucket, control buckets) as (width, height) at the VAE area."""
     def at(size):
         return encode.calculate_dimensions(settings.vae_area, size[0] / size[1])
-    return at(example.target_size), tuple(at(s) for s in example.control_sizes)
+    target = at(example.target_size)
+    if settings.control_size == "target":
+        return target, (target,) * len(example.control_sizes)
+    return target, tuple(at(s) for s in example.control_sizes)
 
 
 def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> CacheKey:
@@ -79,9 +85,10 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)
     controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]
-    vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
-                                                           vl_area=settings.vl_area)
     target_size = encode.image_size_at_area(target, settings.vae_area)
+    sizes = [target_size] * len(controls) if settings.control_size == "target" else None
+    vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
+                                                           vl_area=settings.vl_area, sizes=sizes)
     te = components.text_encoder
     prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],
                                           [vl_images, vl_images],

@@ -62,12 +62,14 @@ def resize(image: Image.Image, width: int, height: int) -> Image.Image:
     return _IMAGE_PROCESSOR.resize(image, height, width)
 
 
-def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: int, vl_area: int):
+def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: int, vl_area: int,
+                     sizes: Sequence[tuple[int, int]] | None = None):
     """Control images as the pipelines prepare them: (VL images, VAE pixels, VAE sizes (w, h)).
 
     Edit (`vl_own_area` False) resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
     image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call this, so
-    they see the same inputs.
+    they see the same inputs. `sizes` ((w, h) per control, multiples of 16) replaces the VAE-area sizing:
+    pixel-aligned pairs resize every control to exactly the target's size (`control_size: target`).
     """
     if not images:
         raise EncodeError("at least one control image is required")
@@ -75,7 +77,8 @@ def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: i
     if spec.max_controls is not None and len(images) > spec.max_controls:
         raise EncodeError(f"a {spec.title} model takes {spec.controls_text()}, got {len(images)}; "
                           "use an Edit Plus (2509/2511) model for several")
-    vae_sizes = [image_size_at_area(img, vae_area) for img in images]
+    vae_sizes = [tuple(s) for s in sizes] if sizes is not None else [image_size_at_area(img, vae_area)
+                                                                     for img in images]
     if not spec.vl_own_area:
         resized = resize(images[0], *vae_sizes[0])
         return [resized], [pixels_for_vae(resized, *vae_sizes[0])], vae_sizes

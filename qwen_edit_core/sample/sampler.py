@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 CFG_MODES = ("sequential", "batched", "split")
 SHIFT_MODES = ("dynamic", "fixed")
+CONTROL_SIZES = ("pipeline", "target")
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,19 @@ class SampleSettings:
     schedule: str = "diffusers"
     #: a fixed shift replacing the schedule's own (None: the schedule's); see schedules
     shift: float | None = None
+    #: "pipeline": each control at the VAE area, output at the last control's size (as diffusers); "target":
+    #: every control resized to the output size, which is the first control's own size when its sides are
+    #: multiples of 16 (no rescale), else its size at the VAE area (pixel-aligned pairs, data.control_size)
+    control_size: str = "pipeline"
 
     def validate(self) -> None:
         speed.check_attention_kernel(self.attention)
         schedules.check_schedule(self.schedule, self.shift)
         if self.cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
+        if self.control_size not in CONTROL_SIZES:
+            raise ValueError(f"control_size {self.control_size!r} is not accepted; accepted: "
+                             f"{', '.join(CONTROL_SIZES)}")
         if self.shift_mode not in SHIFT_MODES:
             raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
         if self.num_inference_steps < 1:
@@ -94,14 +102,32 @@ class Conditioning:
 
 def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
     """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
-    vl_images, vae_pixels, vae_sizes = encode.prepare_controls([encode.to_pil(img) for img in images], variant,
-                                                               vae_area=settings.vae_area, vl_area=settings.vl_area)
+    pils = [encode.to_pil(img) for img in images]
+    if settings.control_size == "target":
+        out = aligned_size(pils[0], settings)
+        vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
+                                                                   vl_area=settings.vl_area, sizes=[out] * len(pils))
+        return vl_images, vae_pixels, vae_sizes, out
+    vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
+                                                               vl_area=settings.vl_area)
     # Output size: the given one, else the last control image's VAE size (Edit has only one), then
     # rounded down to a multiple of 16 like the pipelines.
     out_w = settings.width or vae_sizes[-1][0]
     out_h = settings.height or vae_sizes[-1][1]
     m = encode.LATENT_MULTIPLE
     return vl_images, vae_pixels, vae_sizes, (out_w // m * m, out_h // m * m)
+
+
+def aligned_size(control, settings: SampleSettings) -> tuple[int, int]:
+    """The output size of pixel-aligned sampling: width/height when given (rounded down to 16), else the
+    control's own size when both sides are multiples of 16, else its size at the VAE area."""
+    m = encode.LATENT_MULTIPLE
+    if settings.width or settings.height:
+        w, h = settings.width or control.width, settings.height or control.height
+        return w // m * m, h // m * m
+    if control.width % m == 0 and control.height % m == 0:
+        return control.width, control.height
+    return encode.image_size_at_area(control, settings.vae_area)
 
 
 def build_conditioning(components, prompt: str, images: Sequence, settings: SampleSettings) -> Conditioning:
