@@ -7,6 +7,7 @@ sampler, ...). It owns no maths of its own.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -140,6 +141,15 @@ class QwenImageEditTrainer:
             return Image.fromarray((array * 255).round().astype(np.uint8))
         return array
 
+    def _settings(self, steps, cfg, negative_prompt, seed, width, height) -> sampler.SampleSettings:
+        p = self.config.predict
+        if not cfg >= 0:
+            raise ValueError(f"true_cfg_scale must be >= 0, got {cfg}")
+        return sampler.SampleSettings(
+            num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative_prompt, seed=seed, width=width,
+            height=height, cfg_mode=p.cfg_mode, shift_mode=p.shift_mode, fixed_mu=p.fixed_mu, vae_area=p.vae_area,
+            vl_area=p.vl_area, attention=p.attention)
+
     # -- encoders ----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, image, area: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt_embeds (1, S, D), mask (1, S)) for a prompt and its control image(s), on the TE device."""
@@ -225,9 +235,42 @@ class QwenImageEditTrainer:
                                     **self.model_files())
         return build_cache(comps, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
 
-    def fit(self, *, resume=None, progress=None, cancel=None):
+    def check_fit(self, resume=None) -> None:
+        """Preflight of `fit` without loading any weight: config devices, dataset, resume checkpoint, output
+        directory (writable, free space), the LoRA to continue from (qwen_edit_core.preflight)."""
+        from qwen_edit_core import preflight
+        from qwen_edit_core.model.components import resolve_model_dir
+        from qwen_edit_core.train.loop import resolve_resume
+        examples = self.dataset().examples
+        self._encoder_plan()
+        resolve_resume(Path(self.config.train.output_dir), resume)
+        preflight.training(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path),
+                           len(examples))
+
+    def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int = 20, true_cfg_scale: float = 4.0,
+                      width: int | None = None, height: int | None = None) -> None:
+        """Preflight of sampling without loading any weight: the sampling settings, the LoRA files (readable,
+        finite, matching the transformer) and the output file's folder (writable)."""
+        from qwen_edit_core import preflight
+        from qwen_edit_core.model.components import resolve_model_dir
+        self._settings(num_inference_steps, true_cfg_scale, "", None, width, height).validate()
+        preflight.sampling(resolve_model_dir(self.config.model.pretrained_model_name_or_path), loras, out_file)
+
+    def fit(self, *, resume=None, progress=None, cancel=None, lock=None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and
-        write it to `train.output_dir`; returns trainer.TrainResult."""
+        write it to `train.output_dir`; returns trainer.TrainResult.
+
+        Everything checkable is checked before any weight loads (`check_fit`). One writer per output directory:
+        the run holds an OutputLock on `train.output_dir` until it ends (or uses `lock`, one the caller holds);
+        a second run there is refused at once with OutputDirBusyError naming the holder's PID and start time."""
+        from qwen_edit_core.common.files import OutputLock
+        if (lock is not None and lock.held) or os.environ.get("RANK", "0") != "0":  # other ranks: rank 0 holds it
+            return self._fit(resume=resume, progress=progress, cancel=cancel)
+        with OutputLock(self.config.train.output_dir):
+            return self._fit(resume=resume, progress=progress, cancel=cancel)
+
+    def _fit(self, *, resume=None, progress=None, cancel=None):
+        from qwen_edit_core import preflight
         from qwen_edit_core.adapters import lora as lora_mod
         from qwen_edit_core.model.components import detect_variant, load_components, resolve_model_dir
         from qwen_edit_core.data.example_tensors import buckets, cache_key, encode_example
@@ -249,6 +292,7 @@ class QwenImageEditTrainer:
         if cfg.train.validation_every and cfg.train.validation_image:
             from qwen_edit_core.train.validation import validation_example
             val_example = validation_example(cfg.train.validation_image, cfg.train.validation_prompt, n_controls)
+        preflight.training(cfg, model_dir, len(examples))
         if cfg.cache.enabled:
             self.cache(examples + ([val_example] if val_example else []), progress=progress, cancel=cancel)
             self.components = None  # free the encoders before the transformer loads

@@ -26,8 +26,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from qwen_edit_core.model.devices import DeviceError
     from qwen_edit_core.model.encode import EncodeError
     from qwen_edit_core.model.single_file import SingleFileError
+    from qwen_edit_core.common.files import OutputDirBusyError, OutputWriteError
     return (ConfigError, DeviceError, EncodeError, ModelNotFoundError, SingleFileError, FileNotFoundError,
-            UnidentifiedImageError, ValueError)
+            UnidentifiedImageError, ValueError, OutputDirBusyError, OutputWriteError)
 
 
 def cmd_tiny(args) -> None:
@@ -90,10 +91,12 @@ def cmd_sample(args) -> None:
     config = load_config(args.config, overrides=overrides)
     images = [open_image(p) for p in args.image]
     trainer = QwenImageEditTrainer(config)
+    loras = [_lora_arg(spec) for spec in args.lora or []]
+    trainer.check_predict(loras=[path for path, _ in loras], out_file=args.out, num_inference_steps=args.steps,
+                          true_cfg_scale=args.cfg, width=args.width, height=args.height)  # before any weight loads
     trainer.load_model()
-    for spec in args.lora or []:
-        path, _, strength = spec.partition(":") if not Path(spec).is_file() else (spec, "", "")
-        trainer.load_lora(path, scale=float(strength) if strength else 1.0)
+    for path, strength in loras:
+        trainer.load_lora(path, scale=strength)
     image = trainer.predict(images if len(images) > 1 else images[0], args.prompt,
                             negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                             true_cfg_scale=args.cfg, seed=args.seed, height=args.height, width=args.width,
@@ -104,6 +107,15 @@ def cmd_sample(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
     log.info("wrote %s (%dx%d)", out, image.width, image.height)
+
+
+def _lora_arg(spec: str) -> tuple[str, float]:
+    """--lora PATH or PATH:STRENGTH -> (path, strength)."""
+    path, _, strength = spec.rpartition(":") if not Path(spec).is_file() and ":" in spec else (spec, "", "")
+    try:
+        return path, float(strength) if strength else 1.0
+    except ValueError:
+        raise ValueError(f"--lora {spec!r}: the strength after ':' must be a number") from None
 
 
 def cmd_cache(args) -> None:

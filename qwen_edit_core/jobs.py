@@ -58,7 +58,17 @@ class TrainingJob:
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.device}", daemon=True)
 
     def start(self) -> "TrainingJob":
-        self._thread.start()
+        """Take the output directory's lock and run the preflight here, so a busy directory or a bad setting
+        is refused at once (before any weight loads), then train in the background thread."""
+        from qwen_edit_core.api import QwenImageEditTrainer
+        from qwen_edit_core.common.files import OutputLock
+        self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
+        try:
+            QwenImageEditTrainer(self.config).check_fit(resume=self._resume)
+            self._thread.start()
+        except BaseException:
+            self._output_lock.release()
+            raise
         return self
 
     def _progress(self, event: Progress) -> None:
@@ -79,7 +89,7 @@ class TrainingJob:
             # A new thread starts outside inference mode; say so anyway, training needs autograd.
             with torch.inference_mode(False):
                 result = QwenImageEditTrainer(self.config).fit(resume=self._resume, progress=self._progress,
-                                                               cancel=self._cancel)
+                                                               cancel=self._cancel, lock=self._output_lock)
             with self._lock:
                 self._result, self._state, self._step = result, result.state, result.step
         except Exception as err:  # noqa: BLE001 - the job reports any failure through its status
@@ -87,6 +97,7 @@ class TrainingJob:
             with self._lock:
                 self._state, self._error = "failed", f"{type(err).__name__}: {err}"
         finally:
+            self._output_lock.release()
             if self._on_finish is not None:
                 self._on_finish(self)
 
@@ -143,7 +154,11 @@ class JobRegistry:
                                    "on another device")
             job = TrainingJob(config, resume=resume, on_finish=self._finished)
             self._running[device] = job
-        return job.start()
+        try:
+            return job.start()
+        except BaseException:
+            self._finished(job)
+            raise
 
     def _finished(self, job: TrainingJob) -> None:
         with self._lock:

@@ -132,6 +132,10 @@ def _layer_from(tensors: dict[str, torch.Tensor], keys: dict[str, str], module: 
     if down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
         raise ValueError(f"{source}: {keys['down']!r} is {tuple(down.shape)} and {keys['up']!r} is "
                          f"{tuple(up.shape)}; expected down (r, in) and up (out, r) with the same r")
+    for kind in ("down", "up", "alpha"):
+        if kind in keys and not bool(torch.isfinite(tensors[keys[kind]].float()).all()):
+            raise ValueError(f"{source}: key {keys[kind]!r} holds NaN or Inf values; the file is damaged or came "
+                             "from a diverged training run, so it is refused (use an earlier checkpoint)")
     alpha = float(tensors[keys["alpha"]].float().reshape(-1)[0]) if "alpha" in keys else None
     return LoraLayer(down.detach().float().cpu(), up.detach().float().cpu(), alpha)
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import Mapping
@@ -23,7 +27,16 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path, metadata: dict[s
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
     try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        except OSError:
+            raise
+        except Exception as err:  # safetensors reports I/O failures as its own error type: keep their errno
+            code = re.search(r"os error (\d+)|code: (\d+)", str(err))
+            if code is None:
+                raise
+            number = int(code.group(1) or code.group(2))
+            raise OSError(number, os.strerror(number), str(tmp)) from err
         os.chmod(tmp, 0o644)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
@@ -31,3 +44,141 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path, metadata: dict[s
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+class OutputWriteError(OSError):
+    """Writing an output failed for a reason the user can fix (disk full, read-only, permission); the message
+    names the path, what was being written and what survived."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+#: errno -> what the user reads and can do about it
+_IO_REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied"}
+
+
+def io_reason(err: OSError, path) -> str | None:
+    """A user-facing reason for an I/O error a user can fix (with the free space when the disk is full), or
+    None for other errors."""
+    reason = _IO_REASONS.get(err.errno)
+    if reason is None:
+        return None
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(path)
+        if free is not None:
+            reason += f" ({free / 2**20:.1f} MiB free there); free some space or choose another output directory"
+    else:
+        reason += "; choose a writable output directory"
+    return reason
+
+
+def free_bytes(path) -> int | None:
+    """Free bytes on the volume holding `path` (or its nearest existing parent), None if unknown."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+@contextlib.contextmanager
+def writing(path, what: str, survived: str = ""):
+    """Turn a disk-full, read-only or permission error inside the block into an OutputWriteError naming
+    `path`, `what` was being written and what `survived` (other errors pass unchanged)."""
+    try:
+        yield
+    except OSError as err:
+        reason = io_reason(err, path)
+        if reason is None or isinstance(err, OutputWriteError):
+            raise
+        raise OutputWriteError(err.errno, f"could not write {what} to {str(path)!r}: {reason}."
+                                          + (f" {survived}" if survived else "")) from err
+
+
+LOCK_NAME = ".qwen-edit.lock"
+
+
+class OutputDirBusyError(RuntimeError):
+    """Another live process (or another run in this one) writes to the same output directory."""
+
+
+class OutputLock:
+    """One writer per output directory: an OS lock on `<dir>/.qwen-edit.lock` (flock on POSIX, msvcrt on
+    Windows). The kernel releases it when the holder exits or is killed (SIGKILL included), so a crashed run
+    never leaves a stale lock; the file keeps the holder's PID and start time for the refusal message."""
+
+    def __init__(self, directory, purpose: str = "training"):
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self.purpose = purpose
+        self._fh = None
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+    def acquire(self) -> "OutputLock":
+        """Take the lock now or raise OutputDirBusyError naming the holder; never waits."""
+        import datetime
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+", encoding="utf-8")
+        try:
+            _try_lock(fh)
+        except OSError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown holder"
+            fh.close()
+            raise OutputDirBusyError(
+                f"output directory {str(self.directory)!r} is in use by another run ({holder}); wait for it to "
+                "finish or stop it, or choose another output directory") from None
+        fh.seek(0)
+        fh.truncate()
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        fh.write(f"PID {os.getpid()} on {_hostname()}, {self.purpose} started {started}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            fh, self._fh = self._fh, None
+            _unlock(fh)
+            fh.close()
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire() if not self.held else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def _try_lock(fh) -> None:
+    """An exclusive, non-blocking lock on the open file; OSError when another holder has it."""
+    if os.name == "nt":
+        import msvcrt
+        fh.seek(0)
+        msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _unlock(fh) -> None:
+    if os.name == "nt":
+        import msvcrt
+        fh.seek(0)
+        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+    else:
+        import fcntl
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -21,11 +21,13 @@ On-disk format (format version 1).
                             the mask area-averaged onto the target's token grid
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
   (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
-  `format_version` included.
+  `format_version` included, and `tensors_sha256`: the sha256 of every tensor's name, dtype, shape and bytes
+  in name order (`tensors_checksum`).
 
 Trust. Reading checks the header, the metadata against the requested key, the tensor names, dtypes, ranks
-and `img_shapes`; a truncated, damaged, stale (other key), old-format or incomplete file is logged,
-removed and reported as a miss, so it is recomputed and never trusted. Writing goes through
+and `img_shapes`, then the stored bytes against `tensors_sha256` and every value for being finite; a
+truncated, damaged (flipped bytes), stale (other key), old-format, unchecksummed, non-finite or incomplete
+file is logged, removed and reported as a miss, so it is recomputed and never trusted. Writing goes through
 `atomic.save_safetensors`: a temporary name unique per process and call in the entry's folder, fsync, then
 `os.replace`, so readers and concurrent writers never see a partial file under an entry's name.
 """
@@ -46,6 +48,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from qwen_edit_core.common.files import save_safetensors
+from qwen_edit_core.data.identity import WEIGHT_SUFFIXES, component_identity, hash_file  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,11 @@ CACHE_FORMAT_VERSION = 1
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
 CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
 EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
-#: Weight files are identified by name and size, every other file by content (see `component_identity`).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".sft")
 #: safetensors header dtype names -> torch dtypes (to validate an entry from its header alone).
 _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                   "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                   "U8": torch.uint8, "BOOL": torch.bool}
+CHECKSUM_FIELD = "tensors_sha256"
 _STRING_FIELDS = ("caption", "component_identity", "template", "dtype", "mask_hash")
 #: the optional float32 tensor of an entry whose key has a mask_hash: (target tokens,) loss-weight fractions
 LOSS_MASK = "loss_mask"
@@ -172,50 +174,6 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
     return pair
 
 
-def hash_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 hex of a file's bytes, read in chunks (images can be large)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def component_identity(paths: Mapping[str, Path]) -> str:
-    """A short stable hash (16 hex) identifying the components that produce cache tensors.
-
-    `paths` maps a component name to a diffusers subfolder (text_encoder/, vae/, tokenizer/, processor/) or
-    to a single weight file. Config, tokenizer and processor files are hashed by CONTENT; weight files
-    (`WEIGHT_SUFFIXES`) by relative name and SIZE only. Reading gigabytes of weights for every cache run
-    would cost far more than the encoding it saves, and a different checkpoint of the same architecture
-    ships a different size, file name or config (sharded index). This is the rule DESIGN.md states for the
-    cache key. Modification times never count (a copy or `touch` keeps the identity). Hidden files and
-    folders are skipped (e.g. the hub's `.cache/` download records, which change on every download). An
-    absent path contributes a fixed marker, so a model without e.g. processor/ still has a stable identity.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(paths):
-        for line in _identity_lines(name, Path(paths[name])):
-            digest.update(line.encode("utf-8") + b"\n")
-    return digest.hexdigest()[:16]
-
-
-def _identity_lines(name: str, path: Path) -> list[str]:
-    if not path.exists():
-        return [f"{name}:absent"]
-    if path.is_file():
-        return [f"{name}/{path.name}:{_file_fingerprint(path)}"]
-    files = sorted(p for p in path.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    return [f"{name}/{p.relative_to(path).as_posix()}:{_file_fingerprint(p)}" for p in files]
-
-
-def _file_fingerprint(path: Path) -> str:
-    if path.name.lower().endswith(WEIGHT_SUFFIXES):
-        return f"size={path.stat().st_size}"
-    return f"sha256={hash_file(path)}"
-
-
 class EmbeddingCache:
     """Entries under `root/<digest[:2]>/<digest>.safetensors`, shared across runs, datasets and processes.
 
@@ -249,14 +207,15 @@ class EmbeddingCache:
         self.hits += 1
         return tensors
 
-    def contains(self, key: CacheKey) -> bool:
-        """Whether a valid entry exists, checked from the file's header and `img_shapes` alone (no latents or
-        embeddings are read); a bad entry is removed like in `get`. Counts neither hit nor miss."""
+    def contains(self, key: CacheKey, *, verify: bool = True) -> bool:
+        """Whether a valid entry exists; a bad entry is removed like in `get`. Counts neither hit nor miss.
+        `verify=False` checks the file's header and `img_shapes` alone (no latents or embeddings are read, so
+        flipped bytes inside them go unnoticed until `get`)."""
         path = self.path_for(key)
         seen = _stat(path)
         if seen is None:
             return False
-        _, problem = _read(path, key, load=False)
+        _, problem = _read(path, key, load=verify)
         if problem is not None:
             self._reject(path, seen, problem)
         return problem is None
@@ -282,7 +241,8 @@ class EmbeddingCache:
     def _write(self, key: CacheKey, tensors: dict[str, torch.Tensor]) -> Path:
         # Concurrent writers of one key write equal content; each uses its own temporary file and the last
         # rename wins, so the entry's name only ever points at a whole file.
-        path = save_safetensors(tensors, self.path_for(key), metadata=key.to_metadata())
+        metadata = {**key.to_metadata(), CHECKSUM_FIELD: tensors_checksum(tensors)}
+        path = save_safetensors(tensors, self.path_for(key), metadata=metadata)
         log.debug("cache: wrote %s", path)
         return path
 
@@ -315,7 +275,9 @@ def prepare_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> dict[
         elif name != "img_shapes" and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         out[name] = tensor.contiguous()
-    problem = check_tensors(key, out)
+    problem = check_tensors(key, out) or next(
+        (f"{name} holds non-finite values (NaN/Inf from the encoders; try model.dtype float32)"
+         for name, t in sorted(out.items()) if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if problem is not None:
         raise ValueError(f"cache entry {key.digest()[:12]} not written: {problem}")
     return out
@@ -342,6 +304,29 @@ def _check_loss_mask(tensors: Mapping[str, torch.Tensor]) -> str | None:
     mask, (_, rows, cols) = tensors[LOSS_MASK], tensors["img_shapes"][0].tolist()
     if mask.dtype != torch.float32 or tuple(mask.shape) != (rows * cols,):
         return f"holding {LOSS_MASK} {mask.dtype} {tuple(mask.shape)}, not float32 ({rows * cols},)"
+    return None
+
+
+def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 hex of every tensor's name, dtype, shape and raw bytes, in name order (CPU tensors)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def check_data(tensors: Mapping[str, torch.Tensor], checksum: str | None) -> str | None:
+    """What is wrong with an entry's stored values (None if nothing): a checksum that does not match the bytes
+    (flipped on disk), or a non-finite value."""
+    if checksum is None:
+        return f"without a {CHECKSUM_FIELD} checksum (written by an older version)"
+    if tensors_checksum(tensors) != checksum:
+        return "damaged (its tensor bytes do not match their checksum)"
+    for name in sorted(tensors):
+        if tensors[name].is_floating_point() and not bool(torch.isfinite(tensors[name]).all()):
+            return f"holding non-finite values in {name}"
     return None
 
 
@@ -376,13 +361,17 @@ def _read(path: Path, key: CacheKey, *, load: bool) -> tuple[dict[str, torch.Ten
     `load=False` tensors are meta tensors built from the header (only `img_shapes` is read)."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
-            problem = _check_metadata(key, fh.metadata() or {})
+            metadata = fh.metadata() or {}
+            problem = _check_metadata(key, metadata)
             if problem is not None:
                 return None, problem
             tensors = {name: _tensor_or_meta(fh, name, load) for name in fh.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as err:
         return None, f"unreadable ({type(err).__name__}: {err})"
-    return tensors, check_tensors(key, tensors)
+    problem = check_tensors(key, tensors)
+    if problem is None and load:
+        problem = check_data(tensors, metadata.get(CHECKSUM_FIELD))
+    return (None if problem else tensors), problem
 
 
 def _tensor_or_meta(fh, name: str, load: bool) -> torch.Tensor:

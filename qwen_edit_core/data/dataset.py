@@ -48,7 +48,7 @@ from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACC
                                         load_rgb)
 from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
 from qwen_edit_core.data.masks import MASKS_DIR, check_mask, split_mask_stems
-from qwen_edit_core.model.geometry import bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
+from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE, bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ def _report_skipped(folder: Path, problems: Sequence[Problem], kept: int, droppe
                 len(problems), kept)
 
 
-def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = 64, max_pixels: int = 64_000_000,
+def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = MIN_SIDE, max_pixels: int = MAX_PIXELS,
                  convert_modes: bool = False) -> DatasetReport:
     """Discover and validate a folder of edit pairs (see the module docstring for the layouts).
 

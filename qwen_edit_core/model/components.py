@@ -90,14 +90,34 @@ def _finish(module: torch.nn.Module, device: torch.device, quantized: bool) -> t
     return module
 
 
+#: pickle-based weight files: never read (loading a pickle can run code)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def require_safetensors(folder: Path, component: str) -> None:
+    """ModelNotFoundError when `folder` holds pickle weights (.bin, ...) but no .safetensors: only safetensors
+    are read from model directories (`use_safetensors=True`)."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelNotFoundError(
+            f"{component}: {str(folder)!r} holds only pickle-based weights ({', '.join(pickles[:3])}), which are "
+            "never loaded (they can run code); convert them once where you trust the file, e.g. "
+            "`model.save_pretrained(folder, safe_serialization=True)` in diffusers/transformers, or download the "
+            "safetensors release of the model")
+
+
 def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none"):
     """QwenImageTransformer2DModel from `model_dir/transformer`, frozen, on `device` in `dtype`."""
     from diffusers import QwenImageTransformer2DModel
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
+        require_safetensors(Path(model_dir) / "transformer", "transformer")
         model = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
-                                                            **extra)
+                                                            use_safetensors=True, **extra)
         return _finish(model, device, qconfig is not None)
 
 
@@ -105,7 +125,9 @@ def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype):
     """AutoencoderKLQwenImage from `model_dir/vae`, frozen, on `device` in `dtype`."""
     from diffusers import AutoencoderKLQwenImage
     with torch.inference_mode(False):
-        model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype)
+        require_safetensors(Path(model_dir) / "vae", "vae")
+        model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
+                                                       use_safetensors=True)
         return _finish(model, device, False)
 
 
@@ -174,7 +196,9 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     qconfig = _quantization(quantize, device, "text_encoder", "transformers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype, **extra)
+        require_safetensors(Path(model_dir) / "text_encoder", "text_encoder")
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype,
+                                                                   use_safetensors=True, **extra)
         model = _finish(model, device, qconfig is not None)
     return TextEncoder(model=model, processor=processor, device=device, processor_dir=source)
 

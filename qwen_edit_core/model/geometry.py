@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 import math
+
+log = logging.getLogger(__name__)
+
+#: The one set of image limits for training and sampling: every side of an input image (target, control) at
+#: least MIN_SIDE px, at most MAX_PIXELS pixels; an output size is rounded down to SIZE_MULTIPLE (the VAE's 8x
+#: downscale times the transformer's 2x2 patch), and each rounding is logged with its before and after size.
+MIN_SIDE = 64
+MAX_PIXELS = 64_000_000
+SIZE_MULTIPLE = 16
+
+
+def check_image_size(size_wh: tuple[int, int], what: str) -> None:
+    """ValueError when an input image is outside the limits (the same rule the dataset applies)."""
+    w, h = size_wh
+    if min(w, h) < MIN_SIDE:
+        raise ValueError(f"{what} is {w}x{h}, too small; accepted: at least {MIN_SIDE} px on each side")
+    if w * h > MAX_PIXELS:
+        raise ValueError(f"{what} is {w}x{h}, too large; accepted: at most {MAX_PIXELS} pixels")
+
+
+def round_output_size(width: int, height: int, what: str = "output") -> tuple[int, int]:
+    """(width, height) rounded down to SIZE_MULTIPLE; the rounding, if any, is logged with both sizes."""
+    rounded = (width // SIZE_MULTIPLE * SIZE_MULTIPLE, height // SIZE_MULTIPLE * SIZE_MULTIPLE)
+    if rounded != (width, height):
+        log.info("%s size %dx%d rounded down to %dx%d (a multiple of %d px)", what, width, height, *rounded,
+                 SIZE_MULTIPLE)
+    return rounded
 
 
 

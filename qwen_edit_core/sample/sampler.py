@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from qwen_edit_core.model import encode
+from qwen_edit_core.model import encode, geometry
 from qwen_edit_core import speed
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.sample import schedules
@@ -103,6 +103,8 @@ class Conditioning:
 def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
     """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
     pils = [encode.to_pil(img) for img in images]
+    for k, pil in enumerate(pils):
+        geometry.check_image_size(pil.size, f"control image {k + 1}")
     if settings.control_size == "target":
         out = aligned_size(pils[0], settings)
         vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
@@ -111,11 +113,10 @@ def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
     vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
                                                                vl_area=settings.vl_area)
     # Output size: the given one, else the last control image's VAE size (Edit has only one), then
-    # rounded down to a multiple of 16 like the pipelines.
+    # rounded down to a multiple of 16 like the pipelines (logged when it changes a given size).
     out_w = settings.width or vae_sizes[-1][0]
     out_h = settings.height or vae_sizes[-1][1]
-    m = encode.LATENT_MULTIPLE
-    return vl_images, vae_pixels, vae_sizes, (out_w // m * m, out_h // m * m)
+    return vl_images, vae_pixels, vae_sizes, geometry.round_output_size(out_w, out_h)
 
 
 def aligned_size(control, settings: SampleSettings) -> tuple[int, int]:
@@ -311,6 +312,7 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
 
 def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """Packed latents -> (B, H, W, 3) float32 image in [0, 1] on the CPU (decoded on the VAE's device)."""
+    check_finite(latents, "the denoised latent")
     pixels = encode.decode_latents(components.vae, encode.unpack(latents, height, width))
     return encode.postprocess(pixels).cpu()
 
@@ -323,6 +325,18 @@ def sample(components, prompt: str, images: Sequence, settings: SampleSettings =
     latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, progress=progress,
                       cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
+
+
+class NonFiniteError(ValueError):
+    """Sampling produced NaN or Inf values: no image is written from them."""
+
+
+def check_finite(latents: torch.Tensor, what: str) -> None:
+    """NonFiniteError when `latents` hold NaN or Inf (one host sync per image, before decoding)."""
+    if not bool(torch.isfinite(latents).all()):
+        raise NonFiniteError(f"{what} holds NaN or Inf values, so no image is written; a LoRA with extreme "
+                             "weights, a too high strength or CFG scale, or float16 overflow (use bfloat16 or "
+                             "float32) causes this")
 
 
 # -- several edits in one batch (samples may differ in size) --------------------------------------------------

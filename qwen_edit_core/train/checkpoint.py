@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from qwen_edit_core.common.files import save_safetensors
+from qwen_edit_core.common.files import save_safetensors, writing
 
 log = logging.getLogger(__name__)
 
@@ -74,29 +74,46 @@ def _tuplify(value):
 def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], optimizer: dict, state: dict,
                     write_lora, ema: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically; `write_lora(path)` writes the user-facing LoRA file;
-    `ema` (the LoRA's moving average by parameter name) goes to `ema.safetensors`."""
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_partials(root)
+    `ema` (the LoRA's moving average by parameter name) goes to `ema.safetensors`. A full disk, read-only
+    folder or denied permission raises OutputWriteError naming what survived."""
     final = root / f"step-{step:07d}"
-    tmp = root / f".partial-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_safetensors(adapter, tmp / "adapter.safetensors")
-        if ema is not None:
-            save_safetensors(ema, tmp / EMA_FILE)
-        write_lora(tmp / "lora.safetensors")
-        torch.save(optimizer, tmp / "optimizer.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "format": CHECKPOINT_FORMAT}, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(final, f"checkpoint step {step}", _survivor(root)):
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_partials(root)
+        tmp = root / f".partial-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            save_safetensors(adapter, tmp / "adapter.safetensors")
+            if ema is not None:
+                save_safetensors(ema, tmp / EMA_FILE)
+            write_lora(tmp / "lora.safetensors")
+            _torch_save(optimizer, tmp / "optimizer.pt")
+            _torch_save(rng_state(), tmp / "rng.pt")
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "format": CHECKPOINT_FORMAT}, indent=1))
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     log.info("checkpoint step %d -> %s", step, final)
     return final
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save through a Python file, so a full disk raises OSError with its errno (torch.save to a path
+    reports only "basic_ios::clear: iostream error")."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+
+
+def _survivor(root: Path) -> str:
+    """What a failed save leaves for resume: the newest complete checkpoint, if any."""
+    found = latest_checkpoint(root)
+    if found is None:
+        return "No earlier checkpoint exists; the run's other files are unchanged."
+    return f"The checkpoint at step {found.step} is intact ({found.path}); continue from it with --resume."
 
 
 def _fsync_dir(path: Path) -> None:

@@ -21,6 +21,7 @@ from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core import speed
 from qwen_edit_core.adapters import multires
+from qwen_edit_core.common.files import writing
 from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, ProgressFn
 from qwen_edit_core.config import Config, to_dict
 from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
@@ -89,6 +90,12 @@ class RunState:
     #: the loss summed on the device since the last logged step, and how many steps it holds
     pending_loss: torch.Tensor | None = None
     pending_steps: int = 0
+    drawn: list = field(default_factory=list)  # the example indices of this step's batches
+    skipped: int = 0  # steps skipped for a non-finite loss
+
+
+class NonFiniteLossError(ValueError):
+    """The loss became NaN/Inf more often than train.skip_nonfinite_steps allows; the last checkpoint stays."""
 
 
 def _autocast_dtype(name: str) -> torch.dtype | None:
@@ -156,6 +163,7 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     config, dist = run.config, run.dist
     accum = config.train.gradient_accumulation_steps
     indices = next(run.batches)
+    run.drawn.extend(indices)
     mine = [(j, i) for j, i in enumerate(indices) if j % dist.world == dist.rank]
     items = [load_item(i) for _, i in mine]
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
@@ -248,6 +256,26 @@ def cancel_step(run: RunState) -> None:
     log.info("training stopped at step %d; saving a checkpoint", run.step)
 
 
+def nonfinite_step(run: RunState, loss: float, examples: Sequence[EditExample]) -> None:
+    """A step whose loss is NaN or Inf: its gradients are dropped, so the LoRA stays as it was. Skipped while
+    `train.skip_nonfinite_steps` allows; then NonFiniteLossError names the step and samples (nothing more is
+    written: the last checkpoint stays the newest)."""
+    run.optimizer.zero_grad(set_to_none=True)
+    run.skipped += 1
+    names = ", ".join(examples[i].name for i in run.drawn) if examples else "?"
+    where = f"step {run.step + 1} (samples: {names})"
+    limit = run.config.train.skip_nonfinite_steps
+    if run.skipped > limit:
+        found = ckpt.latest_checkpoint(run.out_dir / "checkpoints")
+        kept = (f"the checkpoint at step {found.step} is intact ({found.path})" if found is not None
+                else "no checkpoint had been written yet")
+        raise NonFiniteLossError(
+            f"training stopped: the loss is {loss} at {where}; {kept}. Lower optimizer.lr, train in float32, "
+            "check those samples, or let train.skip_nonfinite_steps skip such steps")
+    log.warning("the loss is %s at %s: step skipped (%d of train.skip_nonfinite_steps=%d)", loss, where,
+                run.skipped, limit)
+
+
 def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResult:
     """The final checkpoint, the user-facing LoRA file and the loss plot."""
     if run.step > 0:
@@ -257,10 +285,11 @@ def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResul
     history = run.losslog.history if run.losslog is not None else []
     if run.dist.is_main and run.step > 0:
         lora_path = run.out_dir / f"{t.lora_name}.safetensors"
-        write_lora(lora_path, run.step)
-        if run.ema is not None:
-            with run.ema.applied(run.params):
-                write_lora(run.out_dir / f"{t.lora_name}_ema.safetensors", run.step)
+        with writing(lora_path, f"the LoRA of step {run.step}", "The checkpoints are unchanged."):
+            write_lora(lora_path, run.step)
+            if run.ema is not None:
+                with run.ema.applied(run.params):
+                    write_lora(run.out_dir / f"{t.lora_name}_ema.safetensors", run.step)
         if run.config.logging.plot:
             plot_path = run.out_dir / "loss.png"
             plot_loss(history, plot_path)
@@ -285,13 +314,18 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         while run.step < config.train.max_steps:
             # Capture the data position before drawing this step's batches: a checkpoint saved at the end of
             # the step must resume at the position after them, one saved on cancel at the position before.
-            run.position = run.sampler.state_dict()
+            run.position, run.drawn = run.sampler.state_dict(), []
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
                 if cancel is not None:
                     cancel.check()
                 share = micro_step(run, micro, load_item)
                 total = share if total is None else total + share
+            # one host sync per step: a NaN/Inf loss must stop (or skip) the step before the optimizer applies it
+            loss_now = float(total)
+            if not math.isfinite(run.dist.mean(loss_now) if run.dist.world > 1 else loss_now):
+                nonfinite_step(run, loss_now, examples)
+                continue
             optimizer_step(run)
             after_step(run, total, write_lora, progress, validate)
     except (Cancelled, KeyboardInterrupt):

@@ -385,6 +385,19 @@ def test_bad_files_are_named(base, tmp_path):
         lora.read_lora_file(tmp_path / "missing.safetensors")
 
 
+@pytest.mark.parametrize("kind, value", [("lora_up", float("nan")), ("lora_down", float("inf")),
+                                         ("alpha", float("nan"))])
+def test_non_finite_lora_files_are_refused_naming_the_key(tmp_path, kind, value):
+    q = "diffusion_model.transformer_blocks.0.attn.to_q"
+    state = {f"{q}.lora_down.weight": torch.ones(4, 32), f"{q}.lora_up.weight": torch.ones(32, 4),
+             f"{q}.alpha": torch.tensor(4.0)}
+    key = f"{q}.alpha" if kind == "alpha" else f"{q}.{kind}.weight"
+    state[key] = state[key].clone()
+    state[key].reshape(-1)[-1] = value
+    with pytest.raises(ValueError, match=rf"'{key}' holds NaN or Inf"):
+        lora.read_lora_file(_write(tmp_path, "nan.safetensors", state))
+
+
 def test_loras_for_other_models_are_refused_with_expected_shapes(base, tmp_path):
     q = "transformer_blocks.0.attn.to_q"
     big = lora.read_lora_file(_write(tmp_path, "big.safetensors", {

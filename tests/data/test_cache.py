@@ -422,3 +422,53 @@ def test_key_is_dataclass_of_plain_fields():
     assert [f.name for f in dataclasses.fields(CacheKey)] == [
         "image_hashes", "caption", "component_identity", "vae_area", "vl_area", "target_bucket", "control_buckets",
         "template", "prefix_len", "dtype", "format_version", "mask_hash"]
+
+
+# --- stored data: checksum and finite values ---------------------------------------------------------------------
+
+def _flip_tensor_byte(path, offset_from_end=100):
+    """Flip one byte inside the tensor data (the header, at the start, stays intact and valid)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_inside_tensors_are_caught_and_recomputed(tmp_path, caplog):
+    cache, key = EmbeddingCache(tmp_path), _key()
+    path = cache.put(key, _tensors())
+    _flip_tensor_byte(path)
+    with safe_open(str(path), framework="pt") as fh:  # still a well-formed file with the right key
+        assert CacheKey.from_metadata(fh.metadata()) == key
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.data.cache"):
+        assert cache.get(key) is None
+    assert "damaged" in caplog.text and "checksum" in caplog.text and not path.exists()
+    hit, calls = _recompute(cache, key)
+    assert not hit and calls == [1] and _equal(cache.get(key), _tensors(1))
+
+
+def test_contains_verifies_the_data_unless_told_not_to(tmp_path):
+    cache, key = EmbeddingCache(tmp_path), _key()
+    path = cache.put(key, _tensors())
+    _flip_tensor_byte(path)
+    assert cache.contains(key, verify=False) and path.exists()  # the header alone looks fine
+    assert not cache.contains(key) and not path.exists()
+
+
+def test_non_finite_values_are_refused_on_write_and_on_read(tmp_path):
+    from qwen_edit_core.data.cache import CHECKSUM_FIELD, tensors_checksum
+    cache, key = EmbeddingCache(tmp_path), _key()
+    bad = _tensors()
+    bad["prompt_embeds"][1, 2] = float("nan")
+    with pytest.raises(ValueError, match="prompt_embeds holds non-finite"):
+        cache.put(key, bad)
+    assert _files(tmp_path) == []
+    path = _write_raw(cache, key, bad, {**key.to_metadata(), CHECKSUM_FIELD: tensors_checksum(bad)})
+    assert cache.get(key) is None and not path.exists() and cache.stats()["recomputed"] == 1
+
+
+def test_entries_without_a_checksum_are_recomputed(tmp_path):
+    cache, key = EmbeddingCache(tmp_path), _key()
+    path = _write_raw(cache, key, _tensors(), key.to_metadata())
+    assert cache.get(key) is None and not path.exists()
+    hit, calls = _recompute(cache, key)
+    assert not hit and calls == [1]

@@ -83,3 +83,36 @@ def test_size_under_one_patch_is_refused(comps, kw):
 def test_edit_model_refuses_two_controls(comps):
     with pytest.raises(ValueError, match="one control image"):
         sampler.sample(comps, "x", [_image(), _image(1)], sampler.SampleSettings(**SMALL))
+
+
+def test_sampling_refuses_the_controls_training_refuses_and_logs_rounding(tiny_edit_dir, caplog):
+    import logging
+
+    from qwen_edit_core.model import geometry
+    from qwen_edit_core.sample.sampler import SampleSettings, prepare_images
+    settings = SampleSettings(num_inference_steps=1, width=100, height=128, vae_area=128 * 128)
+    with pytest.raises(ValueError, match=r"control image 1 is 1x1, too small; accepted: at least 64 px"):
+        prepare_images([Image.new("RGB", (1, 1))], "edit", settings)
+    with pytest.raises(ValueError, match="control image 1 is 63x200"):
+        prepare_images([Image.new("RGB", (63, 200))], "edit", settings)
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.model.geometry"):
+        *_, size = prepare_images([Image.new("RGB", (64, 64))], "edit", settings)
+    assert size == (96, 128) and "output size 100x128 rounded down to 96x128" in caplog.text
+    assert geometry.MIN_SIDE == 64  # the dataset's default minimum is the same constant
+    from qwen_edit_core.data.dataset import load_dataset
+    import inspect
+    assert inspect.signature(load_dataset).parameters["min_side"].default == geometry.MIN_SIDE
+
+
+def test_a_non_finite_latent_raises_instead_of_writing_an_image(comps):
+    """A NaN LoRA/overflow makes the latent NaN: the sampler refuses to decode it (no garbage image)."""
+    weight = comps.transformer.proj_out.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+        with pytest.raises(sampler.NonFiniteError, match="NaN or Inf.*no image is written"):
+            sampler.sample(comps, "x", [_image()], sampler.SampleSettings(**{**SMALL, "num_inference_steps": 1}))
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)

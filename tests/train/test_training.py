@@ -122,7 +122,8 @@ KILL_SCRIPT = textwrap.dedent("""
     def dying_save(obj, path, *a, **k):
         calls.append(path)
         if len(calls) == 3:  # the second checkpoint's optimizer file: die half-way through writing it
-            open(path, "wb").write(b"partial")
+            path.write(b"partial")  # an open file: checkpoints write through Python files
+            path.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(obj, path, *a, **k)
     ckpt.torch.save = dying_save

@@ -1,0 +1,274 @@
+"""Nothing silently wrong: bad settings refused before any weight loads, clear I/O errors, one writer per output
+directory, non-finite guards, safetensors-only model directories."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from qwen_edit_core import QwenImageEditTrainer
+from qwen_edit_core.cli import main
+from qwen_edit_core.common.files import OutputDirBusyError, OutputLock, OutputWriteError, writing
+from qwen_edit_core.train.checkpoint import list_checkpoints
+
+from conftest import train_config
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if any component would load (the checks must come first)."""
+    import qwen_edit_core.api as api
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the bad setting was reported")
+    monkeypatch.setattr(api, "load_components", refuse)
+    import qwen_edit_core.model.components as components
+    monkeypatch.setattr(components, "load_components", refuse)
+
+
+def _yaml(tmp_path, cfg):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _cli_cfg(model, data, out, cache, **train):
+    return {"model": {"pretrained_model_name_or_path": str(model), "lora": {"rank": 4, "targets": "attn"}},
+            "data": {"folder": str(data), "vae_area": 4096, "batch_size": 1}, "cache": {"dir": str(cache)},
+            "train": {"output_dir": str(out), "max_steps": 2, **train}}
+
+
+# --- preflight --------------------------------------------------------------------------------------------------
+
+def test_cli_refuses_bad_steps_before_anything(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
+    path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache", max_steps=-5))
+    assert main(["train", str(path)]) == 2
+    assert "train.max_steps: -5 must be >= 1" in capsys.readouterr().err
+
+
+def test_nan_lora_to_continue_from_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
+    from safetensors.torch import save_file
+    q = "transformer_blocks.0.attn.to_q"
+    bad = tmp_path / "nan.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.full((4, 32), float("nan")), f"{q}.lora_B.weight": torch.zeros(32, 4)},
+              bad)
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", model={
+        "pretrained_model_name_or_path": str(tiny_edit_dir), "lora": {"rank": 4, "init_from": str(bad)}})
+    with pytest.raises(ValueError, match="lora_A.weight' holds NaN or Inf"):
+        QwenImageEditTrainer(config).fit()
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 3072),
+               "transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(3072, 4)}, bad)
+    with pytest.raises(ValueError, match=r"another model.*expected down \(r, 32\)"):
+        QwenImageEditTrainer(config).fit()
+
+
+def test_too_little_free_space_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
+                                                         no_weights):
+    import qwen_edit_core.preflight as preflight
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 1 << 20)
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
+    with pytest.raises(OutputWriteError, match=r"has 1.0 MiB free; training outputs need about \d+\.\d MiB"):
+        QwenImageEditTrainer(config).fit()
+
+
+def test_unwritable_output_dir_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
+                                                         no_weights):
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if "write-probe" in self.name:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, data)
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
+    with pytest.raises(OutputWriteError, match=r"could not write training outputs to .*/o': the file system is "
+                                               r"read-only; choose a writable output directory"):
+        QwenImageEditTrainer(config).fit()
+
+
+def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
+    args = ["sample", "--model", str(tiny_edit_dir), "--image", str(pairs_dir / "p0_control.png"), "--prompt", "x",
+            "--out", str(tmp_path / "o.png")]
+    assert main(args + ["--steps", "0"]) == 2
+    assert "num_inference_steps must be >= 1" in capsys.readouterr().err
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    assert main(args + ["--lora", str(tmp_path / "junk.safetensors")]) == 2
+    assert "not a readable safetensors" in capsys.readouterr().err
+
+
+def test_batch_larger_than_the_data_warns(tiny_edit_dir, pairs_dir, tmp_path, caplog):
+    import logging
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", data={"batch_size": 8}, train={"max_steps": 1})
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
+        QwenImageEditTrainer(config).check_fit()
+    assert "data.batch_size 8 is larger than the dataset (4 samples)" in caplog.text
+
+
+# --- clear I/O errors -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "the file system is read-only"),
+                                          (errno.EACCES, "permission denied")])
+def test_io_errors_name_path_what_and_survivor(tmp_path, code, reason):
+    with pytest.raises(OutputWriteError) as err:
+        with writing(tmp_path / "x", "checkpoint step 4", "The checkpoint at step 2 is intact."):
+            raise OSError(code, os.strerror(code))
+    text = str(err.value)
+    assert text.startswith(f"could not write checkpoint step 4 to {str(tmp_path / 'x')!r}: {reason}")
+    assert text.endswith("The checkpoint at step 2 is intact.") and err.value.errno == code
+
+
+def test_disk_full_during_a_checkpoint_names_it_and_resume_is_exact(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                    monkeypatch):
+    """The kernel's own ENOSPC (writes to /dev/full) inside the second checkpoint's optimizer file."""
+    import qwen_edit_core.train.checkpoint as ckpt
+    real, calls = ckpt.torch.save, []
+
+    def to_full_disk(obj, fh, *a, **k):
+        calls.append(fh.name)
+        if len(calls) == 3:
+            with open("/dev/full", "wb") as full:
+                return real(obj, full, *a, **k)
+        return real(obj, fh, *a, **k)
+    monkeypatch.setattr(ckpt.torch, "save", to_full_disk)
+    out = tmp_path / "o"
+    sections = {"train": {"max_steps": 6, "checkpoint_every": 2}}
+    with pytest.raises(OutputWriteError) as err:
+        QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, out, **sections)).fit()
+    text = str(err.value)
+    assert "could not write checkpoint step 4" in text and "the disk is full" in text
+    assert "The checkpoint at step 2 is intact" in text and "--resume" in text
+    monkeypatch.undo()
+    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [2]
+    assert not list((out / "checkpoints").glob(".partial-*"))
+    resumed = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, out, **sections)).fit(resume=True)
+    full = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "full", **sections)).fit()
+    a, b = load_file(resumed.lora_path), load_file(full.lora_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- one writer per output directory ------------------------------------------------------------------------
+
+def test_a_second_run_on_the_same_output_dir_is_refused_at_once(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
+    out = tmp_path / "o"
+    with OutputLock(out, purpose="training"):
+        with pytest.raises(OutputDirBusyError) as err:
+            QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, out)).fit()
+    assert re.search(rf"PID {os.getpid()} on .*, training started \d{{4}}-\d\d-\d\dT", str(err.value))
+    assert "choose another output directory" in str(err.value)
+
+
+def test_a_background_job_holds_the_lock_and_a_second_is_refused(tiny_edit_dir, pairs_dir, tmp_path):
+    from qwen_edit_core.jobs import JobRegistry
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 1})
+    with OutputLock(tmp_path / "o"):
+        with pytest.raises(OutputDirBusyError):
+            JobRegistry().start(config)
+    registry = JobRegistry()
+    job = registry.start(config)
+    with pytest.raises(OutputDirBusyError):
+        QwenImageEditTrainer(config).fit()
+    assert job.wait().state == "done" and registry.running() == []
+    OutputLock(tmp_path / "o").acquire().release()  # released when the job ended
+
+
+_HOLDER = """
+import sys
+from qwen_edit_core.common.files import OutputLock
+held = OutputLock(sys.argv[1], purpose="training").acquire()  # kept referenced: closing the file unlocks
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_sigkill_leaves_no_stale_lock(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=TESTS.parent)
+    assert proc.stdout.readline().strip() == "locked"
+    with pytest.raises(OutputDirBusyError, match=f"PID {proc.pid} "):
+        OutputLock(tmp_path).acquire()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    OutputLock(tmp_path).acquire().release()  # the kernel released it: no manual clean-up
+
+
+# --- non-finite guards ----------------------------------------------------------------------------------------
+
+def _nan_at(monkeypatch, steps):
+    """flow_loss returns NaN (with a graph) at the given 1-based optimizer steps."""
+    import qwen_edit_core.train.loop as loop
+    real, seen = loop.flow_loss, []
+
+    def flaky(model, batch, config, scheduler_config):
+        loss, extra = real(model, batch, config, scheduler_config)
+        seen.append(1)
+        step = (len(seen) + 1) // 2 if config.train.gradient_accumulation_steps == 2 else len(seen)
+        return (loss * float("nan") if step in steps else loss), extra
+    monkeypatch.setattr(loop, "flow_loss", flaky)
+
+
+def test_a_nan_loss_stops_training_naming_step_and_samples(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch):
+    _nan_at(monkeypatch, {3})
+    out = tmp_path / "o"
+    config = train_config(tiny_edit_dir, pairs_dir, out, train={"max_steps": 4, "checkpoint_every": 2})
+    with pytest.raises(ValueError, match=r"the loss is nan at step 3 \(samples: p\d, p\d\); the checkpoint at "
+                                         r"step 2 is intact"):
+        QwenImageEditTrainer(config).fit()
+    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [2]
+    assert not (out / "lora.safetensors").exists()
+
+
+def test_nan_steps_are_skipped_up_to_the_limit(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch, caplog):
+    import logging
+    _nan_at(monkeypatch, {2})
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 3, "skip_nonfinite_steps": 1})
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.train.loop"):
+        result = QwenImageEditTrainer(config).fit()
+    assert result.state == "done" and result.step == 3 and "step skipped (1 of" in caplog.text
+    weights = load_file(result.lora_path)
+    assert all(bool(torch.isfinite(w).all()) for w in weights.values())
+
+
+# --- model directories hold safetensors only -----------------------------------------------------------------------
+
+def test_a_bin_only_model_directory_is_refused_with_a_conversion_hint(tiny_edit_dir, tmp_path):
+    from qwen_edit_core.model.components import ModelNotFoundError, load_transformer
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_dir, model)
+    folder = model / "transformer"
+    for weights in folder.glob("*.safetensors"):
+        torch.save(load_file(weights), folder / "diffusion_pytorch_model.bin")
+        weights.unlink()
+    for index in folder.glob("*.index.json"):
+        index.unlink()
+    with pytest.raises(ModelNotFoundError, match=r"transformer: .* holds only pickle-based weights "
+                                                 r"\(diffusion_pytorch_model.bin\).*safe_serialization=True"):
+        load_transformer(model, device=torch.device("cpu"), dtype=torch.float32)
+
+
+# --- damaged cache data ------------------------------------------------------------------------------------------
+
+def test_a_damaged_cache_entry_is_recomputed_before_training(tiny_edit_dir, pairs_dir, tmp_path):
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
+    assert QwenImageEditTrainer(config).cache()["computed"] == 4
+    entry = sorted((tmp_path / "o" / "cache").rglob("*.safetensors"))[0]
+    good = load_file(entry)
+    data = bytearray(entry.read_bytes())
+    data[-200] ^= 0x10
+    entry.write_bytes(bytes(data))
+    stats = QwenImageEditTrainer(config).cache()
+    again = load_file(entry)
+    assert stats["computed"] == 1 and all(torch.allclose(again[k].float(), good[k].float(), atol=1e-5) for k in good)
