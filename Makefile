@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ test: venv
 
 bench: venv
 	$(VENV)/bin/qwen-edit bench sample
+
+# every fault (kills inside cache/checkpoint writes and steps, full disk, damaged cache entry, second run) x3
+soak: venv
+	$(VENV)/bin/qwen-edit bench soak --rounds 3
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

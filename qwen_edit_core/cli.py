@@ -190,7 +190,12 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    if args.what == "sample":
+    if args.what == "soak":
+        from qwen_edit_core.bench.soak import run
+        report = run(rounds=args.rounds)
+        if report.recovered < report.injected:
+            raise SystemExit(1)
+    elif args.what == "sample":
         from qwen_edit_core.bench.sample import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
     elif args.what == "threads":
@@ -327,11 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train", "batching", "threads"], help="which benchmark")
+    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak"], help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
+    p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
                    "VARIANTS to run after the reference (default: all)")
     p.set_defaults(func=cmd_bench)
