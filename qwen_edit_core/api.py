@@ -247,13 +247,17 @@ class QwenImageEditTrainer:
         preflight.training(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path),
                            len(examples))
 
-    def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int = 20, true_cfg_scale: float = 4.0,
+    def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int | None = None,
+                      true_cfg_scale: float | None = None,
                       width: int | None = None, height: int | None = None) -> None:
         """Preflight of sampling without loading any weight: the sampling settings, the LoRA files (readable,
         finite, matching the transformer) and the output file's folder (writable)."""
         from qwen_edit_core import preflight
         from qwen_edit_core.model.components import resolve_model_dir
-        self._settings(num_inference_steps, true_cfg_scale, "", None, width, height).validate()
+        p = self.config.predict  # None: the schedule's or the config's value, checked at load
+        self._settings(p.num_inference_steps if num_inference_steps is None else num_inference_steps,
+                       p.true_cfg_scale if true_cfg_scale is None else true_cfg_scale, "", None, width,
+                       height).validate()
         preflight.sampling(resolve_model_dir(self.config.model.pretrained_model_name_or_path), loras, out_file)
 
     def fit(self, *, resume=None, progress=None, cancel=None, lock=None):
