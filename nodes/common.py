@@ -13,6 +13,7 @@ from qwen_edit_core.model.devices import available_devices
 from . import comfy_runtime
 
 CATEGORY = "Qwen Edit"
+TOY_MODEL = "qwen-edit-toy (built-in, pretrained: edits 128 px pictures)"
 TINY_MODEL = "qwen-edit-tiny (built-in, random weights)"
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -68,14 +69,17 @@ def device_choices() -> list[str]:
 
 
 def model_choices() -> list[str]:
-    return [TINY_MODEL] + comfy_runtime.model_dirs()
+    return [TOY_MODEL, TINY_MODEL] + comfy_runtime.model_dirs()
 
 
 def resolve_model(name: str, path: str = "") -> Path:
-    """The model directory of a loader's widgets: an explicit path, the built-in tiny model (built on first
-    use), or a directory of ComfyUI's models/qwen_edit folder."""
+    """The model directory of a loader's widgets: an explicit path, a built-in model (built on first use: the
+    pretrained toy model, or the random tiny one), or a directory of ComfyUI's models/qwen_edit folder."""
     if path and path.strip():
         return Path(path.strip()).expanduser()
+    if name == TOY_MODEL:
+        from qwen_edit_core.model.toy import ensure_toy
+        return ensure_toy(comfy_runtime.default_model_root() / "qwen-edit-toy")
     if name == TINY_MODEL:
         from qwen_edit_core.model.tiny import build_tiny
         target = comfy_runtime.default_model_root() / "qwen-edit-tiny"

@@ -262,7 +262,8 @@ def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
         torch.set_num_threads(threads)
     weights_dir = Path(weights_dir)
     weights_dir.mkdir(parents=True, exist_ok=True)
-    info = {"command": "qwen-edit tiny --pretrained" + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
+    command = "qwen-edit tiny --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
+    info = {"command": command + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
             "seed": recipe.seed, "recipe": asdict(recipe), "text_encoder_seed": 0, "edits": list(synthetic.EDITS),
             "vae_config": {**VAE_CONFIG, "latents_mean": vae.config.latents_mean,
                            "latents_std": vae.config.latents_std},

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
-from nodes.common import TINY_MODEL  # noqa: E402
+from nodes.common import TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
 from workflows.layout import frontend_sizes, place  # noqa: E402
 
@@ -114,17 +114,18 @@ def _default(node_type: str, name: str):
     raise KeyError(f"{node_type}.{name} has no default; give it in the spec")
 
 
-TINY_LOADER = {"id": 1, "type": "QwenEditModelLoader", "widgets": {"model": TINY_MODEL, "transformer_device": "cpu",
+TINY_LOADER = {"id": 1, "type": "QwenEditModelLoader", "widgets": {"model": TOY_MODEL, "transformer_device": "cpu",
                                                                   "vae_device": "cpu", "text_encoder_device": "cpu",
                                                                   "dtype": "float32"}}
 DEMO_DATA = {"id": 2, "type": "QwenEditSyntheticDataset", "widgets": {"count": 8}}
-TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 40, "learning_rate": 0.002, "rank": 8, "alpha": 8.0,
-         "targets": "all", "batch_size": 2, "resolution": 64, "checkpoint_every": 20}
-SAMPLE = {"prompt": "invert the colors", "steps": 8, "true_cfg_scale": 4.0, "seed": 0, "vae_side": 128}
+TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.003, "rank": 16, "alpha": 16.0,
+         "targets": "all", "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
+SAMPLE = {"prompt": "invert the colors", "steps": 20, "true_cfg_scale": 1.0, "seed": 0, "vae_side": 128}
 
 LOAD, DATA, TRAINING, SAMPLING, RESULTS = "1. Load the model", "2. Data", "3. Train", "4. Sample", "Results"
-TINY_NOTE = ("It runs as shipped on the built-in tiny model (random weights: its pictures are noise, but every "
-             "step works). For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
+TINY_NOTE = ("It runs as shipped on the built-in toy model (pretrained on 128 px pictures of shapes: it keeps, "
+             "grays or shifts them, and learns to invert their colours here in about a minute on a CPU; CFG 1). "
+             "For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
              "(or its diffusion_models / vae / text_encoders files), devices cuda:0 and dtype bfloat16.")
 TRAIN_NOTE = ("Change first: the dataset (Dataset From Folder on your folder of before/after pairs instead of "
               "the synthetic one), then in Train LoRA: lora_name, steps (500-3000), resolution (1024), "
@@ -136,10 +137,10 @@ WORKFLOWS = {
         "the background and shows the loss plot and a validation edit every 20 steps. The LoRA lands in "
         f"models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
-        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
+        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "use_cache": True, "validation_every": 20,
+            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "use_cache": True, "validation_every": 50,
                                                             "validation_prompt": "invert the colors"},
              "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
             {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
@@ -180,7 +181,7 @@ WORKFLOWS = {
         "later training run loads only the transformer.\n\nChange first: the dataset (Dataset From Folder on "
         f"your pairs) and Build Cache's resolution (1024 for real training).\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
-        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
+        (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}])]),
     "qwen_edit_sample_with_lora": ("Sample with a LoRA", (
         "Edits an image with true CFG, optionally through a LoRA. As shipped Load LoRA is (none), so it runs on "
