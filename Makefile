@@ -10,8 +10,8 @@ export TOKENIZERS_PARALLELISM := false
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch/torchvision first, pinned to the releases this machine holds on disk (a CUDA build that
-	# also runs on the CPU); a user's CUDA machine can install any torch the range in pyproject allows.
+	# torch/torchvision first, pinned to the releases the tests run with (a CUDA build that also runs on
+	# the CPU); a user's CUDA machine can install any torch the range in pyproject allows.
 	$(PIP) install -q "torch==2.14.1" "torchvision==0.29.1"
 	$(PIP) install -q -e ".[test]"
 	touch $@

@@ -1,7 +1,7 @@
 """The multi-resolution model adapter: per-sample RoPE and a joint key mask over diffusers' transformer.
 
 diffusers' Qwen-Image transformer uses sample 0's image shapes for the whole batch and its attention
-processor refuses an external mask, so a batch of different sizes differs from one-by-one (FACTS.md §1).
+processor refuses an external mask, so a batch of different sizes differs from one-by-one (docs/MODEL.md).
 `install(transformer)` fixes that without forking diffusers or patching anything global: it swaps this model's
 `pos_embed` for `PerSampleRope` (our own module) and installs `JointAttnProcessor` with `set_attn_processor`.
 

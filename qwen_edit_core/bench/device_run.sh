@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The real-size benchmarks of BENCHMARKS.md ("Real size: speed and memory levers") on a lent GPU machine,
-# one part per call (each fits the device tool's 10-minute limit on an H100):
+# The real-size benchmarks of BENCHMARKS.md ("Real size: speed and memory levers") on a CUDA machine, one part
+# per run (about 5-8 minutes each on an H100 80 GB):
 #   bash qwen_edit_core/bench/device_run.sh targets | sample | levers1 | levers2   (in that order of priority: the
-#   first two measure the targets, the last two each lever alone; ~5-8 minutes each)
-# Writes <part>.log and device.txt under $OUT (the device tool brings that folder back).
-# The device image has torch, transformers, peft, accelerate and pyyaml but not diffusers: carry wheels in
-# .whl/ (git-ignored), fetched on the development machine with
+#   first two measure the targets, the last two each lever alone)
+# Writes <part>.log and device.txt under $OUT (default /tmp/qwen-edit-bench).
+# Needs torch, transformers, peft, accelerate and pyyaml; if diffusers is missing, it installs the wheels in
+# .whl/ (git-ignored), which a machine with internet access downloads with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
 set -euo pipefail

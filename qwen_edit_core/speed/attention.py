@@ -4,7 +4,7 @@ from __future__ import annotations
 
 #: `train.attention` / `predict.attention` values: which fused SDPA kernel runs first. "auto" is torch's own
 #: order (flash, then memory-efficient, then cuDNN on most builds); "cudnn" puts cuDNN's kernel first, which
-#: on Hopper is the fastest for Qwen's 24 heads x 128 dims (FACTS.md §5: attention is ~1/3 of a 1 MP step).
+#: on Hopper is the fastest for Qwen's 24 heads x 128 dims (docs/MODEL.md: attention is ~1/3 of a 1 MP step).
 ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
 
 

@@ -1,4 +1,20 @@
-"""fp8 (e4m3) base linears: per-output-channel weight scales, per-token activation scales."""
+"""fp8 (e4m3) base linears: per-output-channel weight scales, per-token activation scales.
+
+Why our own layer rather than torchao's float8 (torchao is not a dependency):
+- torchao's float8 training (`torchao.float8.convert_to_float8_training`, `Float8Linear`) keeps the weight in
+  high precision and casts weight and input to float8 inside every forward: it trains that weight faster
+  but stores it in bf16. Our base is frozen, so `Fp8Linear` stores it in e4m3 once (half the memory: 19.1
+  instead of 38.0 GiB for the real transformer, docs/MODEL.md) and only the activations are quantized per call.
+- torchao's inference path (`quantize_` with a float8 config) turns weights into tensor subclasses; peft's
+  torchao LoRA layer (`peft/tuners/lora/torchao.py`, peft 0.21) can merge only into int8 subclasses it can
+  re-quantize. `Fp8Linear` is a plain module peft wraps like a Linear (`_register_custom_module`), so LoRAs
+  are injected, trained, stacked, merged and saved on top of it as on a bf16 base.
+- ComfyUI's scaled-fp8 files hold e4m3 bytes with one scale per tensor; the transformer file loader
+  (model/single_file.py) puts those bytes into `Fp8Linear` unchanged (the per-tensor scale becomes every
+  row's scale), where a quantizer would dequantize and quantize again.
+- Row-wise scales on both sides (per output channel for the weight, per token for the input) are what
+  `torch._scaled_mm` takes directly; the input gradient can run in fp8 too (`fp8_grad`, the row-wise recipe).
+"""
 
 from __future__ import annotations
 

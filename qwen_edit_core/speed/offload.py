@@ -1,4 +1,19 @@
-"""Block offloading: frozen block weights in pinned host memory, copied in just before each block runs."""
+"""Block offloading: frozen block weights in pinned host memory, copied in just before each block runs.
+
+Why not diffusers' `enable_group_offload(onload_device, offload_type="block_level", use_stream=True)`
+(diffusers 0.42.1 `hooks/group_offloading.py`), which also copies blocks on a side stream:
+- Its prefetch chain is the module order traced in the first forward pass (`LazyPrefetchGroupOffloadingHook`
+  sets each group's `next_group` once). Training recomputes checkpointed blocks in the backward pass in
+  reverse order, so that chain prefetches the block after the one being recomputed instead of the one before,
+  and every recomputed block falls back to a synchronous copy (`GroupOffloadingHook.pre_forward`).
+  `BlockOffloader` follows the direction blocks actually run in and prefetches the next one either way.
+- It moves every parameter and buffer of a group (`ModuleGroup` walks `module.parameters()`), trainable ones
+  included: the peft LoRA weights inside a block would leave the device after each call while autograd and
+  the optimizer hold them. `BlockOffloader` moves only frozen tensors; LoRA weights, their gradients and the
+  optimizer state stay on the device.
+- It offloads every block of the list (grouped `num_blocks_per_group` at a time); the planner offloads a
+  chosen subset, spread out (`offload_indices`), so each copy overlaps the compute of resident blocks.
+"""
 
 from __future__ import annotations
 

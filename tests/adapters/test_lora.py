@@ -197,7 +197,7 @@ def test_saved_keys_load_fully_in_stock_comfyui_with_the_same_effect(base, tmp_p
 
 
 def test_comfyui_emulation_refuses_what_comfyui_refuses(base, tmp_path):
-    """FACTS §3: `model.diffusion_model.P` is not a key ComfyUI maps (our emulation must agree)."""
+    """ComfyUI's comfy/lora.py does not map `model.diffusion_model.P` (docs/MODEL.md): our emulation must agree."""
     model, spec = _trained(base, targets=("to_q",))
     state = {"model." + k: v for k, v in lora.lora_state_dict_comfy(model).items()}
     _, not_loaded, patches = _comfy_apply(base, state)

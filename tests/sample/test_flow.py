@@ -12,7 +12,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shif
 
 from qwen_edit_core.sample import flow
 
-# Qwen-Image's scheduler config (FACTS.md §1), written here so this test depends on nothing else in the project.
+# Qwen-Image's scheduler config (docs/MODEL.md), written here so this test depends on nothing else in the project.
 QWEN_SCHEDULER = {
     "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
     "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
