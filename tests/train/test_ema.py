@@ -97,7 +97,7 @@ def test_validation_can_use_the_ema(tiny_edit_dir, pairs_dir, tmp_path):
         opt = {"lr": 1e-12} if name == "base" else {"lr": 1e-2}
         runs[name] = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / name,
                                                        train={**common, **extra}, optimizer=opt)).fit()
-    lat = {n: load_file(tmp_path / n / "validation" / "step-0000002.safetensors")["latents"] for n in runs}
+    lat = {n: load_file(tmp_path / n / "validation" / "step-0000002.safetensors")["latents_0"] for n in runs}
     assert (lat["ema"] - lat["base"]).abs().max() < 1e-4
     assert (lat["plain"] - lat["base"]).abs().max() > 1e-3
 
