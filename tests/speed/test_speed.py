@@ -224,7 +224,7 @@ def test_attention_kernel_keeps_the_numbers_and_names_bad_values():
 
 def _edit(trainer, **kwargs):
     from PIL import Image
-    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    image = Image.new("RGB", (96, 64), (200, 30, 30))
     return trainer.predict(image, "make it green", num_inference_steps=3, seed=1, **kwargs)
 
 
