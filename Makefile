@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test bench soak clean
+.PHONY: venv demo test bench soak clean comfy-test
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,4 +32,14 @@ soak: venv
 	$(VENV)/bin/qwen-edit bench soak --rounds 3
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) demo_out .pytest_cache comfy_test_out
+
+# Real-ComfyUI checks (not part of `make test`): every shipped workflow on a fresh base directory, the
+# training-job lifecycle, and the live view in headless Chromium. COMFY_PYTHON is the Python of that
+# ComfyUI's environment (with the pack's requirements installed).
+COMFY_PYTHON ?= $(firstword $(wildcard $(COMFYUI_DIR)/venv/bin/python $(COMFYUI_DIR)/.venv/bin/python) python3)
+COMFY_TEST_OUT ?= comfy_test_out
+
+comfy-test:
+	@test -n "$(COMFYUI_DIR)" || { echo "usage: make comfy-test COMFYUI_DIR=/path/to/ComfyUI [COMFY_PYTHON=...]"; exit 2; }
+	$(COMFY_PYTHON) tools/comfy_test/run.py --comfyui-dir "$(COMFYUI_DIR)" --python "$(COMFY_PYTHON)" --out $(COMFY_TEST_OUT)

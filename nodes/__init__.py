@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from . import comfy_runtime
+from . import comfy_runtime, job_service
+from .job_nodes import QwenEditJobs, QwenEditStopTraining
 from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditModelLoader, QwenEditSchedulerLoader,
                           QwenEditTextEncoderLoader, QwenEditTransformerLoader, QwenEditVAELoader)
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
@@ -16,7 +17,8 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditSchedulerLoader, QwenEditAssembleModel, QwenEditLoraLoader,
     QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
     QwenEditSpeed,
-    QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus)}
+    QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus,
+    QwenEditStopTraining, QwenEditJobs)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
@@ -37,8 +39,11 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditBuildCache": "Qwen Edit: Build Cache",
     "QwenEditTrain": "Qwen Edit: Train LoRA (background)",
     "QwenEditTrainStatus": "Qwen Edit: Training Status / Wait",
+    "QwenEditStopTraining": "Qwen Edit: Stop Training",
+    "QwenEditJobs": "Qwen Edit: Training Jobs",
 }
 
 comfy_runtime.register_folders()
+job_service.setup()
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -132,12 +132,32 @@ def raise_if_interrupted() -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
 
-def send_event(event: str, data: dict) -> None:
-    """A custom websocket event (live loss) to the ComfyUI frontend; no-op outside ComfyUI."""
+def prompt_server():
+    """The running ComfyUI server (`server.PromptServer.instance`), or None outside one."""
     if not in_comfy():
-        return
+        return None
     try:
         from server import PromptServer
-        PromptServer.instance.send_sync(event, data, PromptServer.instance.client_id)
+    except ImportError:
+        return None
+    return getattr(PromptServer, "instance", None)
+
+
+def send_event(event: str, data: dict, *, broadcast: bool = False) -> None:
+    """A custom websocket event to the ComfyUI frontend: to the client that queued the running prompt, or to
+    every connected client with `broadcast` (jobs outlive the prompt that started them); no-op outside."""
+    server = prompt_server()
+    if server is None:
+        return
+    try:
+        server.send_sync(event, data, None if broadcast else server.client_id)
     except Exception:  # noqa: BLE001 - progress events must never break a run
         log.debug("could not send %s", event, exc_info=True)
+
+
+def other_prompts_queued() -> bool:
+    """True when ComfyUI's queue holds a prompt besides the running one (a waiting node should let it run)."""
+    server = prompt_server()
+    if server is None:
+        return False
+    return server.prompt_queue.get_tasks_remaining() > 1

@@ -5,7 +5,6 @@ stop with a checkpoint."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -246,6 +245,8 @@ class QwenEditTrain:
             "control_size": (["pipeline", "target"], {
                 "tooltip": "target: every control resized to exactly its target's size (pixel-aligned pairs; "
                            "sample with control_size target); pipeline: each control at the training area"}),
+            "job_name": ("STRING", {"default": "", "tooltip": "name to find this job by (Training Status, Stop "
+                                                              "Training, the job list); empty: the LoRA name"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -253,7 +254,7 @@ class QwenEditTrain:
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
-              validation_previews="", companion_loras="", control_size="pipeline"):
+              validation_previews="", companion_loras="", control_size="pipeline", job_name=""):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -281,17 +282,30 @@ class QwenEditTrain:
                                 "unmasked_weight": unmasked_weight, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
-        return (jobs.REGISTRY.start(config, resume=resume_arg),)
+        # Re-queuing the graph that started a job returns that job (attach) instead of failing.
+        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg),)
+
+
+def find_job(job, job_name: str) -> jobs.TrainingJob:
+    """The job from the JOB link, else the one called `job_name` (running or finished in this server)."""
+    if job is not None:
+        return job
+    if not job_name.strip():
+        raise ValueError("connect the Train node's job output or type the job's name (its lora_name) in job_name")
+    return jobs.REGISTRY.get(job_name)
 
 
 class QwenEditTrainStatus:
-    """Wait for (or look at) a training job: progress bar with the live loss; an interrupt stops the job
-    with a checkpoint. Returns the LoRA's name in the loras folder, the loss plot and validation images."""
+    """Wait for (or look at) a training job found by its JOB link or its name: progress bar with the live
+    loss; an interrupt stops the job with a checkpoint. With `wait` it holds ComfyUI's queue only while
+    nothing else is queued: queue another prompt and it returns the running job's status at once (the job
+    carries on and puts its LoRA into models/loras when done). Returns the LoRA's name in the loras folder
+    (empty until the job finished), its path, the loss plot and validation images."""
 
     CATEGORY = f"{CATEGORY}/training"
-    DESCRIPTION = ("Shows a training job's progress and loss (or waits for it); interrupting stops the job "
-                   "with a checkpoint. Outputs the LoRA's name and path, the loss plot and validation "
-                   "images.")
+    DESCRIPTION = ("Shows a training job's progress and loss, found by its job link or its name, or waits for "
+                   "it while nothing else is queued; interrupting stops the job with a checkpoint. Outputs the "
+                   "LoRA's name and path (once finished), the loss plot and validation images.")
     RETURN_TYPES = ("STRING", "STRING", "IMAGE", "IMAGE", "FLOAT")
     RETURN_NAMES = ("lora_name", "lora_path", "loss_plot", "validation", "loss")
     FUNCTION = "status"
@@ -299,16 +313,20 @@ class QwenEditTrainStatus:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"job": (JOB, {"tooltip": "the Train node's job"}),
-                             "wait": ("BOOLEAN", {"default": True, "tooltip": "wait for the job to finish with a "
-                                                  "progress bar; off: report its state at once"})},
+        return {"required": {"wait": ("BOOLEAN", {"default": True, "tooltip": "wait for the job to finish "
+                                                  "(until another prompt is queued); off: report at once"})},
+                "optional": {"job": (JOB, {"tooltip": "the Train node's job; or leave it unconnected and "
+                                                      "give job_name"}),
+                             "job_name": ("STRING", {"default": "", "tooltip": "find a running or finished "
+                                                     "job by name (the Train node's lora_name or job_name)"})},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
     def IS_CHANGED(cls, **kwargs):
         return float("nan")  # the job moves on between runs
 
-    def status(self, job, wait, unique_id=None):
+    def status(self, wait, job=None, job_name="", unique_id=None):
+        job = find_job(job, job_name)
         bar = comfy_runtime.progress_bar(job.config.train.max_steps, node_id=unique_id)
 
         def tick(status):
@@ -323,21 +341,16 @@ class QwenEditTrainStatus:
                 job.stop()
                 job.wait()
                 raise
-            comfy_runtime.send_event("qwen_edit.train", {"step": status.step, "total": status.total,
-                                                         "loss": status.loss, "state": status.state})
 
-        status = jobs.wait_for(job, on_tick=tick) if wait else job.status()
+        status = (jobs.wait_for(job, on_tick=tick, until=comfy_runtime.other_prompts_queued) if wait
+                  else job.status())
         if status.state == "failed":
-            raise RuntimeError(f"training failed: {status.error}")
-        name = path = ""
-        if status.lora_path is not None:
-            target = comfy_runtime.loras_dir() / status.lora_path.name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(status.lora_path, target)
-            name, path = target.name, str(target)
+            raise RuntimeError(f"training job {status.name!r} failed: {status.error}")
+        name, path = (status.delivered.name, str(status.delivered)) if status.delivered else ("", "")
         loss = status.loss if status.loss is not None and math.isfinite(status.loss) else 0.0
-        text = f"{status.state}: step {status.step}/{status.total}, loss {loss:.4f}"
-        text += f", LoRA {name}" if name else ""
+        text = f"{status.name}: {status.state}, step {status.step}/{status.total}, loss {loss:.4f}"
+        text += f", LoRA {name}" if name else (" (still running; its LoRA goes to models/loras when done)"
+                                               if not status.finished else "")
         return {"ui": {"text": [text]},
                 "result": (name, path, files_to_image([status.loss_plot] if status.loss_plot else []),
                            files_to_image(status.validation_images), float(loss))}

@@ -1,17 +1,28 @@
-"""Background training jobs: train without blocking the caller (ComfyUI's single worker thread).
+"""Background training jobs that live beside the caller (ComfyUI's single worker thread) and outlive it.
 
-A `TrainingJob` runs `QwenImageEditTrainer.fit` in a daemon thread and exposes its state, step, loss
-history, last checkpoint and a stop event; `stop()` makes the run save a checkpoint and exit cleanly.
-`JobRegistry` allows one running job per transformer device and refuses a second with a clear message.
+A `TrainingJob` runs `QwenImageEditTrainer.fit` in a daemon thread and exposes its name, state, step, loss
+history, latest validation image and last checkpoint; `stop()` makes the run save a checkpoint and exit
+cleanly. A finished job hands its LoRA to the registry's delivery function (ComfyUI: copy into
+`models/loras`) whether or not anybody waits for it.
+
+`JobRegistry` keeps every job of the process by name (default: the LoRA name). Starting a job whose name
+already runs with the same config returns the running job (attach); with another config, or on a device that
+runs another job, it refuses with a message saying what to do. Listeners get an event on every step and on
+state changes (the ComfyUI nodes turn them into websocket messages). `install_shutdown_checkpoints` makes
+SIGINT, SIGTERM and interpreter exit stop every running job with a checkpoint first.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from qwen_edit_core.config import Config
 from qwen_edit_core.common.progress import CancelToken, Progress
@@ -19,14 +30,22 @@ from qwen_edit_core.common.progress import CancelToken, Progress
 log = logging.getLogger(__name__)
 
 STATES = ("starting", "caching", "training", "done", "cancelled", "failed")
+FINISHED = ("done", "cancelled", "failed")
 
 
 class JobBusyError(RuntimeError):
-    """A device already runs a training job."""
+    """A device already runs a training job, or a job of that name runs with other settings."""
+
+
+class JobNotFoundError(LookupError):
+    """No job of that name in this process."""
 
 
 @dataclass(frozen=True)
 class JobStatus:
+    """A snapshot of one job (what the status node, the job list and the live view show)."""
+
+    name: str
     state: str
     step: int
     total: int
@@ -36,40 +55,85 @@ class JobStatus:
     validation_images: tuple[Path, ...]
     last_checkpoint: Path | None
     error: str | None
+    output_dir: Path | None = None
+    delivered: Path | None = None
+    latest_validation: Path | None = None
+    device: str = ""
 
     @property
     def finished(self) -> bool:
-        return self.state in ("done", "cancelled", "failed")
+        return self.state in FINISHED
+
+    def to_dict(self) -> dict:
+        """JSON-ready (paths as strings, a non-finite loss as None)."""
+        data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+        data["validation_images"] = [str(p) for p in self.validation_images]
+        loss = self.loss
+        data["loss"] = loss if loss is not None and loss == loss and abs(loss) != float("inf") else None
+        data["finished"] = self.finished
+        return data
+
+
+#: listener(job, event): event is "progress" (a step or stage change) or "finished".
+Listener = Callable[["TrainingJob", str], None]
+
+
+def fit_with_trainer(config: Config, *, resume, progress, cancel, lock=None):
+    """The default run of a job: `QwenImageEditTrainer(config).fit(...)`, returning its TrainResult. `lock`: the
+    output directory's lock, already held by the job."""
+    import torch
+
+    from qwen_edit_core.api import QwenImageEditTrainer
+    # A new thread starts outside inference mode; say so anyway, training needs autograd.
+    with torch.inference_mode(False):
+        return QwenImageEditTrainer(config).fit(resume=resume, progress=progress, cancel=cancel, lock=lock)
+
+
+def check_with_trainer(config: Config, resume) -> None:
+    """The default preflight of a job, before any weight loads (`QwenImageEditTrainer.check_fit`)."""
+    from qwen_edit_core.api import QwenImageEditTrainer
+    QwenImageEditTrainer(config).check_fit(resume=resume)
 
 
 class TrainingJob:
     """One training run in a background thread."""
 
-    def __init__(self, config: Config, *, resume=None, on_finish=None):
+    def __init__(self, config: Config, *, name: str | None = None, resume=None,
+                 deliver: Callable[[Path], Path] | None = None, listeners: tuple[Listener, ...] = (),
+                 on_finish: Callable[["TrainingJob"], None] | None = None, fit=fit_with_trainer,
+                 preflight=check_with_trainer):
         self.config = config
+        self.name = name or config.train.lora_name
         self.device = config.train.device
-        self._resume = resume
+        self.output_dir = Path(config.train.output_dir)
+        self._resume, self._deliver, self._listeners = resume, deliver, listeners
         self._cancel = CancelToken()
         self._lock = threading.Lock()
         self._state, self._step, self._loss, self._error = "starting", 0, None, None
         self._history: list[tuple[int, float]] = []
-        self._result = None
-        self._on_finish = on_finish
-        self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.device}", daemon=True)
+        self._result, self._delivered = None, None
+        self._on_finish, self._fit, self._preflight = on_finish, fit, preflight
+        self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
 
     def start(self) -> "TrainingJob":
         """Take the output directory's lock and run the preflight here, so a busy directory or a bad setting
         is refused at once (before any weight loads), then train in the background thread."""
-        from qwen_edit_core.api import QwenImageEditTrainer
         from qwen_edit_core.common.files import OutputLock
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
-            QwenImageEditTrainer(self.config).check_fit(resume=self._resume)
+            self._preflight(self.config, self._resume)
             self._thread.start()
         except BaseException:
             self._output_lock.release()
             raise
         return self
+
+    def _notify(self, event: str) -> None:
+        for listener in self._listeners:
+            try:
+                listener(self, event)
+            except Exception:  # noqa: BLE001 - a broken listener must never break a run
+                log.exception("job listener %r failed on %s", listener, event)
 
     def _progress(self, event: Progress) -> None:
         with self._lock:
@@ -80,34 +144,40 @@ class TrainingJob:
                     self._history.append((event.step, event.loss))
             elif event.stage == "cache":
                 self._state = "caching"
+        self._notify("progress")
 
     def _run(self) -> None:
-        import torch
-
-        from qwen_edit_core.api import QwenImageEditTrainer
         try:
-            # A new thread starts outside inference mode; say so anyway, training needs autograd.
-            with torch.inference_mode(False):
-                result = QwenImageEditTrainer(self.config).fit(resume=self._resume, progress=self._progress,
-                                                               cancel=self._cancel, lock=self._output_lock)
+            result = self._fit(self.config, resume=self._resume, progress=self._progress, cancel=self._cancel,
+                               lock=self._output_lock)
+            delivered = self._deliver(result.lora_path) if self._deliver and result.lora_path else None
             with self._lock:
-                self._result, self._state, self._step = result, result.state, result.step
+                self._result, self._delivered = result, delivered
+                self._state, self._step = result.state, result.step
         except Exception as err:  # noqa: BLE001 - the job reports any failure through its status
-            log.exception("training job failed")
+            log.exception("training job %r failed", self.name)
             with self._lock:
                 self._state, self._error = "failed", f"{type(err).__name__}: {err}"
         finally:
             self._output_lock.release()
             if self._on_finish is not None:
                 self._on_finish(self)
+            self._notify("finished")
 
     def stop(self) -> None:
         """Ask the run to save a checkpoint and stop after the current step."""
         self._cancel.cancel()
 
     def wait(self, timeout: float | None = None) -> JobStatus:
-        self._thread.join(timeout)
+        """Block until the run (and its LoRA delivery) is over, or `timeout` seconds passed."""
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
         return self.status()
+
+    @property
+    def finished(self) -> bool:
+        with self._lock:
+            return self._state in FINISHED
 
     @property
     def history(self) -> list[tuple[int, float]]:
@@ -116,14 +186,18 @@ class TrainingJob:
 
     def status(self) -> JobStatus:
         from qwen_edit_core.train.checkpoint import latest_checkpoint
+        found = latest_checkpoint(self.output_dir / "checkpoints")
+        pngs = sorted((self.output_dir / "validation").glob("step-*.png"), key=_step_of)
         with self._lock:
             result = self._result
-            found = latest_checkpoint(Path(self.config.train.output_dir) / "checkpoints")
-            return JobStatus(state=self._state, step=self._step, total=self.config.train.max_steps, loss=self._loss,
+            return JobStatus(name=self.name, state=self._state, step=self._step,
+                             total=self.config.train.max_steps, loss=self._loss,
                              lora_path=result.lora_path if result else None,
                              loss_plot=result.loss_plot if result else None,
                              validation_images=tuple(result.validation_images) if result else (),
-                             last_checkpoint=found.path if found else None, error=self._error)
+                             last_checkpoint=found.path if found else None, error=self._error,
+                             output_dir=self.output_dir, delivered=self._delivered,
+                             latest_validation=pngs[-1] if pngs else None, device=self.device)
 
 
 def device_key(name: str) -> str:
@@ -136,52 +210,145 @@ def device_key(name: str) -> str:
     return str(device)
 
 
+def _step_of(path: Path) -> int:
+    digits = path.stem.removeprefix("step-")
+    return int(digits) if digits.isdigit() else -1
+
+
 class JobRegistry:
-    """One running job per transformer device ("cuda" and "cuda:0" are the same device)."""
+    """Every job of the process by name; one running job per transformer device ("cuda" and "cuda:0" are the
+    same device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fit=fit_with_trainer, preflight=check_with_trainer) -> None:
+        """`fit(config, resume=, progress=, cancel=, lock=)` runs one job (default: the trainer); `preflight(config,
+        resume)` checks it before the job starts (default: the trainer's `check_fit`)."""
+        self._fit, self._preflight = fit, preflight
         self._lock = threading.Lock()
-        self._running: dict[str, TrainingJob] = {}
+        self._jobs: dict[str, TrainingJob] = {}
+        self._listeners: list[Listener] = []
+        self._deliver: Callable[[Path], Path] | None = None
 
-    def start(self, config: Config, *, resume=None) -> TrainingJob:
-        device = device_key(config.train.device)
+    def set_delivery(self, deliver: Callable[[Path], Path] | None) -> None:
+        """`deliver(lora_path) -> delivered_path`, called in the job's thread when a run leaves a LoRA."""
+        self._deliver = deliver
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call `listener(job, event)` for every job started from now on (idempotent per listener)."""
         with self._lock:
-            busy = self._running.get(device)
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+
+    def start(self, config: Config, *, name: str | None = None, resume=None) -> TrainingJob:
+        """Start a job named `name` (default: the LoRA name), or return the job of that name when it runs,
+        or finished training, with this very config (re-queuing the graph that started it attaches)."""
+        name = name or config.train.lora_name
+        with self._lock:
+            same = self._jobs.get(name)
+            if same is not None and same.config == config and same.status().state not in ("cancelled", "failed"):
+                log.info("attaching to training job %r (%s)", name, same.status().state)
+                return same
+            if same is not None and not same.finished:
+                raise JobBusyError(f"training job {name!r} already runs with other settings (output "
+                                   f"{same.output_dir}); stop it (Stop Training node) or give this run "
+                                   "another lora_name")
+            device = device_key(config.train.device)
+            busy = next((j for j in self._jobs.values() if device_key(j.device) == device and not j.finished),
+                        None)
             if busy is not None:
                 status = busy.status()
-                raise JobBusyError(f"a training job already runs on {device} (step {status.step}/{status.total}, "
-                                   f"output {busy.config.train.output_dir}); stop it or wait for it, or train "
-                                   "on another device")
-            job = TrainingJob(config, resume=resume, on_finish=self._finished)
-            self._running[device] = job
+                raise JobBusyError(f"a training job already runs on {busy.device} ({busy.name!r}, step "
+                                   f"{status.step}/{status.total}, output {busy.output_dir}); stop it or wait "
+                                   "for it, or train on another device")
+            job = TrainingJob(config, name=name, resume=resume, deliver=self._deliver,
+                              listeners=tuple(self._listeners), fit=self._fit, preflight=self._preflight)
+            self._jobs[name] = job
         try:
             return job.start()
         except BaseException:
-            self._finished(job)
+            with self._lock:
+                if self._jobs.get(name) is job:
+                    del self._jobs[name]
             raise
 
-    def _finished(self, job: TrainingJob) -> None:
+    def get(self, name: str) -> TrainingJob:
+        """The job called `name` (running or finished in this process)."""
         with self._lock:
-            key = device_key(job.device)
-            if self._running.get(key) is job:
-                del self._running[key]
+            job = self._jobs.get(name.strip().removesuffix(".safetensors"))
+            known = sorted(self._jobs)
+        if job is None:
+            raise JobNotFoundError(f"no training job named {name!r} in this server; known jobs: "
+                                   f"{known or 'none'} (a job's name is its lora_name unless set)")
+        return job
+
+    def jobs(self) -> list[TrainingJob]:
+        with self._lock:
+            return list(self._jobs.values())
 
     def running(self) -> list[TrainingJob]:
-        with self._lock:
-            return list(self._running.values())
+        return [job for job in self.jobs() if not job.finished]
+
+    def statuses(self) -> list[JobStatus]:
+        return [job.status() for job in self.jobs()]
+
+    def stop(self, name: str, *, wait: bool = True) -> JobStatus:
+        """Stop the job called `name` with a checkpoint (waits for it unless `wait` is False)."""
+        job = self.get(name)
+        job.stop()
+        return job.wait() if wait else job.status()
+
+    def checkpoint_all(self, timeout: float | None = None) -> list[JobStatus]:
+        """Stop every running job and wait until each has saved its checkpoint (server shutdown)."""
+        running = self.running()
+        for job in running:
+            log.warning("stopping training job %r with a checkpoint (shutdown)", job.name)
+            job.stop()
+        return [job.wait(timeout) for job in running]
 
 
 #: The process-wide registry the ComfyUI nodes use.
 REGISTRY = JobRegistry()
 
+_installed: set[int] = set()
 
-def wait_for(job: TrainingJob, *, poll: float = 0.2, on_tick=None) -> JobStatus:
+
+def install_shutdown_checkpoints(registry: JobRegistry = REGISTRY, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
+    """Checkpoint every running job of `registry` before the process goes away: on interpreter exit
+    (atexit) and on `signals`, whose previous handlers run afterwards (a default one is re-raised).
+    Signal handlers can only be set from the main thread; elsewhere only the exit hook is installed."""
+    if id(registry) in _installed:
+        return
+    _installed.add(id(registry))
+    atexit.register(registry.checkpoint_all)
+    for signum in signals:
+        try:
+            previous = signal.getsignal(signum)
+            signal.signal(signum, _chained(registry, signum, previous))
+        except ValueError:
+            log.warning("not in the main thread: %s will not checkpoint running training jobs", signum)
+
+
+def _chained(registry: JobRegistry, signum: int, previous):
+    def handler(sig, frame):
+        if registry.running():
+            registry.checkpoint_all()
+        if callable(previous):
+            previous(sig, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+    return handler
+
+
+def wait_for(job: TrainingJob, *, poll: float = 0.2, on_tick=None, until=None) -> JobStatus:
     """Block until `job` finishes, calling `on_tick(status)` every `poll` seconds (it may raise to stop
-    waiting, e.g. on a ComfyUI interrupt, after calling job.stop())."""
+    waiting, e.g. on a ComfyUI interrupt, after calling job.stop()). `until()` returning True ends the wait
+    early (the job carries on); the status then is the running job's."""
     while True:
         status = job.status()
         if on_tick is not None:
             on_tick(status)
         if status.finished:
             return job.wait()
+        if until is not None and until():
+            return status
         time.sleep(poll)

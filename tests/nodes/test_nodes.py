@@ -174,9 +174,9 @@ def test_train_job_from_nodes_reports_stops_and_resumes(model, env):
     with torch.inference_mode():
         (job2,) = nodes.QwenEditTrain().start(model, cached, "node_lora", stopped_at + 2, 1e-3, 4, 4.0, "attn", 2,
                                               64, 0, True, 0, True)
-        out = nodes.QwenEditTrainStatus().status(job2, True)
+        out = nodes.QwenEditTrainStatus().status(True, job2)
     name, path, plot, validation, loss = out["result"]
-    assert out["ui"]["text"][0].startswith("done") and name == "node_lora.safetensors"
+    assert out["ui"]["text"][0].startswith("node_lora: done") and name == "node_lora.safetensors"
     assert Path(path).is_file() and plot.shape[-1] == 3 and loss > 0
     assert job2.history[0][0] == stopped_at + 1  # continued, not restarted
 

@@ -1,0 +1,281 @@
+"""Training jobs beside ComfyUI's queue, with a fake run and a fake ComfyUI server: attach on re-queue, find
+by name, stop with a checkpoint, LoRA delivered unattended, the status node letting the queue go, websocket
+events, the HTTP routes, and checkpoints on shutdown (a real tiny run in a child process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import nodes
+from nodes import comfy_runtime, job_service
+from qwen_edit_core import jobs
+from qwen_edit_core.common.progress import Progress
+from qwen_edit_core.config import load_config
+from qwen_edit_core.train.loop import TrainResult
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class StepGate:
+    """A fake run: one step per `release()`, stops (as the trainer does) when cancelled."""
+
+    def __init__(self):
+        self.gate = threading.Semaphore(0)
+        self.resumes = []
+        self.done_steps = threading.Condition()
+        self.step = 0
+
+    def release(self, n=1, wait=True):
+        """Let `n` more steps run (and wait until they did)."""
+        with self.done_steps:
+            target = self.step + n
+        for _ in range(n):
+            self.gate.release()
+        if wait:
+            with self.done_steps:
+                assert self.done_steps.wait_for(lambda: self.step >= target, timeout=60)
+
+    def __call__(self, config, *, resume, progress, cancel, lock=None):
+        self.resumes.append(resume)
+        with self.done_steps:
+            self.step = 0
+        out, total, step, state = Path(config.train.output_dir), config.train.max_steps, 0, "done"
+        while step < total:
+            while not self.gate.acquire(timeout=0.01):
+                if cancel.cancelled:
+                    break
+            if cancel.cancelled:
+                state = "cancelled"
+                break
+            step += 1
+            progress(Progress("train", step, total, loss=1.0 / step))
+            with self.done_steps:
+                self.step += 1
+                self.done_steps.notify_all()
+        out.mkdir(parents=True, exist_ok=True)
+        lora = out / f"{config.train.lora_name}.safetensors"
+        lora.write_text(f"{state} at {step}")
+        return TrainResult(state=state, step=step, lora_path=lora, loss_plot=None)
+
+
+def _config(tmp_path, name="lora_a", steps=5, device="cpu", **train):
+    return load_config(overrides={"train": {"output_dir": str(tmp_path / "runs" / name), "max_steps": steps,
+                                            "lora_name": name, "device": device, **train}})
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A fresh registry with a fake run, wired like the pack wires the real one, and a fake loras folder."""
+    monkeypatch.setenv("QWEN_EDIT_LORAS", str(tmp_path / "loras"))
+    run = StepGate()
+    registry = jobs.JobRegistry(fit=run, preflight=lambda config, resume: None)
+    registry.set_delivery(job_service.deliver)
+    monkeypatch.setattr(jobs, "REGISTRY", registry)
+    run.registry = registry
+    yield run
+    for job in registry.running():
+        job.stop()
+        job.wait()
+
+
+class FakeServer:
+    """What the pack uses of ComfyUI's PromptServer: send_sync, client_id, the queue's length, routes."""
+
+    def __init__(self, queued=1):
+        self.client_id, self.sent, self.queued = "client-1", [], queued
+        self.prompt_queue = self
+
+    def get_tasks_remaining(self):
+        return self.queued
+
+    def send_sync(self, event, data, sid=None):
+        self.sent.append((event, json.loads(json.dumps(data)), sid))
+
+
+def test_requeue_attaches_to_the_running_job_and_other_settings_refuse(fake, tmp_path):
+    job = fake.registry.start(_config(tmp_path), resume=None)
+    assert fake.registry.start(_config(tmp_path)) is job  # the same graph queued again
+    with pytest.raises(jobs.JobBusyError, match="'lora_a' already runs with other settings"):
+        fake.registry.start(_config(tmp_path, steps=9))
+    with pytest.raises(jobs.JobBusyError, match=r"already runs on cpu \('lora_a'"):
+        fake.registry.start(_config(tmp_path, name="lora_b"))
+    fake.release(5)
+    assert job.wait().state == "done"
+    assert fake.registry.start(_config(tmp_path)) is job  # finished with the same settings: no retraining
+    assert fake.resumes == [None]
+    again = fake.registry.start(_config(tmp_path, steps=7), resume=True)  # more steps: a new job, resumed
+    assert again is not job and fake.registry.get("lora_a") is again
+    fake.release(7)
+    assert again.wait().step == 7 and fake.resumes == [None, True]
+
+
+def test_status_node_finds_a_job_by_name_and_stop_node_stops_it(fake, tmp_path):
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.release(3)
+    status = nodes.QwenEditTrainStatus().status(False, job_name="lora_a")
+    assert status["result"][0] == ""  # not finished: no LoRA yet
+    assert "still running" in status["ui"]["text"][0]
+    with pytest.raises(jobs.JobNotFoundError, match=r"no training job named 'nope'.*\['lora_a'\]"):
+        nodes.QwenEditTrainStatus().status(False, job_name="nope")
+    with pytest.raises(ValueError, match="job_name"):
+        nodes.QwenEditStopTraining().stop("")
+    out = nodes.QwenEditStopTraining().stop("lora_a")
+    final = job.status()
+    assert final.state == "cancelled" and 3 <= final.step < 100
+    assert out["result"][0].startswith("lora_a: cancelled")
+    listed = nodes.QwenEditJobs().list()["result"][0]
+    assert listed.startswith(f"lora_a: cancelled, step {final.step}/100")
+    # The stopped job's LoRA was delivered too, and the status node reports it by the JOB link.
+    done = nodes.QwenEditTrainStatus().status(True, job=job)
+    assert done["result"][0] == "lora_a.safetensors"
+    assert Path(done["result"][1]).read_text() == f"cancelled at {final.step}"
+
+
+def test_a_finished_job_delivers_its_lora_with_nobody_waiting(fake, tmp_path):
+    job = fake.registry.start(_config(tmp_path, steps=2))
+    fake.release(2)
+    job.wait()  # joins the job's thread only; no status node ran
+    delivered = tmp_path / "loras" / "lora_a.safetensors"
+    assert delivered.read_text() == "done at 2" and job.status().delivered == delivered
+
+
+def test_status_wait_lets_the_queue_go_when_another_prompt_waits(fake, tmp_path, monkeypatch):
+    server = FakeServer(queued=2)  # the running prompt and one more
+    monkeypatch.setattr(comfy_runtime, "prompt_server", lambda: server)
+    job = fake.registry.start(_config(tmp_path, steps=50))
+    fake.release(1)
+    out = nodes.QwenEditTrainStatus().status(True, job=job)
+    assert not job.finished and out["result"][0] == ""
+    server.queued = 1  # alone in the queue: the node waits for the end
+    fake.release(49)
+    out = nodes.QwenEditTrainStatus().status(True, job=job)
+    assert out["result"][0] == "lora_a.safetensors" and out["ui"]["text"][0].startswith("lora_a: done, step 50/50")
+
+
+def test_every_step_is_broadcast_as_a_websocket_event(fake, tmp_path, monkeypatch):
+    server = FakeServer()
+    monkeypatch.setattr(comfy_runtime, "prompt_server", lambda: server)
+    fake.registry.subscribe(job_service.send_job_event)
+    job = fake.registry.start(_config(tmp_path, steps=3))
+    fake.release(3)
+    job.wait()
+    events = [data for event, data, sid in server.sent if event == job_service.EVENT]
+    assert all(sid is None for _, _, sid in server.sent)  # every browser, not only the one that queued
+    assert [e["point"] for e in events if e["point"]] == [[1, 1.0], [2, 0.5], [3, pytest.approx(1 / 3)]]
+    assert events[-1]["event"] == "finished" and events[-1]["state"] == "done"
+    assert events[-1]["delivered"] == str(tmp_path / "loras" / "lora_a.safetensors")
+
+
+class FakeRoutes:
+    def __init__(self):
+        self.handlers = {}
+
+    def _add(self, method, path):
+        def register(fn):
+            self.handlers[(method, path)] = fn
+            return fn
+        return register
+
+    def get(self, path):
+        return self._add("GET", path)
+
+    def post(self, path):
+        return self._add("POST", path)
+
+
+class FakeWeb:
+    @staticmethod
+    def json_response(data, status=200):
+        return ("json", status, json.loads(json.dumps(data)))
+
+    @staticmethod
+    def FileResponse(path):
+        return ("file", 200, Path(path))
+
+
+class FakeRequest:
+    def __init__(self, **match_info):
+        self.match_info = match_info
+
+
+def test_routes_list_stop_and_serve_the_latest_validation_image(fake, tmp_path):
+    routes = FakeRoutes()
+    job_service.register_routes(routes, FakeWeb, fake.registry)
+    call = lambda method, path, **m: asyncio.run(routes.handlers[(method, path)](FakeRequest(**m)))  # noqa: E731
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.release(2)
+    assert call("GET", "/qwen_edit/jobs/{name}/validation", name="lora_a")[1] == 404
+    validation = tmp_path / "runs" / "lora_a" / "validation"
+    validation.mkdir(parents=True)
+    for step in (2, 10):
+        (validation / f"step-{step}.png").write_bytes(b"png")
+    kind, code, body = call("GET", "/qwen_edit/jobs")
+    (entry,) = body["jobs"]
+    assert (kind, code, entry["name"], entry["total"]) == ("json", 200, "lora_a", 100)
+    assert entry["step"] >= 2 and entry["history"][:2] == [[1, 1.0], [2, 0.5]]
+    assert entry["validation_url"] == "/qwen_edit/jobs/lora_a/validation?step=10"
+    assert call("GET", "/qwen_edit/jobs/{name}/validation", name="lora_a") == ("file", 200,
+                                                                                validation / "step-10.png")
+    assert call("POST", "/qwen_edit/jobs/{name}/stop", name="nope")[1] == 404
+    assert call("POST", "/qwen_edit/jobs/{name}/stop", name="lora_a")[1] == 200
+    assert job.wait().state == "cancelled"
+
+
+def test_shutdown_handler_checkpoints_running_jobs_then_runs_the_previous_handler(fake, tmp_path):
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.release(1)
+    seen = []
+    handler = jobs._chained(fake.registry, signal.SIGTERM, lambda sig, frame: seen.append(job.status().state))
+    handler(signal.SIGTERM, None)
+    assert seen == ["cancelled"] and job.status().delivered is not None
+
+
+CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from pathlib import Path
+from conftest import make_pairs
+from qwen_edit_core import jobs
+from qwen_edit_core.config import load_config
+from qwen_edit_core.model.tiny import build_tiny
+make_pairs(Path({data!r}), n=2)
+config = load_config(overrides={{
+    "model": {{"pretrained_model_name_or_path": str(build_tiny(Path({home!r}) / "tiny")), "dtype": "float32"}},
+    "data": {{"folder": {data!r}, "vae_area": 64 * 64}}, "cache": {{"enabled": False}},
+    "train": {{"output_dir": {out!r}, "max_steps": 100000, "checkpoint_every": 0,
+                                  "lora_name": "shutdown", "device": "cpu"}}}})
+jobs.install_shutdown_checkpoints()
+jobs.REGISTRY.subscribe(lambda job, event: print("step", job.status().step, flush=True))
+job = jobs.REGISTRY.start(config)
+job.wait()
+"""
+
+
+def test_sigterm_checkpoints_a_real_running_job(tmp_path):
+    out = tmp_path / "out"
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), data=str(tmp_path / "data"), home=str(tmp_path),
+                        out=str(out))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in child.stdout:  # synchronise on the child's own step events
+            if line.startswith("step") and int(line.split()[1]) >= 2:
+                break
+        child.send_signal(signal.SIGTERM)
+        child.stdout.read()
+        assert child.wait(timeout=300) == -signal.SIGTERM  # the default handler ran after the checkpoint
+    finally:
+        if child.poll() is None:
+            child.kill()
+    from qwen_edit_core.train.checkpoint import latest_checkpoint
+    found = latest_checkpoint(out / "checkpoints")
+    assert found is not None and found.step >= 2 and (out / "shutdown.safetensors").is_file()

@@ -1,0 +1,138 @@
+"""A real ComfyUI server with this pack installed, on a fresh base directory, driven over HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("comfy_test")
+
+PACK = Path(__file__).resolve().parents[2]
+PACK_DIR_NAME = "comfyui-qwen-edit-lora"
+TRAIN_WORKFLOW = PACK / "workflows" / "qwen_edit_train_cached.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(check, timeout: float, what: str, every: float = 0.25):
+    """Call `check()` until it returns something truthy (returned) or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+class ComfyServer:
+    """`python main.py --cpu` of the ComfyUI checkout at `comfyui_dir`, with the pack symlinked into
+    `<base>/custom_nodes/`; `base` is a fresh temporary directory unless given (to restart on the same one)."""
+
+    def __init__(self, comfyui_dir: Path, python: str, base: Path | None = None, log_dir: Path | None = None):
+        self.comfyui_dir, self.python = Path(comfyui_dir).resolve(), python
+        self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="qwen_edit_comfy_"))
+        self.log_dir = Path(log_dir or self.base)
+        self.proc, self.port, self.starts = None, None, 0
+
+    def start(self, timeout: float = 180) -> "ComfyServer":
+        nodes_dir = self.base / "custom_nodes"
+        nodes_dir.mkdir(parents=True, exist_ok=True)
+        link = nodes_dir / PACK_DIR_NAME
+        if not link.exists():
+            link.symlink_to(PACK, target_is_directory=True)
+        self.port, self.starts = free_port(), self.starts + 1
+        self.log_path = self.log_dir / f"server-{self.base.name}-{self.starts}.log"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+                 "--base-directory", str(self.base), "--disable-auto-launch", "--disable-api-nodes"],
+                cwd=self.comfyui_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
+        poll(lambda: self.proc.poll() is not None and self._died() or self._ready(), timeout, "ComfyUI to start")
+        log.info("ComfyUI on port %d, base %s (log %s)", self.port, self.base, self.log_path)
+        return self
+
+    def _died(self):
+        raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}; see {self.log_path}:\n"
+                           + self.log_path.read_text()[-3000:])
+
+    def _ready(self) -> bool:
+        try:
+            self.get("/system_stats")
+            return True
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 300) -> int:
+        """Send `sig` to our server process (by its PID) and wait for it to exit; returns its exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict | None = None):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"POST {path}: {err.code} {err.read().decode()[:2000]}") from None
+
+    def queue(self, prompt: dict) -> str:
+        return self.post("/prompt", {"prompt": prompt, "client_id": "qwen-edit-comfy-test"})["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 900) -> dict:
+        """The prompt's history entry once it ran; raises with ComfyUI's error when it failed."""
+        entry = poll(lambda: self.get(f"/history/{prompt_id}").get(prompt_id), timeout, f"prompt {prompt_id}")
+        status = entry.get("status", {})
+        if status.get("status_str") != "success":
+            errors = [m for m in status.get("messages", []) if m[0] == "execution_error"]
+            detail = errors[0][1] if errors else status
+            raise RuntimeError(f"prompt {prompt_id} failed: {json.dumps(detail)[:3000]}")
+        return entry
+
+    def run(self, prompt: dict, timeout: float = 900) -> dict:
+        return self.wait(self.queue(prompt), timeout)
+
+    def jobs(self) -> dict:
+        return {job["name"]: job for job in self.get("/qwen_edit/jobs")["jobs"]}
+
+    def job_where(self, name: str, check, timeout: float, what: str) -> dict:
+        """Poll the pack's job route until job `name` satisfies `check(entry)`."""
+        return poll(lambda: (lambda j: j if j and check(j) else None)(self.jobs().get(name)), timeout,
+                    f"job {name!r}: {what}")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

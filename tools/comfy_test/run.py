@@ -1,0 +1,141 @@
+"""Real-ComfyUI checks of the pack (`make comfy-test COMFYUI_DIR=...`): every shipped workflow on a fresh
+base directory, the training-job lifecycle (attach, stop, restart with a checkpoint, LoRA delivered with
+nobody waiting) and the live view in headless Chromium on ComfyUI's own frontend (with a screenshot).
+
+    python tools/comfy_test/run.py --comfyui-dir ~/ComfyUI [--python ~/ComfyUI/venv/bin/python]
+                                   [--only workflows,lifecycle,browser] [--out comfy_test_out]
+
+Runs on the CPU with the built-in tiny model; needs nothing but a ComfyUI checkout whose Python has the
+pack's requirements installed (and Debian's `chromium` for the browser check). Exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
+from convert import set_inputs, to_api  # noqa: E402
+
+log = logging.getLogger("comfy_test")
+WORKFLOWS = sorted((PACK / "workflows").glob("*.json"))
+
+
+def check_workflows(args) -> list[str]:
+    """Every shipped workflow, each on its own fresh base directory (as on a fresh install)."""
+    results = []
+    for path in WORKFLOWS:
+        with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
+            started = time.monotonic()
+            prompt = to_api(json.loads(path.read_text()), server.get("/object_info"))
+            server.run(prompt)
+            delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
+            results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s"
+                           + (f", LoRA in models/loras: {delivered}" if delivered else ""))
+            log.info(results[-1])
+    return results
+
+
+def _latest_checkpoint_step(base: Path, name: str) -> int:
+    sys.path.insert(0, str(PACK))
+    from qwen_edit_core.train.checkpoint import latest_checkpoint
+    found = latest_checkpoint(base / "output" / "qwen_edit_runs" / name / "checkpoints")
+    return found.step if found else -1
+
+
+def check_lifecycle(args) -> list[str]:
+    """Attach on re-queue, a waiting status node that lets the queue go, Stop Training with a checkpoint,
+    SIGTERM checkpointing a running job and a restart resuming from it, and a LoRA delivered unattended."""
+    name, results = "lifecycle", []
+    server = ComfyServer(args.comfyui_dir, args.python, log_dir=args.out).start()
+    try:
+        base = to_api(json.loads(TRAIN_WORKFLOW.read_text()), server.get("/object_info"))
+        long = set_inputs(base, "QwenEditTrain", lora_name=name, steps=100_000, checkpoint_every=0,
+                          validation_every=0)
+        background = set_inputs(long, "QwenEditTrainStatus", wait=False)
+        server.run(background)
+        first = server.job_where(name, lambda j: j["step"] >= 2, 600, "training")
+        server.run({"1": {"class_type": "QwenEditJobs", "inputs": {}}})  # anything else in between
+        server.run(background)  # the same graph again: attaches
+        again = server.jobs()[name]
+        assert again["step"] >= first["step"] and again["history"][0][0] == 1 and not again["finished"], again
+        results.append(f"attach: re-queued graph attached to the running job (step {first['step']} -> "
+                       f"{again['step']}, one job: {sorted(server.jobs())})")
+        waiting = server.queue(long)  # wait on, holds the queue only until the next prompt arrives
+        stop = server.queue({"1": {"class_type": "QwenEditStopTraining", "inputs": {"job_name": name}}})
+        server.wait(waiting)
+        server.wait(stop)
+        stopped = server.jobs()[name]
+        lora = server.base / "models" / "loras" / f"{name}.safetensors"
+        assert stopped["state"] == "cancelled" and stopped["last_checkpoint"] and lora.is_file(), stopped
+        results.append(f"wait + stop: the waiting status node let the Stop prompt run; job cancelled at step "
+                       f"{stopped['step']} with checkpoint {Path(stopped['last_checkpoint']).name}, LoRA "
+                       f"delivered to models/loras")
+        results += _restart(server, background, name, stopped["step"])
+        results.append(_unattended(server, base))
+    finally:
+        server.stop()
+    return results
+
+
+def _restart(server: ComfyServer, background: dict, name: str, stopped_at: int) -> list[str]:
+    resumed = set_inputs(background, "QwenEditTrain", resume=True)
+    server.run(resumed)
+    server.job_where(name, lambda j: j["step"] >= stopped_at + 3 and not j["finished"], 600, "resumed training")
+    code = server.stop()  # SIGTERM with the job running
+    saved = _latest_checkpoint_step(server.base, name)
+    assert saved >= stopped_at + 3, (saved, stopped_at)
+    server.start()  # the same base directory
+    final = saved + 3
+    server.run(set_inputs(set_inputs(resumed, "QwenEditTrain", steps=final), "QwenEditTrainStatus", wait=True))
+    job = server.jobs()[name]
+    assert job["state"] == "done" and job["step"] == final and job["history"][0][0] == saved + 1, job
+    return [f"SIGTERM: server exited with {code} after checkpointing the running job at step {saved}",
+            f"restart: resumed from that checkpoint (first step {job['history'][0][0]}), done at step {final}"]
+
+
+def _unattended(server: ComfyServer, base: dict) -> str:
+    name = "unattended"
+    prompt = set_inputs(set_inputs(base, "QwenEditTrain", lora_name=name, steps=6, validation_every=0),
+                        "QwenEditTrainStatus", wait=False)
+    server.run(prompt)
+    job = server.job_where(name, lambda j: j["finished"], 600, "finishing with nobody waiting")
+    lora = server.base / "models" / "loras" / f"{name}.safetensors"
+    assert job["state"] == "done" and lora.is_file() and job["delivered"] == str(lora), job
+    return f"unattended: job finished ({job['step']} steps) and its LoRA is in models/loras with nobody waiting"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
+    parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
+    parser.add_argument("--only", default="workflows,lifecycle,browser", help="comma-separated checks")
+    parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
+    parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not (args.comfyui_dir / "main.py").is_file():
+        parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
+    args.out.mkdir(parents=True, exist_ok=True)
+    from browser_check import check_browser
+    checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser}
+    failed = []
+    for name in args.only.split(","):
+        try:
+            for line in checks[name](args):
+                print(f"PASS {name}: {line}", flush=True)
+        except Exception as err:  # noqa: BLE001 - report every check, then fail
+            log.exception("%s failed", name)
+            failed.append(f"{name}: {type(err).__name__}: {err}")
+    for line in failed:
+        print(f"FAIL {line}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+// Live training view of the Qwen Edit node pack: progress, loss curve and latest validation image of each
+// training job, drawn on the Train / Training Status / Stop Training nodes. Plain JavaScript, no build step.
+// Fed by the pack's websocket event "qwen_edit.job" (every step) and its route GET /qwen_edit/jobs (on load
+// and after a reconnect); jobs live beside ComfyUI's queue, so the view updates while other prompts run.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const NODES = ["QwenEditTrain", "QwenEditTrainStatus", "QwenEditStopTraining"];
+const jobs = new Map(); // name -> {entry, history: [[step, loss], ...]}
+
+function update(entry, history) {
+  const job = jobs.get(entry.name) ?? { entry, history: [] };
+  job.entry = entry;
+  if (history) job.history = history.filter((p) => p[1] !== null);
+  else if (entry.point && entry.point[1] !== null) {
+    // a step at or before the last one drawn: a new run of that name started over (not a resume)
+    job.history = job.history.filter((p) => p[0] < entry.point[0]).concat([entry.point]);
+  }
+  jobs.set(entry.name, job);
+  renderAll();
+}
+
+async function refresh() {
+  try {
+    const res = await api.fetchApi("/qwen_edit/jobs");
+    if (!res.ok) return;
+    for (const entry of (await res.json()).jobs) update(entry, entry.history);
+  } catch (err) {
+    console.warn("qwen_edit: could not list training jobs", err);
+  }
+}
+
+function widgetValue(node, name) {
+  const w = (node.widgets || []).find((x) => x.name === name);
+  return w ? String(w.value ?? "").trim() : "";
+}
+
+// The job a node shows: its job_name widget, else the Train node's name (job_name, else lora_name), following
+// the "job" input link to the Train node for the status and stop nodes.
+function jobNameOf(node, depth = 0) {
+  const own = widgetValue(node, "job_name");
+  if (own) return own.replace(/\.safetensors$/, "");
+  if (node.comfyClass === "QwenEditTrain") return widgetValue(node, "lora_name").replace(/\.safetensors$/, "");
+  const input = (node.inputs || []).find((i) => i.name === "job");
+  if (!input || input.link == null || depth > 4) return "";
+  const link = node.graph?.links?.[input.link] ?? node.graph?.links?.get?.(input.link);
+  const origin = link && node.graph.getNodeById(link.origin_id);
+  return origin ? jobNameOf(origin, depth + 1) : "";
+}
+
+function drawCurve(canvas, history) {
+  const ctx = canvas.getContext("2d");
+  const w = (canvas.width = canvas.clientWidth || 240), h = (canvas.height = canvas.clientHeight || 70);
+  ctx.clearRect(0, 0, w, h);
+  ctx.fillStyle = "#1b1b1b";
+  ctx.fillRect(0, 0, w, h);
+  const pts = history.filter((p) => Number.isFinite(p[1]));
+  if (pts.length < 2) return;
+  const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  ctx.strokeStyle = "#4fc3f7";
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  pts.forEach(([x, y], i) => {
+    const px = 4 + ((x - x0) / Math.max(x1 - x0, 1e-9)) * (w - 8);
+    const py = h - 4 - ((y - y0) / Math.max(y1 - y0, 1e-12)) * (h - 8);
+    i ? ctx.lineTo(px, py) : ctx.moveTo(px, py);
+  });
+  ctx.stroke();
+  ctx.fillStyle = "#aaa";
+  ctx.font = "10px sans-serif";
+  ctx.fillText(`loss ${y1.toPrecision(3)}`, 6, 11);
+  ctx.fillText(`${y0.toPrecision(3)}`, 6, h - 6);
+}
+
+function render(node) {
+  const view = node.__qwenEditLive;
+  if (!view) return;
+  const name = jobNameOf(node);
+  const job = jobs.get(name);
+  view.root.dataset.job = name;
+  if (!job) {
+    view.text.textContent = name ? `${name}: no job yet (queue the graph to train)` : "no job";
+    view.root.dataset.state = "none";
+    view.root.dataset.step = "0";
+    view.root.dataset.points = "0";
+    view.bar.value = 0;
+    return;
+  }
+  const e = job.entry;
+  const loss = e.loss === null || e.loss === undefined ? "-" : Number(e.loss).toFixed(4);
+  view.text.textContent = `${e.name}: ${e.state} · step ${e.step}/${e.total} · loss ${loss}` +
+    (e.delivered ? ` · LoRA ${e.delivered.split(/[\\/]/).pop()}` : "");
+  Object.assign(view.root.dataset, { state: e.state, step: String(e.step), points: String(job.history.length),
+                                     loss: loss });
+  view.bar.max = e.total || 1;
+  view.bar.value = e.step;
+  drawCurve(view.canvas, job.history);
+  if (e.validation_url && view.img.dataset.src !== e.validation_url) {
+    view.img.dataset.src = e.validation_url;
+    view.img.src = api.apiURL(e.validation_url);
+    view.img.style.display = "block";
+  }
+}
+
+function renderAll() {
+  for (const node of app.graph?._nodes ?? app.graph?.nodes ?? []) render(node);
+}
+
+function addView(node) {
+  const root = document.createElement("div");
+  root.className = "qwen-edit-live";
+  root.style.cssText = "display:flex;flex-direction:column;gap:3px;font:11px sans-serif;color:#ddd;";
+  const text = document.createElement("div");
+  text.className = "qwen-edit-live-text";
+  const bar = document.createElement("progress");
+  bar.style.width = "100%";
+  const canvas = document.createElement("canvas");
+  canvas.className = "qwen-edit-live-loss";
+  canvas.style.cssText = "width:100%;height:70px;";
+  const img = document.createElement("img");
+  img.className = "qwen-edit-live-validation";
+  img.style.cssText = "display:none;max-width:100%;max-height:96px;object-fit:contain;";
+  root.append(text, bar, canvas, img);
+  const widget = node.addDOMWidget("live_training", "qwen_edit_live", root, {
+    serialize: false, hideOnZoom: false, getMinHeight: () => 110,
+  });
+  widget.serialize = false; // never saved into the workflow's widget values
+  node.__qwenEditLive = { root, text, bar, canvas, img };
+  render(node);
+}
+
+app.registerExtension({
+  name: "qwen_edit.live_training",
+  async setup() {
+    api.addEventListener("qwen_edit.job", ({ detail }) => update(detail, null));
+    api.addEventListener("reconnected", refresh);
+    await refresh();
+  },
+  async nodeCreated(node) {
+    if (NODES.includes(node.comfyClass)) addView(node);
+  },
+  async afterConfigureGraph() {
+    renderAll();
+  },
+});
+
+window.qwenEditLive = { jobs, refresh, renderAll };
