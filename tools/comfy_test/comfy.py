@@ -49,7 +49,7 @@ class ComfyServer:
         self.log_dir = Path(log_dir or self.base)
         self.proc, self.port, self.starts = None, None, 0
 
-    def start(self, timeout: float = 180) -> "ComfyServer":
+    def start(self, timeout: float = 900) -> "ComfyServer":
         nodes_dir = self.base / "custom_nodes"
         nodes_dir.mkdir(parents=True, exist_ok=True)
         link = nodes_dir / PACK_DIR_NAME
@@ -64,7 +64,12 @@ class ComfyServer:
                 [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                  "--base-directory", str(self.base), "--disable-auto-launch", "--disable-api-nodes"],
                 cwd=self.comfyui_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
-        poll(lambda: self.proc.poll() is not None and self._died() or self._ready(), timeout, "ComfyUI to start")
+        try:
+            poll(lambda: self.proc.poll() is not None and self._died() or self._ready(), timeout,
+                 "ComfyUI to start")
+        except BaseException:
+            self.stop()
+            raise
         log.info("ComfyUI on port %d, base %s (log %s)", self.port, self.base, self.log_path)
         return self
 
