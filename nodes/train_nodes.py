@@ -302,6 +302,7 @@ class QwenEditTrainStatus:
     carries on and puts its LoRA into models/loras when done). Returns the LoRA's name in the loras folder
     (empty until the job finished), its path, the loss plot and validation images."""
 
+    DESCRIPTION = __doc__
     CATEGORY = f"{CATEGORY}/training"
     DESCRIPTION = ("Shows a training job's progress and loss, found by its job link or its name, or waits for "
                    "it while nothing else is queued; interrupting stops the job with a checkpoint. Outputs the "

@@ -123,7 +123,7 @@ function addView(node) {
   img.style.cssText = "display:none;max-width:100%;max-height:96px;object-fit:contain;";
   root.append(text, bar, canvas, img);
   const widget = node.addDOMWidget("live_training", "qwen_edit_live", root, {
-    serialize: false, hideOnZoom: false, getMinHeight: () => 110,
+    serialize: false, hideOnZoom: false, getMinHeight: () => 210,
   });
   widget.serialize = false; // never saved into the workflow's widget values
   node.__qwenEditLive = { root, text, bar, canvas, img };

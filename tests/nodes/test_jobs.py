@@ -279,3 +279,14 @@ def test_sigterm_checkpoints_a_real_running_job(tmp_path):
     from qwen_edit_core.train.checkpoint import latest_checkpoint
     found = latest_checkpoint(out / "checkpoints")
     assert found is not None and found.step >= 2 and (out / "shutdown.safetensors").is_file()
+
+
+def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
+    source = (ROOT / "__init__.py").read_text()
+    assert 'WEB_DIRECTORY = "./web"' in source and '"WEB_DIRECTORY"' in source
+    script = (ROOT / "web" / "qwen_edit_jobs.js").read_text()
+    assert f'"{job_service.EVENT}"' in script and f'"{job_service.PREFIX}/jobs"' in script
+    for node_id in ("QwenEditTrain", "QwenEditTrainStatus", "QwenEditStopTraining"):
+        assert f'"{node_id}"' in script and node_id in nodes.NODE_CLASS_MAPPINGS
+    # The view is a DOM widget that is never saved into a workflow's widget values (they go by position).
+    assert "serialize: false" in script and "widget.serialize = false" in script

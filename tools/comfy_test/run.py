@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,7 @@ def check_lifecycle(args) -> list[str]:
                        f"delivered to models/loras")
         results += _restart(server, background, name, stopped["step"])
         results.append(_unattended(server, base))
+        results.append(_interrupt_signal(server, base))
     finally:
         server.stop()
     return results
@@ -108,6 +110,19 @@ def _unattended(server: ComfyServer, base: dict) -> str:
     lora = server.base / "models" / "loras" / f"{name}.safetensors"
     assert job["state"] == "done" and lora.is_file() and job["delivered"] == str(lora), job
     return f"unattended: job finished ({job['step']} steps) and its LoRA is in models/loras with nobody waiting"
+
+
+def _interrupt_signal(server: ComfyServer, base: dict) -> str:
+    """Ctrl+C (SIGINT) on the server checkpoints a running job too."""
+    name = "sigint"
+    prompt = set_inputs(set_inputs(base, "QwenEditTrain", lora_name=name, steps=100_000, checkpoint_every=0,
+                                   validation_every=0), "QwenEditTrainStatus", wait=False)
+    server.run(prompt)
+    server.job_where(name, lambda j: j["step"] >= 2, 600, "training")
+    code = server.stop(signal.SIGINT)
+    saved = _latest_checkpoint_step(server.base, name)
+    assert saved >= 2, saved
+    return f"SIGINT: server exited with {code} after checkpointing the running job at step {saved}"
 
 
 def main(argv=None) -> int:
