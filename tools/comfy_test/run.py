@@ -28,17 +28,25 @@ WORKFLOWS = sorted((PACK / "workflows").glob("*.json"))
 
 
 def check_workflows(args) -> list[str]:
-    """Every shipped workflow, each on its own fresh base directory (as on a fresh install)."""
-    results = []
+    """Every shipped workflow, each on its own fresh base directory (as on a fresh install); all are run,
+    then any failure is raised."""
+    results, failures = [], []
     for path in WORKFLOWS:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
-            prompt = to_api(json.loads(path.read_text()), server.get("/object_info"))
-            server.run(prompt)
+            try:
+                server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
+            except RuntimeError as err:
+                failures.append(f"{path.name}: {err}")
+                log.error(failures[-1])
+                continue
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
             results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s"
                            + (f", LoRA in models/loras: {delivered}" if delivered else ""))
             log.info(results[-1])
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(WORKFLOWS)} workflows failed ({len(results)} ok: "
+                           f"{[r.split(':')[0] for r in results]}):\n" + "\n".join(failures))
     return results
 
 
