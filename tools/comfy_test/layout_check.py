@@ -18,7 +18,7 @@ BUILTIN_TYPES = ("SaveImage", "PreviewImage", "Note")
 READY = "!!(window.app && window.app.graph && window.app.canvas && window.LiteGraph)"
 
 MEASURE = """JSON.stringify(Object.fromEntries(%s.map(t => { const n = LiteGraph.createNode(t);
-  return [t, {size: [n.size[0], n.size[1]], widgets: (n.widgets || []).map(w => w.name)}]; })))"""
+  return [t, {size: [n.size[0], n.size[1]], widgets: (n.widgets || []).filter(w => w.serialize !== false).map(w => w.name)}]; })))"""
 
 RECTS = """(async () => {
   await app.loadGraphData(%s, true, false, null, {showMissingNodesDialog: false, showMissingModelsDialog: false});

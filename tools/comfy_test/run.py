@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser", help="comma-separated checks")
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout",
+                        help="comma-separated checks: workflows, lifecycle, browser, layout; sizes re-measures "
+                             "workflows/frontend/node_sizes.json")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
     args = parser.parse_args(argv)
@@ -146,7 +148,9 @@ def main(argv=None) -> int:
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
     from browser_check import check_browser
-    checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser}
+    from layout_check import check_layout, measure_sizes
+    checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
+              "layout": check_layout, "sizes": measure_sizes}
     failed = []
     for name in args.only.split(","):
         try:
