@@ -109,26 +109,29 @@ def test_one_empty_prompt_for_caption_dropout_negative_prompt_and_predict(tiny_e
 
 
 class _ParkedJob:
-    """A job that never finishes (the registry only needs its device, config and status)."""
+    """A job that never finishes (the registry only needs its name, device, config and status)."""
 
-    def __init__(self, config, resume=None, on_finish=None):
+    finished = False
+
+    def __init__(self, config, *, name=None, resume=None, **_):
         self.config, self.device = config, config.train.device
+        self.name, self.output_dir = name or config.train.lora_name, config.train.output_dir
 
     def start(self):
         return self
 
     def status(self):
-        return SimpleNamespace(step=0, total=1)
+        return SimpleNamespace(step=0, total=1, state="training")
 
 
 def test_job_registry_treats_cuda_and_cuda0_as_one_device(monkeypatch, tiny_edit_dir, pairs_dir, tmp_path):
     from qwen_edit_core import jobs
     monkeypatch.setattr(jobs, "TrainingJob", _ParkedJob)
     registry = jobs.JobRegistry()
-    registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "a", train={"device": "cuda"}))
-    with pytest.raises(jobs.JobBusyError, match="already runs on cuda:0"):
-        registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "b", train={"device": "cuda:0"}))
-    registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "c", train={"device": "cuda:1"}))
+    registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "a", train={"device": "cuda"}), name="a")
+    with pytest.raises(jobs.JobBusyError, match="already runs on cuda"):
+        registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "b", train={"device": "cuda:0"}), name="b")
+    registry.start(train_config(tiny_edit_dir, pairs_dir, tmp_path / "c", train={"device": "cuda:1"}), name="c")
     assert len(registry.running()) == 2
 
 
