@@ -238,8 +238,8 @@ class _Denoiser:
         self.transformer, self.cond, self.settings = transformer, cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
         if settings.cfg_mode == "split" and not settings.do_cfg:
-            log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is no negative pass "
-                     "to split: the transformer runs alone on its own device", settings.true_cfg_scale,
+            log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is nothing to "
+                     "split (no negative pass): the transformer runs alone on its own device", settings.true_cfg_scale,
                      "unset" if settings.negative_prompt is None else "set")
         if self.mode == "batched":
             self.both = _stack_embeds(cond.cond, cond.uncond)

@@ -323,7 +323,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
                 total = share if total is None else total + share
             # one host sync per step: a NaN/Inf loss must stop (or skip) the step before the optimizer applies it
             loss_now = float(total)
-            if not math.isfinite(run.dist.mean(loss_now) if run.dist.world > 1 else loss_now):
+            if not math.isfinite(run.dist.mean_tensor(total) if run.dist.world > 1 else loss_now):
                 nonfinite_step(run, loss_now, examples)
                 continue
             optimizer_step(run)

@@ -180,7 +180,7 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
     comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),
-              Image.fromarray(rng.integers(0, 255, (80, 48, 3), dtype=np.uint8))]
+              Image.fromarray(rng.integers(0, 255, (80, 64, 3), dtype=np.uint8))]
     prompts = ["make it blue", "add a small red hat to the cat"]
     settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, vae_area=96 * 96)
     singles = [sampler.sample(comps, p, [img], sampler.SampleSettings(**{**settings.__dict__, "seed": s}))

@@ -14,7 +14,7 @@ from qwen_edit_core.config import ConfigError
 from qwen_edit_core.model.devices import DeviceError, DevicePlan, available_devices
 
 
-def _write_image(path, w=64, h=48, seed=0):
+def _write_image(path, w=96, h=64, seed=0):
     rng = np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
     return path
@@ -90,7 +90,7 @@ def test_facade_predict_and_encoders(tiny_edit_dir):
     trainer = QwenImageEditTrainer(config)
     trainer.load_model()
     trainer.setup_predict()
-    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    image = Image.new("RGB", (96, 64), (200, 30, 30))
     out = trainer.predict(image, "make it green", num_inference_steps=2, seed=1)
     assert out.dtype == np.float32 and out.ndim == 3 and out.shape[2] == 3
     assert 0.0 <= out.min() and out.max() <= 1.0

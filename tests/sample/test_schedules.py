@@ -88,7 +88,7 @@ def edit_comps(tiny_edit_dir):
 @pytest.mark.parametrize("steps", [4, 8])
 def test_lightning_with_two_loras_matches_diffusers_edit(tiny_edit_dir, edit_comps, two_loras, steps):
     from diffusers import QwenImageEditPipeline
-    image, strengths = _image(64, 48, 0), (1.0, 0.7)
+    image, strengths = _image(96, 64, 0), (1.0, 0.7)
     ref = _lightning_reference(QwenImageEditPipeline, tiny_edit_dir, two_loras, strengths, image, steps,
                                height=128, width=160)
     ours = _lightning_ours(edit_comps, two_loras, strengths, [image], steps, height=128, width=160)
@@ -106,7 +106,7 @@ def test_lightning_with_two_loras_matches_diffusers_edit_plus(tiny_plus_dir, two
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
     monkeypatch.setattr(module, "VAE_IMAGE_SIZE", 128 * 128)
     monkeypatch.setattr(module, "CONDITION_IMAGE_SIZE", 96 * 96)
-    images, strengths = [_image(64, 48, 1), _image(40, 72, 2)], (0.9, 1.3)
+    images, strengths = [_image(96, 64, 1), _image(64, 112, 2)], (0.9, 1.3)
     ref = _lightning_reference(QwenImageEditPlusPipeline, tiny_plus_dir, two_loras_plus, strengths, images, steps,
                                height=96, width=128)
     comps = load_components(tiny_plus_dir, DevicePlan.from_mapping({}))
@@ -183,7 +183,7 @@ def test_comfyui_schedule_matches_comfyui_sampling(edit_comps, cfg, shift):
     lora.use_adapters(comps.transformer, [], [])
     settings = sampler.SampleSettings(num_inference_steps=5, true_cfg_scale=cfg, seed=11, width=128, height=96,
                                       schedule="comfyui", shift=shift)
-    cond = sampler.build_conditioning(comps, "add snow", [_image(64, 48, 3)], settings)
+    cond = sampler.build_conditioning(comps, "add snow", [_image(96, 64, 3)], settings)
     if cfg == 1.0:
         assert cond.uncond is None
         cond = sampler.Conditioning(cond.cond, cond.cond, cond.control_tokens, cond.img_shapes, cond.width,
@@ -226,7 +226,7 @@ def test_cfg_one_runs_no_negative_pass(edit_comps, replica, monkeypatch, caplog,
     settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=1.0, negative_prompt="blurry", seed=0,
                                       width=64, height=64, cfg_mode=mode, schedule=schedule)
     with caplog.at_level(logging.INFO, logger="qwen_edit_core.sample.sampler"):
-        sampler.sample(comps, "sharpen", [_image(32, 32, 0)], settings, uncond_transformer=replica)
+        sampler.sample(comps, "sharpen", [_image(64, 64, 0)], settings, uncond_transformer=replica)
     main.handle.remove()
     other.handle.remove()
     assert prompts == ["sharpen"]
