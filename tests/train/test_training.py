@@ -208,8 +208,9 @@ def test_gradient_checkpointing_gives_the_same_training(tiny_edit_dir, pairs_dir
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_path):
+    import re
     import signal
-    import time
+
     import yaml
     out = tmp_path / "o"
     cfg = {"model": {"pretrained_model_name_or_path": str(tiny_edit_dir)},
@@ -219,14 +220,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_p
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     qwen_edit = os.path.join(os.path.dirname(sys.executable), "qwen-edit")
-    proc = subprocess.Popen([qwen_edit, "train", str(path)], stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([qwen_edit, "train", str(path)], stderr=subprocess.PIPE,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.time() + 120
-    while not (out / "loss.csv").is_file() or len((out / "loss.csv").read_text().splitlines()) < 4:
-        assert time.time() < deadline and proc.poll() is None
-        time.sleep(0.2)
+    # Synchronise on the run's own progress output (blocking reads, no polling): SIGINT once step 3 is done.
+    seen = ""
+    while not any(int(n) >= 3 for n in re.findall(r"(\d+)/100000", seen)):
+        chunk = os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+        assert chunk, f"training ended before step 3: {seen[-2000:]}"
+        seen += chunk
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, rest = proc.communicate(timeout=120)
+    err = seen + rest.decode(errors="replace")
     assert proc.returncode == 130, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
     assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err
