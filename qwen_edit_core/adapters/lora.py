@@ -282,6 +282,14 @@ def load_lora_into(transformer, weights: LoraWeights, adapter_name: str = "defau
         layer.set_adapter(previous + [adapter_name])
 
 
+def load_lora_file(transformer, path, adapter_name: str = "default", strength: float = 1.0) -> None:
+    """Read a LoRA file (any layout of `LAYOUTS`) and load it as adapter `adapter_name` (`load_lora_into`),
+    outside inference mode so the adapter's weights are ordinary tensors even when called from ComfyUI."""
+    weights = read_lora_file(path)
+    with torch.inference_mode(False):
+        load_lora_into(transformer, weights, adapter_name=adapter_name, strength=strength)
+
+
 def weights_adapter_name(weights: LoraWeights) -> str:
     """A stable adapter name for in-memory weights: a digest of their paths, shapes, alphas and values."""
     digest = hashlib.sha1()

@@ -135,44 +135,49 @@ def step_hygiene(fn, device: torch.device) -> tuple[int, int]:
     return syncs, torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
 
 
-def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None = None, side: int = 1024,
-          full: bool = True) -> str:
-    """`layers`/`side` shrink the run for a smoke test of the plumbing (any device); `full=False` skips the
-    full edits."""
-    dev = resolve_device(device, component="bench device")
-    if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 41 GiB in bf16)")
+@dataclasses.dataclass
+class _RealRun:
+    """One real-size sampling bench: the components, the conditioning of the edit and the full edits so far."""
+    dev: torch.device
+    dtype: torch.dtype
+    comps: object
+    image: Image.Image
+    cond: object
+    latents: torch.Tensor
+    full: bool
+    full_rows: list = dataclasses.field(default_factory=list)
+    outputs: dict = dataclasses.field(default_factory=dict)
+
+    def full_edit(self, label: str, fn) -> None:
+        """Time one whole edit; keep its output to compare with our plain sampler's."""
+        reset_peak(self.dev)
+        sync(self.dev)
+        start = time.perf_counter()
+        out = fn()
+        sync(self.dev)
+        self.full_rows.append([label, f"{time.perf_counter() - start:.2f}", _gib(peak_gib(self.dev))])
+        self.outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
+
+
+def _real_run(dev: torch.device, steps: int, layers: int | None, side: int, full: bool):
+    """(the run, the plain sampler settings) of a random real-size transformer at `side`^2."""
     dtype = torch.bfloat16
     comps = bench_components(True, dev, dtype, num_layers=layers)
     comps.transformer.eval()
-    peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
     image = _image(side)
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
                                       seed=0, vae_area=side * side)
     cond = sampler.build_conditioning(comps, PROMPT, [image], settings)
     latents = sampler.initial_noise(0, cond.width, cond.height, comps.transformer.config.in_channels // 4, dev,
                                     dtype)
+    return _RealRun(dev, dtype, comps, image, cond, latents, full), settings
+
+
+def _lever_rows(run: _RealRun, settings, repeats: int):
+    """(rows [name, median s or failure, peak], reference s, settings with every lever) of one CFG step: the
+    diffusers model as the pipeline calls it, then ours with each lever added in turn."""
+    comps, cond, latents, dtype, dev = run.comps, run.cond, run.latents, run.dtype, run.dev
     t = torch.tensor(500.0, device=dev)
-    tokens = [latents.shape[1] + cond.control_tokens.shape[1] + e.embeds.shape[1] for e in (cond.cond, cond.uncond)]
-    flops = sum(forward_flops(n, layers or 60) for n in tokens)
-    full_rows, outputs = [], {}
-
-    def full_edit(label, fn):
-        reset_peak(dev)
-        sync(dev)
-        start = time.perf_counter()
-        out = fn()
-        sync(dev)
-        full_rows.append([label, f"{time.perf_counter() - start:.2f}", _gib(peak_gib(dev))])
-        outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
-
-    if full:
-        pipe = _pipeline(comps)
-        full_edit("diffusers QwenImageEditPipeline", lambda: pipe(
-            image=image, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps,
-            generator=torch.Generator("cpu").manual_seed(0), output_type="np").images)
-        fast = dataclasses.replace(settings, num_inference_steps=4, true_cfg_scale=1.0, schedule="lightning")
-        full_edit("ours, lightning 4 steps, CFG 1", lambda: sampler.sample(comps, PROMPT, [image], fast)[0].numpy())
 
     def reference_step():
         for e in (cond.cond, cond.uncond):  # the pipeline passes its prompt mask (all ones here)
@@ -181,68 +186,104 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
                               encoder_hidden_states=e.embeds, encoder_hidden_states_mask=e.mask,
                               img_shapes=[cond.img_shapes], return_dict=False)
 
-    rows = []
-    with torch.no_grad():
-        reset_peak(dev)
-        t_ref = median_time(reference_step, dev, repeats)
-        rows.append(["diffusers model, prompt mask (as the pipeline)", t_ref, peak_gib(dev)])
-        for name in STEP_VARIANTS:
-            try:
-                settings = _apply_variant(name, comps, dev, settings)
-                denoiser = sampler._Denoiser(comps.transformer, cond, settings)
-                with speed.attention_kernel(settings.attention):
-                    reset_peak(dev)
-                    rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
-                                 peak_gib(dev)])
-            except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
-                log.exception("sampler lever %s failed", name)
-                rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])
-            if name == "ours, no mask" and full:
-                full_edit("qwen_edit_core sampler, plain", lambda s=settings: sampler.sample(comps, PROMPT, [image], s))
-        # The whole Euler step as the loop runs it (guided velocity + scheduler update), with every lever on.
-        scheduler, timesteps, _ = sampler.make_timesteps(comps.scheduler_config, settings, latents.shape[1], dev)
-        denoiser = sampler._Denoiser(comps.transformer, cond, settings)
-
-        state = {"latents": latents, "i": 0}
-
-        def euler_step():  # as sampler.denoise's loop body: steps 1 (warm-up) and 2 (measured)
-            t = timesteps[state["i"]]
+    reset_peak(dev)
+    t_ref = median_time(reference_step, dev, repeats)
+    rows = [["diffusers model, prompt mask (as the pipeline)", t_ref, peak_gib(dev)]]
+    for name in STEP_VARIANTS:
+        try:
+            settings = _apply_variant(name, comps, dev, settings)
+            denoiser = sampler._Denoiser(comps.transformer, cond, settings)
             with speed.attention_kernel(settings.attention):
-                velocity = denoiser(state["latents"], t)
-            state["latents"] = scheduler.step(velocity, t, state["latents"], return_dict=False)[0].to(dtype)
-            state["i"] += 1
-        syncs, segments = step_hygiene(euler_step, dev)
-        log.info("one Euler step with every lever: %d host syncs, %d new CUDA segments", syncs, segments)
-    if full:
-        full_edit("qwen_edit_core sampler, all levers above", lambda: sampler.sample(comps, PROMPT, [image],
-                                                                                      settings))
+                reset_peak(dev)
+                rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
+                             peak_gib(dev)])
+        except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
+            log.exception("sampler lever %s failed", name)
+            rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])
+        if name == "ours, no mask" and run.full:
+            run.full_edit("qwen_edit_core sampler, plain",
+                          lambda s=settings: sampler.sample(comps, PROMPT, [run.image], s))
+    return rows, t_ref, settings
+
+
+def _euler_hygiene(run: _RealRun, settings) -> tuple[int, int]:
+    """Host syncs and new CUDA segments of the whole Euler step as the loop runs it (guided velocity +
+    scheduler update), with every lever on."""
+    scheduler, timesteps, _ = sampler.make_timesteps(run.comps.scheduler_config, settings, run.latents.shape[1],
+                                                     run.dev)
+    denoiser = sampler._Denoiser(run.comps.transformer, run.cond, settings)
+    state = {"latents": run.latents, "i": 0}
+
+    def euler_step():  # as sampler.denoise's loop body: steps 1 (warm-up) and 2 (measured)
+        t = timesteps[state["i"]]
+        with speed.attention_kernel(settings.attention):
+            velocity = denoiser(state["latents"], t)
+        state["latents"] = scheduler.step(velocity, t, state["latents"], return_dict=False)[0].to(run.dtype)
+        state["i"] += 1
+    syncs, segments = step_hygiene(euler_step, run.dev)
+    log.info("one Euler step with every lever: %d host syncs, %d new CUDA segments", syncs, segments)
+    return syncs, segments
+
+
+def _step_table(rows, t_ref: float, flops: float, peak_tflops: float, hygiene: tuple[int, int]) -> list[list]:
     table = []
     for name, s, peak in rows:
         if isinstance(s, str):
             table.append([name, s, "-", "-", "-"])
         else:
-            table.append([name, f"{s:.3f}", _gib(peak), f"{100 * flops / s / peaks['bf16'] / 1e12:.0f}%",
+            table.append([name, f"{s:.3f}", _gib(peak), f"{100 * flops / s / peak_tflops / 1e12:.0f}%",
                           f"{t_ref / s:.2f}"])
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    syncs, segments = hygiene
     table.append(["one Euler step, every lever: host syncs / new CUDA segments", f"{syncs} / {segments}" if
                   syncs >= 0 else "- (CUDA only)", "-", "-", "-"])
+    return table
+
+
+def _full_table(run: _RealRun, steps: int, side: int) -> str:
+    base, plain = run.full_rows[0], run.outputs["qwen_edit_core sampler, plain"]
+    for row in run.full_rows:
+        row.append(f"{float(base[1]) / float(row[1]):.2f}")
+        row.append(f"{np.abs(run.outputs[row[0]] - plain).mean():.4f}" if run.outputs[row[0]].shape == plain.shape
+                   else "-")
+    return print_table(f"full edit: {steps} steps, true CFG 4.0, {side}^2, {run.dev}",
+                       ["implementation", "s", "peak GiB", "speed vs pipeline", "mean |output - plain| (0-1 image)"],
+                       run.full_rows)
+
+
+def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None = None, side: int = 1024,
+          full: bool = True) -> str:
+    """`layers`/`side` shrink the run for a smoke test of the plumbing (any device); `full=False` skips the
+    full edits."""
+    dev = resolve_device(device, component="bench device")
+    if dev.type != "cuda" and layers is None:
+        raise ValueError("--real-size needs a CUDA device (the real transformer is 41 GiB in bf16)")
+    run, settings = _real_run(dev, steps, layers, side, full)
+    peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
+    cond = run.cond
+    tokens = [run.latents.shape[1] + cond.control_tokens.shape[1] + e.embeds.shape[1] for e in (cond.cond, cond.uncond)]
+    flops = sum(forward_flops(n, layers or 60) for n in tokens)
+    if full:
+        pipe = _pipeline(run.comps)
+        run.full_edit("diffusers QwenImageEditPipeline", lambda: pipe(
+            image=run.image, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(0), output_type="np").images)
+        fast = dataclasses.replace(settings, num_inference_steps=4, true_cfg_scale=1.0, schedule="lightning")
+        run.full_edit("ours, lightning 4 steps, CFG 1",
+                      lambda: sampler.sample(run.comps, PROMPT, [run.image], fast)[0].numpy())
+    with torch.no_grad():
+        rows, t_ref, settings = _lever_rows(run, settings, repeats)
+        hygiene = _euler_hygiene(run, settings)
+    if full:
+        run.full_edit("qwen_edit_core sampler, all levers above",
+                      lambda: sampler.sample(run.comps, PROMPT, [run.image], settings))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     text = print_table(
         f"sample step (cond + uncond): random real-size transformer ({layers or 60} blocks), {side}^2 Edit "
         f"({tokens[0]} / {tokens[1]} tokens), bf16, {dev} ({name}); MFU against the measured bf16 peak "
         f"{peaks['bf16']:.0f} TFLOP/s; step = {flops:.2e} FLOPs",
-        ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference"], table)
-    if full:
-        base, plain = full_rows[0], outputs["qwen_edit_core sampler, plain"]
-        for row in full_rows:
-            row.append(f"{float(base[1]) / float(row[1]):.2f}")
-            row.append(f"{np.abs(outputs[row[0]] - plain).mean():.4f}" if outputs[row[0]].shape == plain.shape
-                       else "-")
-        text += "\n\n" + print_table(
-            f"full edit: {steps} steps, true CFG 4.0, {side}^2, {dev}", ["implementation", "s", "peak GiB",
-                                                                       "speed vs pipeline",
-                                                                       "mean |output - plain| (0-1 image)"],
-            full_rows)
-    return text
+        ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference"],
+        _step_table(rows, t_ref, flops, peaks["bf16"], hygiene))
+    return text + ("\n\n" + _full_table(run, steps, side) if full else "")
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:

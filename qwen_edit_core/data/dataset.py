@@ -47,6 +47,8 @@ from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACC
                                         _mode_name, check_image, inspect_image,
                                         load_rgb)
 from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
+from qwen_edit_core.data.examples import (DatasetError, DatasetNotFoundError, DatasetReport,  # noqa: F401
+                                          EditExample, Problem)  # (re-exported: the dataset's public values)
 from qwen_edit_core.data.masks import MASKS_DIR, check_mask, split_mask_stems
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE, bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
 
@@ -65,53 +67,6 @@ LAYOUTS = ("images/ + control/ (or control_1/, control_2/, ...) matched by file 
 
 _CONTROL_DIR = re.compile(r"^control(?:_(?P<index>\d+))?$")
 _FLAT_CONTROL = re.compile(r"^(?P<base>.+)_control(?:_(?P<index>\d+))?$", re.IGNORECASE)
-
-
-# -- public data -----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class EditExample:
-    """One validated edit pair: the target, its control image(s) (in control order) and the caption."""
-    name: str
-    target: Path
-    controls: tuple[Path, ...]
-    caption: str
-    target_size: tuple[int, int]  # (w, h) as displayed (EXIF orientation applied)
-    control_sizes: tuple[tuple[int, int], ...]
-    mask: Optional[Path] = None  # the edited region (white) for a region-weighted loss, if the pair has one
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something wrong (or, in `DatasetReport.notes`, worth knowing) about one file."""
-    path: Path
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-@dataclass(frozen=True)
-class DatasetReport:
-    """The valid examples, the problems skipped (`skip_invalid`), the layout ("folders" or "flat") and
-    informational notes (EXIF orientation applied, modes converted, caption precedence)."""
-    examples: tuple[EditExample, ...]
-    skipped: tuple[Problem, ...]
-    layout: str
-    notes: tuple[Problem, ...] = ()
-
-
-class DatasetError(ValueError):
-    """Every problem of a dataset folder: the count (or a header) first, then one problem per line."""
-
-    def __init__(self, problems: Sequence[Problem], header: str = ""):
-        self.problems = list(problems)
-        lines = [header or f"{len(self.problems)} problem(s) in the dataset:"] + [f"  {p}" for p in self.problems]
-        super().__init__("\n".join(lines))
-
-
-class DatasetNotFoundError(DatasetError, FileNotFoundError):
-    """The dataset folder does not exist (catchable as DatasetError or FileNotFoundError)."""
 
 
 # -- discovery -------------------------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ class SampleSettings:
             raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if not self.true_cfg_scale >= 0:
+            raise ValueError(f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}")
         for name in ("width", "height"):
             value = getattr(self, name)
             if value is not None and value < encode.LATENT_MULTIPLE:

@@ -1,0 +1,97 @@
+"""The predict path as plain functions over loaded components: ready the transformer for sampling, the sampler's
+settings from `predict.*` and call arguments, the output formats, and the single-input encoders
+(`encode_prompt`, `encode_image`, `decode`) that `QwenImageEditTrainer` exposes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from qwen_edit_core.model import encode, variants
+from qwen_edit_core.model.components import replicate
+from qwen_edit_core.sample.sampler import SampleSettings
+
+OUTPUT_TYPES = ("np", "pil", "pt")
+
+
+def prepare_transformer(components, device: torch.device, predict) -> None:
+    """Ready loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the
+    transformer in place (qwen_edit_core.speed; it stays so until reloaded); context parallelism
+    (`predict.context_parallel`, sample.context_parallel)."""
+    components.transformer.eval()
+    if predict.fp8 or predict.compile:
+        from qwen_edit_core import speed
+        speed.configure_inference(components.transformer, device, fp8=predict.fp8, compile=predict.compile)
+    if predict.context_parallel > 1:
+        if predict.cfg_mode == "split":
+            raise ValueError("predict.context_parallel with cfg_mode split: the two CFG branches on their own "
+                             "process groups are not built; use cfg_mode sequential or batched")
+        from qwen_edit_core.sample import context_parallel
+        context_parallel.enable(components.transformer, predict.context_parallel, predict.cp_mode)
+
+
+def uncond_replica(components, device: torch.device, uncond_device: torch.device | None):
+    """The transformer's replica for `predict.cfg_mode: split`, on `uncond_device` (default the transformer's)."""
+    return replicate(components.transformer, uncond_device or device)
+
+
+def settings(predict, *, schedule: str | None, shift: float | None, num_inference_steps: int | None,
+             true_cfg_scale: float | None, negative_prompt: str | None, seed: int | None, width: int | None,
+             height: int | None) -> SampleSettings:
+    """The sampler's settings: the call's arguments over `predict.*`. Steps and CFG not given: the named
+    schedule's (sample/schedules.py), else `predict.num_inference_steps` / `predict.true_cfg_scale`."""
+    from qwen_edit_core.sample import schedules
+    schedule = schedule or predict.schedule
+    steps, cfg = schedules.steps_and_cfg(schedule, num_inference_steps, true_cfg_scale,
+                                         predict.num_inference_steps, predict.true_cfg_scale)
+    return SampleSettings(
+        num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative_prompt, seed=seed, width=width,
+        height=height, cfg_mode=predict.cfg_mode, shift_mode=predict.shift_mode, fixed_mu=predict.fixed_mu,
+        vae_area=predict.vae_area, vl_area=predict.vl_area, attention=predict.attention, schedule=schedule,
+        shift=shift if shift is not None else predict.shift, control_size=predict.control_size)
+
+
+def check_output_type(output_type: str) -> None:
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type {output_type!r} is not accepted; accepted: {', '.join(OUTPUT_TYPES)}")
+
+
+def to_output(image: torch.Tensor, output_type: str):
+    """A sampled (1, H, W, 3) [0, 1] image as float32 (H, W, 3) ("np"), a PIL image ("pil") or as it is ("pt")."""
+    check_output_type(output_type)
+    if output_type == "pt":
+        return image
+    array = image[0].numpy().astype(np.float32)
+    if output_type == "pil":
+        return Image.fromarray((array * 255).round().astype(np.uint8))
+    return array
+
+
+def encode_prompt(components, prompt: str, image, *, area: int | None, vae_area: int,
+                  vl_area: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_embeds (1, S, D), mask (1, S)) for a prompt and its control image(s), on the TE device. The VL
+    sees the images at `area`, default the variant's (model/variants.py `Variant.vl_area`)."""
+    components.require("text_encoder")
+    images = [encode.to_pil(i) for i in (image if isinstance(image, (list, tuple)) else [image])]
+    area = area or variants.get(components.variant).vl_area(vae_area, vl_area)
+    vl = [encode.resize(i, *encode.image_size_at_area(i, area)) for i in images]
+    te = components.text_encoder
+    (emb,) = encode.encode_prompts(te.model, te.processor, [prompt], [vl], components.variant, device=te.device)
+    embeds = encode.pad_embeddings([emb])
+    return embeds.embeds, embeds.mask
+
+
+def encode_image(components, image, area: int) -> torch.Tensor:
+    """Normalized VAE latents (1, 16, 1, h, w) of an image at `area`."""
+    components.require("vae")
+    pil = encode.to_pil(image)
+    size = encode.image_size_at_area(pil, area)
+    return encode.encode_latents(components.vae, encode.pixels_for_vae(pil, *size))
+
+
+def decode(components, latents: torch.Tensor) -> torch.Tensor:
+    """Normalized latents (B, 16, 1, h, w) -> (B, H, W, 3) float32 in [0, 1], on the CPU."""
+    components.require("vae")
+    return encode.postprocess(encode.decode_latents(components.vae, latents)).cpu()

@@ -1,0 +1,227 @@
+"""A training run from a Config, as plain stage functions: where the model's files are, how examples are encoded,
+the cache stage, the LoRA to train, `fit` (cache or realtime -> train -> validation images) and the loss of one
+batch. `QwenImageEditTrainer` (api.py) holds the loaded components between calls and delegates here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from qwen_edit_core.adapters import lora as lora_mod
+from qwen_edit_core.config import Config
+from qwen_edit_core.data.cache import EmbeddingCache
+from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_cache, cache_key, encode_example,
+                                                 encoder_identity)
+from qwen_edit_core.model import components as comp
+from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
+from qwen_edit_core.train.distributed import local_device
+
+log = logging.getLogger(__name__)
+
+
+# -- the model's files and the encoding ------------------------------------------------------------------------
+def model_files(config: Config) -> dict:
+    """The single files and the ComfyUI installation of `model.*`, as load_components takes them:
+    transformer_file, vae_file, text_encoder_file (bare names are looked up in model.comfyui_models_dir),
+    comfyui_dir (model.comfyui_dir, else the installation holding model.comfyui_models_dir, if it is one) and
+    transformer_fp8."""
+    m = config.model
+    files = {f"{name}_file": comp.resolve_model_file(getattr(m, f"{name}_file"), name, m.comfyui_models_dir)
+             for name in ("transformer", "vae", "text_encoder")}
+    comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comp.comfyui_dir_near(m.comfyui_models_dir)
+    return {**files, "comfyui_dir": comfyui, "transformer_fp8": m.transformer_fp8}
+
+
+def encode_settings(config: Config, variant: str) -> EncodeSettings:
+    """How examples are encoded (areas, dtype) for a model variant (model/variants.py name)."""
+    d = config.data
+    return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
+                          dtype=resolve_dtype(config.model.dtype, component="model.dtype"),
+                          convert_modes=d.convert_modes, control_size=d.control_size)
+
+
+def open_cache(config: Config) -> EmbeddingCache:
+    """The embedding cache of `cache.dir` (default: `train.output_dir`/cache)."""
+    return EmbeddingCache(Path(config.cache.dir or str(Path(config.train.output_dir) / "cache")))
+
+
+def cache_identity(config: Config, model_dir: Path) -> str:
+    """The encoders' identity in cache keys (the VAE and the text encoder may come from their own files, the
+    processor from ComfyUI's bundled tokenizer)."""
+    files = model_files(config)
+    return encoder_identity(model_dir, files["vae_file"], files["text_encoder_file"],
+                            comp.processor_source(model_dir, files["comfyui_dir"]))
+
+
+def encoder_plan(config: Config) -> DevicePlan:
+    """Devices of the cache stage's encoders and of the trained transformer (this process's share)."""
+    c = config.cache
+    return DevicePlan.from_mapping({"text_encoder": local_device(c.text_encoder_device),
+                                    "vae": local_device(c.vae_encoder_device),
+                                    "transformer": local_device(config.train.device)}, dtype=config.model.dtype)
+
+
+def lora_spec(config: Config) -> lora_mod.LoraSpec:
+    """The LoRA to train, from `model.lora`."""
+    lora = config.model.lora
+    return lora_mod.LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora_mod.resolve_targets(lora.targets),
+                             dropout=lora.dropout, init=lora.init)
+
+
+def _model(config: Config) -> tuple[Path, EncodeSettings]:
+    model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
+    return model_dir, encode_settings(config, config.model.variant or comp.detect_variant(model_dir))
+
+
+# -- the cache stage -------------------------------------------------------------------------------------------
+def run_cache(config: Config, examples: Sequence, encoders=None, *, progress=None, cancel=None) -> dict:
+    """Encode every example missing from the cache (text encoder and VAE on `cache.text_encoder_device` /
+    `cache.vae_encoder_device`, or the given `encoders` components when they hold both); returns
+    {"total", "hits", "computed"}. Nothing is loaded when every entry is present."""
+    model_dir, settings = _model(config)
+    cache, identity = open_cache(config), cache_identity(config, model_dir)
+    # `contains` validates each entry's header, so a damaged one is recomputed in this same run.
+    missing = [ex for ex in examples if not cache.contains(cache_key(ex, settings, identity))]
+    if not missing:
+        log.info("cache: all %d entries present in %s; encoders not loaded", len(examples), cache.root)
+        return {"total": len(examples), "hits": len(examples), "computed": 0}
+    if encoders is None or encoders.text_encoder is None or encoders.vae is None:
+        encoders = comp.load_components(model_dir, encoder_plan(config), which=("vae", "text_encoder"),
+                                        **model_files(config))
+    return build_cache(encoders, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
+
+
+# -- fit -------------------------------------------------------------------------------------------------------
+@dataclass
+class FitInputs:
+    """What `fit` trains on: the loaded components, one example's tensors by index, and the validation
+    sample's tensors (None without validation)."""
+    components: comp.Components
+    load_item: Callable[[int], dict]
+    validation: dict | None
+
+
+def _validation_example(config: Config, n_controls: int):
+    t = config.train
+    if not (t.validation_every and t.validation_image):
+        return None
+    from qwen_edit_core.train.validation import validation_example
+    return validation_example(t.validation_image, t.validation_prompt, n_controls)
+
+
+def _cached_inputs(config: Config, examples, val_example, model_dir: Path, settings: EncodeSettings) -> FitInputs:
+    """Load only the transformer; items and the validation sample come from the cache."""
+    comps = comp.load_components(model_dir, encoder_plan(config), which=("transformer",),
+                                 quantize_transformer=config.model.quantize, **model_files(config))
+    cache, identity = open_cache(config), cache_identity(config, model_dir)
+    keys = [cache_key(ex, settings, identity) for ex in examples]
+
+    def load_item(i: int) -> dict:
+        tensors = cache.get(keys[i])
+        if tensors is None:
+            raise RuntimeError(f"cache entry of {examples[i].name} vanished from {cache.root}; run cache again")
+        return tensors
+    val = open_cache(config).get(cache_key(val_example, settings, cache_identity(config, model_dir))) \
+        if val_example is not None else None
+    return FitInputs(comps, load_item, val)
+
+
+def _realtime_inputs(config: Config, examples, val_example, model_dir: Path, settings: EncodeSettings) -> FitInputs:
+    """Load every component; items are encoded as the loop asks for them."""
+    comps = comp.load_components(model_dir, encoder_plan(config), quantize_transformer=config.model.quantize,
+                                 **model_files(config))
+    val = encode_example(comps, val_example, settings) if val_example is not None else None
+    return FitInputs(comps, lambda i: encode_example(comps, examples[i], settings), val)
+
+
+def _inject(config: Config, transformer, spec: lora_mod.LoraSpec) -> None:
+    """Inject the LoRA to train (seeded init), starting from `model.lora.init_from` when given."""
+    # LoRA init draws from torch's global RNG: seed it, so the run does not depend on what loaded before.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.train.seed)
+        lora_mod.inject_lora(transformer, spec)
+    if config.model.lora.init_from:
+        lora_mod.load_lora_into(transformer, lora_mod.read_lora_file(config.model.lora.init_from),
+                                adapter_name="default", strength=1.0)
+
+
+def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: None,
+        ready: Callable[[comp.Components, lora_mod.LoraSpec], None] = lambda comps, spec: None,
+        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None):
+    """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and write
+    it to `train.output_dir`; returns loop.TrainResult.
+
+    `encoders`: already loaded components the cache stage may use; `release()` is called once the cache stage
+    is done with them (the caller drops its reference, so they are freed before the transformer loads);
+    `ready(components, spec)` as soon as the LoRA is injected, before the loop runs; `check(model_dir, n_examples)`
+    before any weight loads (the facade's preflight)."""
+    from qwen_edit_core.data.dataset import load_dataset
+    from qwen_edit_core.train.loop import resolve_resume, train
+    d = config.data
+    examples = list(load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
+    model_dir, settings = _model(config)
+    out_dir = Path(config.train.output_dir)
+    resume_path = resolve_resume(out_dir, resume)
+    from qwen_edit_core.train.checkpoint import lora_stack
+    stack = lora_stack(config.model.lora.stack, resume_path)
+    val_example = _validation_example(config, len(examples[0].controls))
+    check(model_dir, len(examples))
+    if config.cache.enabled:
+        run_cache(config, examples + ([val_example] if val_example else []), encoders, progress=progress,
+                  cancel=cancel)
+        encoders = None
+        release()  # free the encoders before the transformer loads
+        inputs = _cached_inputs(config, examples, val_example, model_dir, settings)
+    else:
+        inputs = _realtime_inputs(config, examples, val_example, model_dir, settings)
+    comps, validator = inputs.components, None
+    if val_example is not None:
+        from qwen_edit_core.train.validation import Validator, previews_from_config
+        validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
+    spec = lora_spec(config)
+    with torch.inference_mode(False):
+        _inject(config, comps.transformer, spec)
+        if stack:
+            # companions: active and frozen; saved files and checkpoints hold only "default"
+            lora_mod.activate_with_trained(comps.transformer, stack)
+        ready(comps, spec)
+
+        def write_lora(path: Path, step: int) -> None:
+            lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
+
+        result = train(config, comps.transformer, inputs.load_item, examples,
+                       [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
+                       write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
+                       cancel=cancel, validate=validator)
+    if validator is not None and validator.latent_files:
+        # Training is over: a VAE may load now to turn the validation latents into images.
+        vae = comps.vae or comp.load_components(model_dir, encoder_plan(config), which=("vae",),
+                                                **model_files(config)).vae
+        result.validation_images = validator.decode_pending(vae)
+    return result
+
+
+# -- one batch -------------------------------------------------------------------------------------------------
+def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step: int = 0) -> torch.Tensor:
+    """The loss of one batch: items holding cached tensors (dicts from the cache) train from them; dataset
+    examples (`EditExample`) are encoded in real time by the loaded text encoder and VAE. Both give the same
+    loss for the same batch and seed."""
+    from qwen_edit_core.adapters import multires
+    from qwen_edit_core.data.dataset import EditExample
+    from qwen_edit_core.train.batch import collate, flow_loss, sample_generator
+    comps.require("transformer")
+    multires.install(comps.transformer)
+    settings = encode_settings(config, config.model.variant or comps.variant)
+    tensors = [encode_example(comps, item, settings) if isinstance(item, EditExample) else item for item in items]
+    param = next(comps.transformer.parameters())
+    gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
+    batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
+                    control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
+                    dtype=comps.transformer.img_in.weight.dtype)
+    loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
+    return loss
