@@ -114,9 +114,10 @@ def _validation_example(config: Config, n_controls: int):
     return validation_example(t.validation_image, t.validation_prompt, n_controls)
 
 
-def _cached_inputs(config: Config, examples, val_example, model_dir: Path, settings: EncodeSettings) -> FitInputs:
+def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
+                   settings: EncodeSettings) -> FitInputs:
     """Load only the transformer; items and the validation sample come from the cache."""
-    comps = comp.load_components(model_dir, encoder_plan(config), which=("transformer",),
+    comps = comp.load_components(model_dir, plan, which=("transformer",),
                                  quantize_transformer=config.model.quantize, **model_files(config))
     cache, identity = open_cache(config), cache_identity(config, model_dir)
     keys = [cache_key(ex, settings, identity) for ex in examples]
@@ -131,9 +132,10 @@ def _cached_inputs(config: Config, examples, val_example, model_dir: Path, setti
     return FitInputs(comps, load_item, val)
 
 
-def _realtime_inputs(config: Config, examples, val_example, model_dir: Path, settings: EncodeSettings) -> FitInputs:
+def _realtime_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
+                     settings: EncodeSettings) -> FitInputs:
     """Load every component; items are encoded as the loop asks for them."""
-    comps = comp.load_components(model_dir, encoder_plan(config), quantize_transformer=config.model.quantize,
+    comps = comp.load_components(model_dir, plan, quantize_transformer=config.model.quantize,
                                  **model_files(config))
     val = encode_example(comps, val_example, settings) if val_example is not None else None
     return FitInputs(comps, lambda i: encode_example(comps, examples[i], settings), val)
@@ -167,6 +169,7 @@ def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: 
     model_dir, settings = _model(config)
     out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)
+    plan = encoder_plan(config)  # every device checked before any work
     from qwen_edit_core.train.checkpoint import lora_stack
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
@@ -176,9 +179,9 @@ def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: 
                   cancel=cancel)
         encoders = None
         release()  # free the encoders before the transformer loads
-        inputs = _cached_inputs(config, examples, val_example, model_dir, settings)
+        inputs = _cached_inputs(config, plan, examples, val_example, model_dir, settings)
     else:
-        inputs = _realtime_inputs(config, examples, val_example, model_dir, settings)
+        inputs = _realtime_inputs(config, plan, examples, val_example, model_dir, settings)
     comps, validator = inputs.components, None
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
@@ -200,8 +203,7 @@ def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: 
                        cancel=cancel, validate=validator)
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
-        vae = comps.vae or comp.load_components(model_dir, encoder_plan(config), which=("vae",),
-                                                **model_files(config)).vae
+        vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
 
