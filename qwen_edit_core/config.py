@@ -23,7 +23,7 @@ from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
-#: mirrors perf.ATTENTION_KERNELS (kept here so reading a config never imports torch)
+#: mirrors speed.ATTENTION_KERNELS (kept here so reading a config never imports torch)
 AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
 Quantize = typing.Literal["none", "int8", "nf4"]
 ControlSize = typing.Literal["pipeline", "target"]
@@ -71,8 +71,7 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: a model/variants.py name: "edit" (one control image), "edit-plus" (Edit-2509, 1-3) or "edit-2511";
-    #: empty = read from model_index.json (and the transformer's zero_cond_t)
+    #: a model/variants.py name ("edit", "edit-plus" = 2509, "edit-2511"); empty = detected from the model
     variant: typing.Literal["", "edit", "edit-plus", "edit-2511"] = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
@@ -354,8 +353,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with the YAML 1.2 core schema's float rule: `1e-3`, `3E5` and `.5` are numbers
-    (YAML 1.1, which PyYAML implements, reads `1e-3` as a string)."""
+    """PyYAML's safe loader with YAML 1.2's float rule: `1e-3`, `3E5`, `.5` are numbers (1.1 reads strings)."""
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
-from qwen_edit_core.model import encode, toy
+from qwen_edit_core.model import encode, toy, variants
 from qwen_edit_core.model.tiny import _isolated_init, build_tiny, transformer_config
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def edit_dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
             target_tokens = control_tokens if function is synthetic.keep else \
                 encode.pack(encode.encode_latents(vae, _pixels([function(c) for c in controls])))
             embeds = encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
-                                           [[c] for c in controls], "edit", device=torch.device("cpu"))
+                                           [[c] for c in controls], variants.EDIT.name, device=torch.device("cpu"))
             items += [{"control": control_tokens[i], "target": target_tokens[i], "embeds": embeds[i]}
                       for i in range(len(controls))]
     return items
@@ -250,7 +250,7 @@ def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            tiny = build_tiny(Path(tmp) / "tiny", variant="edit", seed=0)
+            tiny = build_tiny(Path(tmp) / "tiny", variant=variants.EDIT.name, seed=0)
             text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "text_encoder").eval()
             processor = AutoProcessor.from_pretrained(tiny / "processor")
             scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())

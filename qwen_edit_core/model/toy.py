@@ -63,6 +63,7 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
+    from qwen_edit_core.model import variants
     from qwen_edit_core.model.tiny import _check_replaceable, _isolated_init, build_tiny
 
     info = check_weights(weights_dir)
@@ -71,7 +72,7 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.toy-", dir=out.parent))
     try:
-        model = build_tiny(work / "model", variant="edit", seed=info["text_encoder_seed"])
+        model = build_tiny(work / "model", variant=variants.EDIT.name, seed=info["text_encoder_seed"])
         for sub, cls, name in (("vae", AutoencoderKLQwenImage, "vae"),
                                ("transformer", QwenImageTransformer2DModel, "transformer")):
             with _isolated_init(0):

@@ -101,10 +101,12 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             **_EDIT_PLUS_COMMON),
 )}
 
+#: Each variant by its own name, for code that means one release (the toy model is an Edit model).
+EDIT, EDIT_PLUS, EDIT_2511 = VARIANTS["edit"], VARIANTS["edit-plus"], VARIANTS["edit-2511"]
 #: The accepted names (config `model.variant`, CLI `--variant`).
 NAMES: tuple[str, ...] = tuple(VARIANTS)
 #: The variant a new tiny model or an unspecified CLI choice gets.
-DEFAULT = "edit"
+DEFAULT = EDIT.name
 
 
 def get(name: str) -> Variant:
