@@ -87,7 +87,7 @@ def _fast_path(comps, image, dev, repeats: int) -> str:
         reference = reference or t
         rows.append([label, f"{t:.3f}", f"{reference / t:.2f}"])
     return print_table(f"fast path: end-to-end edit, tiny transformer, {dev}",
-                       ["edit", "median s", "speed vs 50-step true CFG"], rows)
+                       ["edit path", "median s", "speed vs 50-step true CFG"], rows)
 
 
 def forward_flops(tokens: int, layers: int = 60, dim: int = 3072) -> float:
