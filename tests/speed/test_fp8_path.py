@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
