@@ -1,8 +1,8 @@
 """True-CFG flow-matching sampler for Qwen-Image-Edit (Edit and Edit Plus).
 
-Numerically the diffusers pipelines' loop (same sizes, noise, schedule, CFG and norm rescale), with what
-they lack: pixel areas as parameters, components on different devices (tensors cross each boundary once),
-three CFG modes, a progress callback per step and cancellation between steps.
+The diffusers pipelines' loop in numbers (sizes, noise, schedule, CFG, norm rescale), plus pixel areas as
+parameters, components on different devices (tensors cross each boundary once), three CFG modes, a progress
+callback per step and cancellation between steps.
 
 CFG modes:
 - ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from qwen_edit_core.model import encode, geometry
 from qwen_edit_core import speed
-from qwen_edit_core.model.encode import PromptEmbeds
-from qwen_edit_core.sample import schedules
-from qwen_edit_core.model.templates import EMPTY_PROMPT
-from qwen_edit_core.sample.flow import mu_from_scheduler_config
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.model import encode, geometry
+from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.sample import schedules
+from qwen_edit_core.sample.flow import mu_from_scheduler_config
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,8 @@ class SampleSettings:
     schedule: str = "diffusers"
     #: a fixed shift replacing the schedule's own (None: the schedule's); see schedules
     shift: float | None = None
-    #: "pipeline": each control at the VAE area, output at the last control's size (as diffusers); "target":
-    #: every control resized to the output size, which is the first control's own size when its sides are
-    #: multiples of 16 (no rescale), else its size at the VAE area (pixel-aligned pairs, data.control_size)
+    #: "pipeline": controls at the VAE area, output at the last control's size (diffusers); "target": controls
+    #: at the output size, the first control's own size when a multiple of 16 (else at the VAE area)
     control_size: str = "pipeline"
 
     def validate(self) -> None:
