@@ -9,6 +9,7 @@ from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditMod
                           QwenEditTextEncoderLoader, QwenEditTransformerLoader, QwenEditVAELoader)
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
                            QwenEditSampler, QwenEditSpeed)
+from .pair_nodes import QwenEditSavePair
 from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
                           QwenEditTrainStatus)
 
@@ -18,7 +19,7 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
     QwenEditSpeed,
     QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus,
-    QwenEditStopTraining, QwenEditJobs)}
+    QwenEditStopTraining, QwenEditJobs, QwenEditSavePair)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
@@ -41,6 +42,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditTrainStatus": "Qwen Edit: Training Status / Wait",
     "QwenEditStopTraining": "Qwen Edit: Stop Training",
     "QwenEditJobs": "Qwen Edit: Training Jobs",
+    "QwenEditSavePair": "Qwen Edit: Save Pair To Dataset (before/after + mask)",
 }
 
 comfy_runtime.register_folders()

@@ -46,6 +46,23 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path, metadata: dict[s
     return path
 
 
+def write_bytes(path, data: bytes) -> Path:
+    """Write `data` to `path` atomically (a temporary name beside it, fsync, rename): readers see the old file
+    or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 class OutputWriteError(OSError):
     """Writing an output failed for a reason the user can fix (disk full, read-only, permission); the message
     names the path, what was being written and what survived."""

@@ -54,7 +54,7 @@ def measure_sizes(args) -> list[str]:
             browser.close()
     path = PACK / "workflows" / "frontend" / "node_sizes.json"
     lines = [f"  {json.dumps(t)}: {json.dumps({'size': [round(v, 1) for v in m['size']], 'widgets': m['widgets']})}"
-             for t, m in measured.items()]
+             for t, m in sorted(measured.items())]
     path.write_text("{\n" + f' "measured_with": "ComfyUI {version}, LiteGraph.createNode(type).size",\n'
                     + ' "nodes": {\n' + ",\n".join(lines) + "\n }\n}\n")
     return [f"{len(measured)} node sizes written to {path} (regenerate the workflows with "

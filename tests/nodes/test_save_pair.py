@@ -1,0 +1,96 @@
+"""Save Pair To Dataset: stock IMAGE pairs and a stock MASK (ComfyUI's convention: float (B, H, W) in [0, 1],
+1 = the masked, i.e. edited, region) become a dataset folder that loads, and the mask reaches the training
+loss weights as the dataset's own mask reader computes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import nodes
+from qwen_edit_core import QwenImageEditTrainer
+from qwen_edit_core.data import masks
+from qwen_edit_core.data.dataset import load_dataset
+
+from conftest import train_config
+
+H, W = 64, 96
+
+
+def _images(n=1, seed=0, h=H, w=W):
+    return torch.rand(n, h, w, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def _load_image_mask(h=H, w=W):
+    """The MASK stock Load Image returns for an RGBA picture (ComfyUI nodes.py LoadImage: 1 - alpha / 255): the
+    region painted in the mask editor (made transparent) is 1. Here a soft-edged box, so area averaging shows."""
+    alpha = np.full((h, w), 255, np.uint8)
+    alpha[8:40, 20:70] = 0
+    alpha[8:40, 70:76] = 128  # a half-painted edge
+    return 1.0 - torch.from_numpy(alpha.astype(np.float32) / 255.0)[None]
+
+
+def test_saved_pair_loads_and_its_mask_reaches_the_loss_weights(tiny_edit_dir, tmp_path):
+    from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
+    from qwen_edit_core.train.batch import collate, region_weights, sample_generator
+    mask = _load_image_mask()
+    folder = tmp_path / "masked"
+    out = nodes.QwenEditSavePair().save(_images(seed=1), _images(seed=2), "invert the colors", str(folder), "pair",
+                                        mask=mask)
+    handle, summary = out["result"]
+    assert summary.startswith("wrote pair_00001 (1 with a mask)") and handle.folder == folder
+    (example,) = load_dataset(folder).examples
+    assert example.mask == folder / "pair_00001_mask.png" and example.caption == "invert the colors"
+    # painted (MASK 1) is written white (edited); the rest black
+    written = np.asarray(Image.open(example.mask))
+    assert written[20, 30] == 255 and written[0, 0] == 0 and written[20, 72] == 127
+
+    config = train_config(tiny_edit_dir, folder, tmp_path / "o", data={"vae_area": H * W},
+                          train={"mask_weight": 3.0, "unmasked_weight": 0.5})
+    trainer = QwenImageEditTrainer(config)
+    trainer.cache([example])
+    item = trainer._cache().get(cache_key(example, trainer.encode_settings("edit"),
+                                          encoder_identity(tiny_edit_dir)))
+    _, grid_h, grid_w = item["img_shapes"][0].tolist()
+    batch = collate([item], [sample_generator(1, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
+                    device=torch.device("cpu"), dtype=torch.float32)
+    weights = region_weights(batch, grid_h * grid_w, 3.0, 0.5, "cpu")[0]
+    # the dataset's own reader of the written file, and the MASK input itself, area-averaged on the token grid
+    from_file = masks.token_weights(masks.mask_tokens(example.mask, grid_w * 16, grid_h * 16), 3.0, 0.5)
+    from_input = 0.5 + 2.5 * F.interpolate(mask[None], size=(grid_h, grid_w), mode="area").reshape(-1)
+    assert torch.equal(weights, from_file)
+    assert torch.allclose(weights, from_input, atol=2.5 / 510 + 1e-6)  # 8-bit PNG rounding only
+    assert weights.max() == pytest.approx(3.0) and weights.min() == pytest.approx(0.5)
+
+
+def test_batches_numbering_and_a_mask_for_the_whole_batch(tmp_path):
+    folder = tmp_path / "batch"
+    mask2d = _load_image_mask()[0]  # some nodes give (H, W): one mask for the batch
+    out = nodes.QwenEditSavePair().save(_images(3, seed=1), _images(3, seed=2), "x", str(folder), "img", mask=mask2d,
+                                        before_2=_images(1, seed=3))
+    assert out["result"][1].startswith("wrote img_00001, img_00002, img_00003 (3 with a mask)")
+    report = load_dataset(folder)
+    assert [len(e.controls) for e in report.examples] == [2, 2, 2] and all(e.mask for e in report.examples)
+    again = nodes.QwenEditSavePair().save(_images(seed=4), _images(seed=5), "x", str(folder), "img")
+    assert again["result"][1].startswith("wrote img_00004 (0 with a mask)") and "has 4 pairs, 3 with a mask" in \
+        again["result"][1]
+
+
+def test_save_pair_errors_are_clear(tmp_path):
+    folder = tmp_path / "bad"
+    node = nodes.QwenEditSavePair()
+    empty_load_image_mask = torch.zeros(1, 64, 64)  # Load Image's mask of a picture without transparency
+    with pytest.raises(ValueError, match="mask is 64x64 but the target \\(after\\) image is 96x64.*Load Image"):
+        node.save(_images(), _images(), "x", str(folder), "pair", mask=empty_load_image_mask)
+    with pytest.raises(ValueError, match="mask is empty"):
+        node.save(_images(), _images(), "x", str(folder), "pair", mask=torch.zeros(1, H, W))
+    with pytest.raises(ValueError, match="mask has a batch of 2 but 'after' has 3"):
+        node.save(_images(3), _images(3), "x", str(folder), "pair", mask=torch.ones(2, H, W))
+    with pytest.raises(ValueError, match="target \\(after\\) image is 48x32, too small"):
+        node.save(_images(), _images(h=32, w=48), "x", str(folder), "pair")
+    with pytest.raises(ValueError, match="caption is empty"):
+        node.save(_images(), _images(), " ", str(folder), "pair")
+    assert not folder.exists()
