@@ -52,6 +52,33 @@ def buckets(example: EditExample, settings: EncodeSettings) -> tuple[tuple[int, 
     return target, tuple(at(s) for s in example.control_sizes)
 
 
+#: per-image resize lines logged at INFO before the rest go to DEBUG (a summary line says how many)
+RESIZE_LINES_AT_INFO = 20
+
+
+def log_resizes(examples: Sequence[EditExample], settings: EncodeSettings) -> int:
+    """Log each image training resizes, with its size and the bucket it trains at (the VAE area's
+    `calculate_dimensions`, or the target's bucket for every control with `control_size: target`); returns how
+    many images are resized. Called once per run: the first RESIZE_LINES_AT_INFO lines at INFO, the rest at
+    DEBUG, then a count at INFO, so a large dataset does not flood the log."""
+    resized = 0
+    for ex in examples:
+        target, controls = buckets(ex, settings)
+        pairs = [("target", ex.target_size, target)] + [
+            (f"control {i}", size, bucket) for i, (size, bucket) in enumerate(zip(ex.control_sizes, controls))]
+        for what, size, bucket in pairs:
+            if tuple(size) == tuple(bucket):
+                continue
+            level = logging.INFO if resized < RESIZE_LINES_AT_INFO else logging.DEBUG
+            log.log(level, "training resizes %s %s %dx%d to %dx%d (data.vae_area=%d, data.control_size=%s)",
+                    ex.name, what, *size, *bucket, settings.vae_area, settings.control_size)
+            resized += 1
+    if resized:
+        log.info("training resizes %d image(s) of %d examples to their buckets (sizes above%s)", resized,
+                 len(examples), "; the rest at DEBUG" if resized > RESIZE_LINES_AT_INFO else "")
+    return resized
+
+
 def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> CacheKey:
     target_bucket, control_buckets = buckets(example, settings)
     return CacheKey(image_hashes=tuple(hash_file(p) for p in (example.target, *example.controls)),

@@ -16,7 +16,7 @@ from qwen_edit_core.adapters import lora as lora_mod
 from qwen_edit_core.config import Config
 from qwen_edit_core.data.cache import EmbeddingCache
 from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_cache, cache_key, encode_example,
-                                                 encoder_identity)
+                                                 encoder_identity, log_resizes)
 from qwen_edit_core.model import components as comp
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.train.distributed import local_device
@@ -197,6 +197,7 @@ def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: 
         def write_lora(path: Path, step: int) -> None:
             lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
 
+        log_resizes(examples, settings)
         result = train(config, comps.transformer, inputs.load_item, examples,
                        [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
                        write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
