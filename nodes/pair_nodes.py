@@ -42,11 +42,11 @@ class QwenEditSavePair:
     DESCRIPTION = (
         "Adds before/after edit pairs to a dataset folder, with the caption and an optional mask of the edited "
         "region, in the layout Dataset From Folder and training read (PREFIX_00001.png, PREFIX_00001_control"
-        ".png, .txt, _mask.png); each queue adds the next number. The mask is a stock MASK with 1 = edited "
-        "(what you paint in the mask editor; Load Image's mask is 1 - alpha), written white = edited; Train's "
-        "mask_weight sets how much that region counts in the loss. Masks are saved with their pair rather than "
-        "given to the Train node because each pair's edited region is its own and the dataset keeps them "
-        "for every later run (cached or not).")
+        ".png, .txt, _mask.png); each run with new images adds the next number. The mask is a stock MASK with "
+        "1 = edited (what you paint in the mask editor; Load Image's mask is 1 - alpha), written white = "
+        "edited; Train's mask_weight sets how much that region counts in the loss. Masks are saved with their "
+        "pair rather than given to the Train node because each pair's edited region is its own and the "
+        "dataset keeps them for every later run (cached or not).")
     RETURN_TYPES = (DATASET, "STRING")
     RETURN_NAMES = ("dataset", "summary")
     FUNCTION = "save"

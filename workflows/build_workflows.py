@@ -25,6 +25,13 @@ BUILTIN = {  # the built-in ComfyUI nodes the workflows use: inputs (name, type,
     "SaveImage": ([("images", "IMAGE", False), ("filename_prefix", "STRING", True)], []),
     "PreviewImage": ([("images", "IMAGE", False)], []),
     "Note": ([("text", "STRING", True)], []),  # frontend-only: not sent to the server
+    "SolidMask": ([("value", "FLOAT", True), ("width", "INT", True), ("height", "INT", True)], [("MASK", "MASK")]),
+    "MaskComposite": ([("destination", "MASK", False), ("source", "MASK", False), ("x", "INT", True),
+                       ("y", "INT", True), ("operation", "COMBO", True)], [("MASK", "MASK")]),
+    "ImageInvert": ([("image", "IMAGE", False)], [("IMAGE", "IMAGE")]),
+    "ImageCompositeMasked": ([("destination", "IMAGE", False), ("source", "IMAGE", False), ("x", "INT", True),
+                              ("y", "INT", True), ("resize_source", "BOOLEAN", True), ("mask", "MASK", False)],
+                             [("IMAGE", "IMAGE")]),
 }
 
 
@@ -134,7 +141,7 @@ TRAIN_NOTE = ("Change first: the dataset (Dataset From Folder on your folder of 
 WORKFLOWS = {
     "qwen_edit_train_cached": ("Train a LoRA from a folder (cached)", (
         "Trains a LoRA on edit pairs: writes a small demo dataset, encodes it once (Build Cache), trains in "
-        "the background and shows the loss plot and a validation edit every 20 steps. The LoRA lands in "
+        "the background and shows the loss plot and a validation edit every 50 steps. The LoRA lands in "
         f"models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
@@ -212,6 +219,32 @@ WORKFLOWS = {
              "links": {"model": (6, "model"), "image": (2, "example_control")}}]),
         (RESULTS, [{"id": 8, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_edit_after_training"},
                     "links": {"images": (7, "image")}}])]),
+    "qwen_edit_masked_pairs": ("Build a dataset with region masks", (
+        "Saves a before/after pair with the mask of its edited region into a dataset folder (Save Pair To "
+        "Dataset: input/qwen_edit_masked_pairs/pair_00001.png, pair_00001_control.png, pair_00001.txt and "
+        "pair_00001_mask.png, white = edited); each run with other pictures or caption adds the next pair. As "
+        "shipped the before picture is the demo's, the after picture has its left half's colours inverted and "
+        "the mask marks that half "
+        "(stock mask nodes, 1 = edited).\n\nChange first: use two Load Image nodes for your before and after "
+        "pictures, paint the edited region on the after picture (right click > Open in MaskEditor) and connect "
+        "that Load Image's MASK to Save Pair's mask; write the caption. Then train on the folder: Dataset From "
+        "Folder (folder qwen_edit_masked_pairs) into Train LoRA, whose mask_weight (2-5) sets how much the "
+        f"edited region counts in the loss.\n\n{TINY_NOTE}"), [
+        ("1. Before picture", [DEMO_DATA]),
+        ("2. Edited region (mask)", [
+            {"id": 3, "type": "SolidMask", "widgets": {"value": 0.0, "width": 128, "height": 128}},
+            {"id": 4, "type": "SolidMask", "widgets": {"value": 1.0, "width": 64, "height": 128}},
+            {"id": 5, "type": "MaskComposite", "widgets": {"x": 0, "y": 0, "operation": "add"},
+             "links": {"destination": (3, "MASK"), "source": (4, "MASK")}}]),
+        ("3. After picture", [
+            {"id": 6, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
+            {"id": 7, "type": "ImageCompositeMasked", "widgets": {"x": 0, "y": 0, "resize_source": False},
+             "links": {"destination": (2, "example_control"), "source": (6, "IMAGE"), "mask": (5, "MASK")}}]),
+        ("4. Save the pair", [
+            {"id": 8, "type": "QwenEditSavePair", "widgets": {"caption": "invert the colors on the left",
+                                                              "folder": "qwen_edit_masked_pairs"},
+             "links": {"before": (2, "example_control"), "after": (7, "IMAGE"), "mask": (5, "MASK")}}]),
+        (RESULTS, [{"id": 9, "type": "PreviewImage", "links": {"images": (7, "IMAGE")}}])]),
     "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
         "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
         "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "

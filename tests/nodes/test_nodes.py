@@ -18,7 +18,12 @@ from qwen_edit_core import jobs
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
-BUILTIN = {"SaveImage": {"images": "IMAGE"}, "PreviewImage": {"images": "IMAGE"}, "Note": {}}
+#: stock ComfyUI nodes the workflows use: (socket inputs, number of widgets, output types)
+BUILTIN = {"SaveImage": ({"images": "IMAGE"}, 1, []), "PreviewImage": ({"images": "IMAGE"}, 0, []),
+           "Note": ({}, 1, []), "SolidMask": ({}, 3, ["MASK"]),
+           "MaskComposite": ({"destination": "MASK", "source": "MASK"}, 3, ["MASK"]),
+           "ImageInvert": ({"image": "IMAGE"}, 0, ["IMAGE"]),
+           "ImageCompositeMasked": ({"destination": "IMAGE", "source": "IMAGE", "mask": "MASK"}, 3, ["IMAGE"])}
 
 
 def _inputs(cls):
@@ -50,13 +55,13 @@ def test_schema_agrees_with_function(node_id):
 
 def _outputs(node_type):
     if node_type in BUILTIN:
-        return []
+        return BUILTIN[node_type][2]
     return list(nodes.NODE_CLASS_MAPPINGS[node_type].RETURN_TYPES)
 
 
 def _socket_and_widget_inputs(node_type):
     if node_type in BUILTIN:
-        return BUILTIN[node_type], 1 if node_type in ("SaveImage", "Note") else 0
+        return BUILTIN[node_type][:2]
     spec = nodes.NODE_CLASS_MAPPINGS[node_type].INPUT_TYPES()
     sockets, widgets = {}, 0
     for group in ("required", "optional"):

@@ -14,18 +14,26 @@ from browser import Browser
 from comfy import PACK, ComfyServer, poll
 
 log = logging.getLogger("comfy_test")
-BUILTIN_TYPES = ("SaveImage", "PreviewImage", "Note")
+BUILTIN_TYPES = ("SaveImage", "PreviewImage", "Note", "SolidMask", "MaskComposite", "ImageInvert",
+                 "ImageCompositeMasked")
 READY = "!!(window.app && window.app.graph && window.app.canvas && window.LiteGraph)"
 
-MEASURE = """JSON.stringify(Object.fromEntries(%s.map(t => { const n = LiteGraph.createNode(t);
-  return [t, {size: [n.size[0], n.size[1]], widgets: (n.widgets || []).filter(w => w.serialize !== false).map(w => w.name)}]; })))"""
+#: the size a new node takes: createNode's size, grown to computeSize() (which counts DOM widgets such as the
+#: live training view; the frontend grows a loaded node to it, so a layout from the smaller size overlaps)
+FRESH = """const freshSize = n => { const c = n.computeSize();
+  return [Math.max(n.size[0], c[0]), Math.max(n.size[1], c[1])]; };"""
+MEASURE = "(() => {" + FRESH + """ return JSON.stringify(Object.fromEntries(%s.map(t => {
+  const n = LiteGraph.createNode(t);
+  return [t, {size: freshSize(n), widgets: (n.widgets || []).filter(w => w.serialize !== false).map(w => w.name)}];
+})));})()"""
 
 RECTS = """(async () => {
+  """ + FRESH + """
   await app.loadGraphData(%s, true, false, null, {showMissingNodesDialog: false, showMissingModelsDialog: false});
   app.canvas.draw(true, true);  // node bounding rectangles are computed when drawn
   const nodes = app.graph._nodes.map(n => { const fresh = LiteGraph.createNode(n.type);
     return {id: n.id, type: n.type, rect: Array.from(n.getBounding()), size: [n.size[0], n.size[1]],
-            fresh: [fresh.size[0], fresh.size[1]]}; });
+            fresh: freshSize(fresh)}; });
   const groups = app.graph._groups.map(g => ({title: g.title, rect: Array.from(g._bounding || g.bounding)}));
   return JSON.stringify({nodes, groups});
 })()"""
