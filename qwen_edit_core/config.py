@@ -36,6 +36,8 @@ ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cos
 CfgMode = typing.Literal["sequential", "batched", "split"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
+#: mirrors adapters.kinds.ADAPTER_TYPES
+LoraType = typing.Literal["lora", "lokr", "loha"]
 ContextParallelMode = typing.Literal["ulysses", "ring"]
 #: mirrors sample.schedules.SCHEDULES
 Schedule = typing.Literal["diffusers", "comfyui", "lightning"]
@@ -61,6 +63,10 @@ class LoraConfig:
     #: companion LoRA files kept active and frozen while training ([{path, strength}], e.g. a Lightning or style
     #: LoRA to train on top of); the saved file holds only the trained LoRA; resume restores the stack
     stack: tuple[LoraStackItem, ...] = ()
+    #: the adapter: "lora", "lokr" (Kronecker factors) or "loha" (Hadamard product), saved in ComfyUI's keys
+    type: LoraType = "lora"
+    #: DoRA (type lora only): a learned magnitude per output row, saved as ComfyUI's dora_scale
+    dora: bool = False
 
 
 @dataclass(frozen=True)
@@ -363,6 +369,12 @@ def check_ranges(config: Config) -> None:
             value = getattr(value, part)
         if not test(value):
             bad.append(f"{path}: {value!r} must be {rule}")
+    lora = config.model.lora
+    if lora.dora and lora.type != "lora":
+        bad.append(f"model.lora.dora: true works with model.lora.type lora only, not {lora.type!r}")
+    if lora.type != "lora" and (lora.dropout or lora.init != "default"):
+        bad.append(f"model.lora.dropout / model.lora.init apply to model.lora.type lora, not {lora.type!r}: leave "
+                   "them at 0 / default")
     if bad:
         raise ConfigError("; ".join(bad))
     if config.lr_scheduler.warmup_steps > config.train.max_steps:

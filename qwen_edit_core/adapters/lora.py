@@ -1,6 +1,7 @@
 """LoRA adapters through peft: inject, load with a strength, stack several, merge and unmerge. Reading every
 common file layout and writing ours live in adapters/lora_files.py; this module re-exports them
-(`lora.read_lora_file`, `lora.save_lora`, ...).
+(`lora.read_lora_file`, `lora.save_lora`, ...). The adapter kinds (`LoraSpec.type`: lora, lokr, loha; `dora`)
+are peft's own (adapters/kinds.py); their files use the keys stock ComfyUI reads (adapters/lycoris_files.py).
 
 The file we write: `diffusion_model.<module path>.lora_down.weight` (= peft lora_A, (r, in)),
 `.lora_up.weight` (= lora_B, (out, r)) and `.alpha` (float32 scalar), plus safetensors metadata. Module paths
@@ -22,9 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
-import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -32,9 +30,11 @@ from typing import Sequence
 import torch
 
 from qwen_edit_core import speed
+from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
+                                           into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
-    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, lora_state_dict_comfy,
-    map_to_modules, parse_lora_state_dict, read_lora_file, save_lora)
+    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta,
+    lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,9 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
 INITS = ("default", "gaussian")
 # Parts of module paths that peft adds inside a wrapped layer: never LoRA targets themselves.
 _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
-                         "lora_magnitude_vector"})
+                         "lora_magnitude_vector", "lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a",
+                         "lokr_w2_b", "lokr_t2", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1",
+                         "hada_t2"})
 
 
 # -- targets and injection -----------------------------------------------------------------------------------
@@ -74,12 +76,16 @@ def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class LoraSpec:
     """What to train: rank, alpha (scale alpha / rank), target module-name suffixes, dropout, and peft's
-    `init_lora_weights` ("default": kaiming A and zero B; "gaussian": normal A and zero B)."""
+    `init_lora_weights` ("default": kaiming A and zero B; "gaussian": normal A and zero B); `type` "lora", "lokr"
+    (Kronecker factors) or "loha" (Hadamard product of two low-rank pairs), `dora` (LoRA only: a learned magnitude
+    per output row, peft's use_dora). Dropout and the gaussian init are LoRA options."""
     rank: int = 16
     alpha: float = 16.0
     targets: tuple[str, ...] = TARGET_PRESETS["attn"]
     dropout: float = 0.0
     init: str = "default"
+    type: str = "lora"
+    dora: bool = False
 
     def __post_init__(self):
         if isinstance(self.targets, str) or not isinstance(self.targets, tuple):
@@ -90,39 +96,21 @@ class LoraSpec:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
         if self.init not in INITS:
             raise ValueError(f"LoRA init {self.init!r} is not accepted; accepted: {', '.join(INITS)}")
+        check_kind(self.type, self.dora, dropout=self.dropout, init=self.init)
 
 
 #: layers a LoRA can sit on: plain Linears and the fp8 base layers of speed.quantize_fp8
 _BASE_TYPES = (torch.nn.Linear, speed.Fp8Linear)
 
 
-def _lora_config(**kwargs):
-    """A peft LoraConfig that also wraps `speed.Fp8Linear` bases, with peft's own LoRA Linear layer (it needs
-    only the base's forward, `in_features` and `out_features`; peft/tuners/lora/config.py
-    `_register_custom_module`, its documented extension point for layer types peft does not know)."""
-    from peft import LoraConfig
-    from peft.tuners.lora.layer import Linear as PeftLoraLinear
-    config = LoraConfig(**kwargs)
-    config._register_custom_module({speed.Fp8Linear: PeftLoraLinear})
-    return config
-
-
-def _add_adapter(transformer, config, adapter_name: str) -> None:
-    """diffusers' `add_adapter`, without peft's "unsupported layer type" warning for our fp8 base layers
-    (supported through `_lora_config`'s mapping)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*Fp8Linear")
-        transformer.add_adapter(config, adapter_name=adapter_name)
-
-
 def adaptable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{module path: its base Linear} for every Linear a LoRA can sit on; a peft-wrapped layer counts under its
-    own path (its base_layer and lora_A/lora_B children are not listed)."""
+    own path (its base_layer and adapter children are not listed; nested peft layers reach the same base)."""
     out = {}
     for name, module in model.named_modules():
         if _PEFT_PARTS.intersection(name.split(".")):
             continue
-        base = getattr(module, "base_layer", None)
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else None
         if isinstance(base, _BASE_TYPES):
             out[name] = base
         elif isinstance(module, _BASE_TYPES):
@@ -151,25 +139,29 @@ def _refuse_inference_tensors(model: torch.nn.Module) -> None:
 
 
 def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> None:
-    """Add a trainable peft LoRA adapter `adapter_name` in place (diffusers' `add_adapter`) and make it the only
-    active one; its parameters require grad, everything else is frozen. Targets are matched against full module
-    paths (`to_out.0` hits `attn.to_out.0` only), and the adapter is created on exactly those paths.
+    """Add a trainable peft adapter `adapter_name` of `spec.type` (LoRA, DoRA, LoKr, LoHa) in place (diffusers'
+    `add_adapter`) and make it the only active one; its parameters require grad, everything else is frozen.
+    Targets are matched against full module paths (`to_out.0` hits `attn.to_out.0` only), and the adapter is
+    created on exactly those paths.
 
-    LoRA A is initialised from torch's global RNG: seed it for reproducible runs."""
+    The initial factors are drawn from torch's global RNG: seed it for reproducible runs."""
     modules = _matching_modules(transformer, spec.targets)
     _refuse_inference_tensors(transformer)
-    config = _lora_config(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                        init_lora_weights=True if spec.init == "default" else "gaussian", target_modules=modules)
-    _add_adapter(transformer, config, adapter_name)
+    refuse_fp8(transformer, modules, spec.type, spec.dora)
+    config = peft_config(spec.type, r=spec.rank, alpha=spec.alpha, targets=modules, dora=spec.dora,
+                         dropout=spec.dropout, init=spec.init)
+    add_adapter(transformer, config, adapter_name)
     train_only(transformer, adapter_name)
-    log.info("LoRA adapter %r: rank %d, alpha %g on %d modules", adapter_name, spec.rank, spec.alpha, len(modules))
+    log.info("%s adapter %r: rank %d, alpha %g on %d modules", f"{spec.type}{' + DoRA' if spec.dora else ''}",
+             adapter_name, spec.rank, spec.alpha, len(modules))
 
 
 def train_only(transformer, adapter_name: str = "default") -> None:
-    """Make adapter `adapter_name`'s A and B the only parameters that require grad (peft makes every active
-    adapter trainable whenever adapters are activated: call this after each activation while training)."""
+    """Make adapter `adapter_name`'s tensors (LoRA A, B, DoRA magnitude; LoKr/LoHa factors) the only parameters
+    that require grad (peft makes every active adapter trainable whenever adapters are activated: call this after
+    each activation while training)."""
     trainable = {id(p) for layer in adapter_layers(transformer, adapter_name).values()
-                 for p in (*layer.lora_A[adapter_name].parameters(), *layer.lora_B[adapter_name].parameters())}
+                 for p in adapter_parameters(layer, adapter_name)}
     for param in transformer.parameters():
         param.requires_grad_(id(param) in trainable)
 
@@ -185,9 +177,15 @@ def check_against(transformer, weights: LoraWeights) -> LoraWeights:
         if module is None:
             problems.append(f"{name}: no such module")
             continue
-        if (layer.up.shape[0], layer.down.shape[1]) != (module.out_features, module.in_features):
+        if tuple(layer.shape) == (module.out_features, module.in_features):
+            continue
+        if layer.kind == "lora":
             problems.append(f"{name}: down {tuple(layer.down.shape)} / up {tuple(layer.up.shape)}, expected down "
                             f"(r, {module.in_features}) / up ({module.out_features}, r)")
+        else:
+            problems.append(f"{name}: {layer.kind} of a {layer.shape[0]}x{layer.shape[1]} weight ("
+                            + ", ".join(f"{k} {tuple(t.shape)}" for k, t in layer.tensors().items())
+                            + f"), the module's is {module.out_features}x{module.in_features}")
     if problems:
         raise ValueError(f"LoRA does not fit this transformer (a LoRA for another model?): {problems[:4]}"
                          f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}")
@@ -214,54 +212,6 @@ def _active_adapters(transformer) -> list[str]:
     return names
 
 
-def _pattern_config(values: dict[str, float]) -> tuple[float, dict[str, float]]:
-    """(the most common value, {exact-path regex: value} for the others): peft's rank/alpha patterns."""
-    common = Counter(values.values()).most_common(1)[0][0]
-    return common, {f"^{re.escape(n)}$": v for n, v in values.items() if v != common}
-
-
-def _new_adapter(transformer, weights: LoraWeights, adapter_name: str, strength: float) -> None:
-    """Create a peft adapter shaped like the file (per-module ranks; alpha = file scale * rank * strength)."""
-    rank, rank_pattern = _pattern_config({n: layer.rank for n, layer in weights.layers.items()})
-    alpha, alpha_pattern = _pattern_config({n: layer.scale * layer.rank * strength
-                                            for n, layer in weights.layers.items()})
-    config = _lora_config(r=int(rank), lora_alpha=alpha, target_modules=list(weights.layers),
-                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
-    with torch.random.fork_rng(devices=[]):  # the init is overwritten: do not consume the caller's RNG
-        _add_adapter(transformer, config, adapter_name)
-    layers = adapter_layers(transformer, adapter_name)
-    with torch.no_grad():
-        for name, layer in weights.layers.items():
-            layers[name].lora_A[adapter_name].weight.copy_(layer.down)
-            layers[name].lora_B[adapter_name].weight.copy_(layer.up)
-
-
-def _into_existing(transformer, weights: LoraWeights, adapter_name: str, strength: float) -> None:
-    """Copy the file into an existing adapter, keeping the adapter's rank and alpha: the file's scale is folded
-    into B, and adapter layers the file lacks get B = 0 (no effect until trained)."""
-    layers = adapter_layers(transformer, adapter_name)
-    outside = [n for n in weights.layers if n not in layers]
-    wrong_rank = [f"{n}: file rank {layer.rank}, adapter rank {layers[n].r[adapter_name]}"
-                  for n, layer in weights.layers.items() if n in layers and layer.rank != layers[n].r[adapter_name]]
-    zero_scale = [n for n, layer in layers.items() if _base_scale(layer, adapter_name) == 0]
-    if outside or wrong_rank or zero_scale:
-        raise ValueError(f"the LoRA file does not fit adapter {adapter_name!r}: modules it does not target "
-                         f"{outside[:4]}, rank mismatches {wrong_rank[:4]}, alpha 0 on {zero_scale[:4]}; match "
-                         "model.lora rank/targets to the file")
-    with torch.no_grad():
-        for name, peft_layer in layers.items():
-            up_param = peft_layer.lora_B[adapter_name].weight
-            if name not in weights.layers:
-                up_param.zero_()
-                continue
-            layer = weights.layers[name]
-            peft_layer.lora_A[adapter_name].weight.copy_(layer.down)
-            up_param.copy_(layer.up * (layer.scale * strength / _base_scale(peft_layer, adapter_name)))
-    if len(layers) > len(weights.layers):
-        log.info("adapter %r: %d of its modules are not in the file and start from zero", adapter_name,
-                 len(layers) - len(weights.layers))
-
-
 def load_lora_into(transformer, weights: LoraWeights, adapter_name: str = "default", strength: float = 1.0) -> None:
     """Load file weights into peft adapter `adapter_name` with `strength` folded into its scale.
 
@@ -272,10 +222,10 @@ def load_lora_into(transformer, weights: LoraWeights, adapter_name: str = "defau
     weights = check_against(transformer, weights)
     unmerge_lora(transformer)  # weights change below: a merged delta would go stale
     if adapter_name in _adapter_names(transformer):
-        _into_existing(transformer, weights, adapter_name, strength)
+        into_existing(transformer, weights, adapter_name, strength)
         return
     previous = _active_adapters(transformer)
-    _new_adapter(transformer, weights, adapter_name, strength)
+    new_adapter(transformer, weights, adapter_name, strength)
     if not previous:
         transformer.enable_adapters()
     for layer in _tuner_layers(transformer):
@@ -295,8 +245,9 @@ def weights_adapter_name(weights: LoraWeights) -> str:
     digest = hashlib.sha1()
     for name in sorted(weights.layers):
         layer = weights.layers[name]
-        digest.update(f"{name}:{layer.alpha}:{tuple(layer.down.shape)}:{tuple(layer.up.shape)}".encode())
-        for tensor in (layer.down, layer.up):
+        tensors = layer.tensors()
+        digest.update(f"{name}:{layer.kind}:{layer.alpha}:{[(k, tuple(t.shape)) for k, t in tensors.items()]}".encode())
+        for tensor in tensors.values():
             digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return "w_" + digest.hexdigest()[:12]
 
@@ -322,52 +273,54 @@ def use_adapters(transformer, names: Sequence[str], strengths: Sequence[float]) 
         transformer.disable_adapters()
 
 
+def _member(transformer, name: str, strength: float, read) -> tuple[str, float]:
+    """(adapter name, activation weight) of one stack entry, loading `read()` once as adapter `name`. LoRA, LoKr
+    and LoHa deltas scale with the strength (activation weight = strength). A DoRA file is loaded once per
+    strength other than 1, folded in (stock ComfyUI applies W + s * (W' - W), which no peft scale of one
+    adapter gives), and activated with weight 1."""
+    if name not in _adapter_names(transformer):
+        load_lora_into(transformer, read(), adapter_name=name, strength=1.0)
+    if strength == 1.0 or not getattr(transformer.peft_config[name], "use_dora", False):
+        return name, float(strength)
+    scaled = f"{name}_s{strength:g}".replace(".", "p").replace("-", "m")
+    if scaled not in _adapter_names(transformer):
+        load_lora_into(transformer, read(), adapter_name=scaled, strength=float(strength))
+    return scaled, 1.0
+
+
 def apply_loras(transformer, loras: Sequence[tuple[LoraWeights, float]]) -> list[str]:
     """Sample with several LoRAs: each becomes its own peft adapter (loaded once, named by its content), then
     exactly these are activated with their strengths (the deltas add: W + sum strength_i * delta_i). Other
     adapters stay loaded but inactive. Returns the adapter names in order."""
-    names, strengths = [], []
-    for weights, strength in loras:
-        name = weights_adapter_name(weights)
-        if name not in _adapter_names(transformer):
-            load_lora_into(transformer, weights, adapter_name=name, strength=1.0)
-        names.append(name)
-        strengths.append(float(strength))
-    use_adapters(transformer, names, strengths)
-    return names
+    members = [_member(transformer, weights_adapter_name(weights), strength, lambda w=weights: w)
+               for weights, strength in loras]
+    use_adapters(transformer, [n for n, _ in members], [s for _, s in members])
+    return [n for n, _ in members]
 
 
 def activate(transformer, stack: Sequence[tuple[str, float]]) -> None:
     """Make exactly the LoRA files of `stack` ((path, strength) pairs) active, loading each file once; an empty
     stack turns every adapter off. Lets several graphs share one transformer with different LoRAs."""
-    names, strengths = [], []
-    for path, strength in stack:
-        name = file_adapter_name(path)
-        if name not in _adapter_names(transformer):
-            load_lora_into(transformer, read_lora_file(path), adapter_name=name, strength=1.0)
-        names.append(name)
-        strengths.append(float(strength))
-    use_adapters(transformer, names, strengths)
+    members = [_member(transformer, file_adapter_name(path), strength, lambda p=path: read_lora_file(p))
+               for path, strength in stack]
+    use_adapters(transformer, [n for n, _ in members], [s for _, s in members])
 
 
 def activate_with_trained(transformer, stack: Sequence[tuple[str, float]], trained: str = "default") -> None:
     """While training: the trained adapter (strength 1) and the LoRA files of `stack` ((path, strength) pairs,
     a path given twice keeps its last strength) active together; only the trained adapter requires grad, so the
     files stay frozen companions and a saved `trained` adapter holds none of them."""
-    strengths: dict[str, float] = {}
-    for path, strength in stack:
-        name = file_adapter_name(path)
-        if name not in _adapter_names(transformer):
-            load_lora_into(transformer, read_lora_file(path), adapter_name=name, strength=1.0)
-        strengths[name] = float(strength)
-    use_adapters(transformer, [trained, *strengths], [1.0, *strengths.values()])
+    last = {path: strength for path, strength in stack}
+    members = dict(_member(transformer, file_adapter_name(path), strength, lambda p=path: read_lora_file(p))
+                   for path, strength in last.items())
+    use_adapters(transformer, [trained, *members], [1.0, *members.values()])
     train_only(transformer, trained)
 
 
-def lora_delta(weights: LoraWeights, module: str) -> torch.Tensor:
-    """The weight change one layer applies at strength 1: scale * up @ down."""
-    layer = weights.layers[module]
-    return layer.scale * layer.up @ layer.down
+def lora_delta(weights: LoraWeights, module: str, base: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight change one layer applies at strength 1 as stock ComfyUI computes it (LoRA: scale * up @ down;
+    LoKr, LoHa: their products; DoRA needs the `base` weight)."""
+    return effective_delta(weights.layers[module], base)
 
 
 def merge_lora(transformer) -> None:

@@ -4,7 +4,8 @@
 (module path -> down, up, alpha, float32 on the CPU); `map_to_modules` resolves kohya/lycoris underscored names
 against a model's dotted module paths; `save_lora` writes an injected peft adapter in ComfyUI's layout. The key
 rules (prefixes, down/up vs lora_A/lora_B, alpha / rank) are ComfyUI's and diffusers' (adapters/lora.py's
-docstring, docs/MODEL.md).
+docstring, docs/MODEL.md). LoKr, LoHa and DoRA layers (adapters/lycoris_files.py) are read and written in the
+keys stock ComfyUI's weight adapters read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from qwen_edit_core.adapters.lycoris_files import (CONV_ONLY_KEYS, LOHA_KEYS, LOKR_KEYS, LohaLayer, LokrLayer,
+                                                   dora_scale_for, dora_weight, lycoris_layer)
 from qwen_edit_core.common.files import save_safetensors
 
 if TYPE_CHECKING:
@@ -26,21 +29,27 @@ SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = ("diffusion_model.P.lora_down/lora_up.weight (+ .alpha) (ComfyUI)", "P.lora_down/lora_up.weight",
            "P.lora_A/lora_B.weight (peft, diffusers)", "transformer.P.lora_A/lora_B.weight",
            "P.lora_A.default.weight / base_model.model.P... (peft)",
-           "lora_unet_P_with_underscores.lora_down/lora_up.weight (+ .alpha) (kohya)", "lycoris_P_with_underscores")
+           "lora_unet_P_with_underscores.lora_down/lora_up.weight (+ .alpha) (kohya)", "lycoris_P_with_underscores",
+           "P.lokr_w1/lokr_w2 or their _a/_b factors (+ .alpha) (LoKr)",
+           "P.hada_w1_a/hada_w1_b/hada_w2_a/hada_w2_b (+ .alpha) (LoHa)", "a LoRA + P.dora_scale (DoRA)")
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "unet.")
 _UNDERSCORED_PREFIXES = ("lora_unet_", "lycoris_")
 _KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_down|lora_up|lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
                   r"|^(?P<bare>.+?)\.(?P<bkind>lora_A|lora_B)$"
-                  r"|^(?P<amodule>.+?)\.alpha$")
+                  r"|^(?P<amodule>.+?)\.alpha$"
+                  rf"|^(?P<xmodule>.+?)\.(?P<xkind>{'|'.join(LOKR_KEYS + LOHA_KEYS + CONV_ONLY_KEYS)}|dora_scale)$")
 _KINDS = {"lora_down": "down", "lora_A": "down", "lora_up": "up", "lora_B": "up"}
 
 
 @dataclass(frozen=True)
 class LoraLayer:
-    """One module's LoRA as a file holds it: delta W = scale * up @ down."""
+    """One module's LoRA as a file holds it: delta W = scale * up @ down; with a `dora_scale` (out, 1) it is a
+    DoRA layer, whose weight ComfyUI computes from the base weight (`lycoris_files.dora_weight`)."""
     down: torch.Tensor  # (r, in)
     up: torch.Tensor    # (out, r)
     alpha: float | None
+    dora_scale: torch.Tensor | None = None
+    kind = "lora"
 
     @property
     def rank(self) -> int:
@@ -51,11 +60,28 @@ class LoraLayer:
         """alpha / rank when the file has an alpha, else 1.0 (as ComfyUI and diffusers do)."""
         return 1.0 if self.alpha is None else self.alpha / self.rank
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the weight the layer changes."""
+        return self.up.shape[0], self.down.shape[1]
+
+    def delta(self) -> torch.Tensor:
+        """scale * up @ down (for DoRA: the direction's change before the magnitude)."""
+        return self.scale * self.up @ self.down
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        extra = {} if self.dora_scale is None else {"dora_scale": self.dora_scale}
+        return {"lora_down.weight": self.down, "lora_up.weight": self.up, **extra}
+
+
+#: a file's layer of any kind
+FileLayer = LoraLayer | LokrLayer | LohaLayer
+
 
 @dataclass(frozen=True)
 class LoraWeights:
     """A LoRA file's layers by module path, and its safetensors metadata."""
-    layers: dict[str, LoraLayer]
+    layers: dict[str, FileLayer]
     metadata: dict[str, str] = field(default_factory=dict)
     #: True while some module paths are still underscored (kohya/lycoris): `map_to_modules` resolves them
     underscored: bool = False
@@ -93,6 +119,8 @@ def _split_key(key: str) -> tuple[str, str, bool] | None:
     match = _KEY.match(name)
     if match is None:
         return None
+    if match.group("xmodule"):
+        return match.group("xmodule"), match.group("xkind"), underscored
     if match.group("amodule"):
         return match.group("amodule"), "alpha", underscored
     if match.group("bare"):
@@ -123,21 +151,33 @@ def _group_keys(tensors: dict[str, torch.Tensor], source: str) -> tuple[dict[str
     return parts, underscored
 
 
-def _layer_from(tensors: dict[str, torch.Tensor], keys: dict[str, str], module: str, source: str) -> LoraLayer:
+def _layer_from(tensors: dict[str, torch.Tensor], keys: dict[str, str], module: str, source: str) -> FileLayer:
+    for kind, key in keys.items():
+        if not bool(torch.isfinite(tensors[key].float()).all()):
+            raise ValueError(f"{source}: key {key!r} holds NaN or Inf values; the file is damaged or came "
+                             "from a diverged training run, so it is refused (use an earlier checkpoint)")
+    alpha = float(tensors[keys["alpha"]].float().reshape(-1)[0]) if "alpha" in keys else None
+    lycoris = {k: v for k, v in keys.items() if k in LOKR_KEYS + LOHA_KEYS + CONV_ONLY_KEYS}
+    if lycoris:
+        other = [v for k, v in keys.items() if k not in lycoris and k != "alpha"]
+        if other:
+            raise ValueError(f"{source}: module {module!r} mixes LoKr/LoHa keys ({next(iter(lycoris.values()))!r}) "
+                             f"with {other[0]!r}")
+        return lycoris_layer(tensors, lycoris, alpha, module, source)
     for have, need, names in (("down", "up", "lora_up/lora_B"), ("up", "down", "lora_down/lora_A")):
         if need not in keys:
-            present = keys.get(have) or keys["alpha"]
+            present = keys.get(have) or keys.get("alpha") or keys["dora_scale"]
             raise ValueError(f"{source}: key {present!r} has no {names} partner (module {module!r})")
     down, up = tensors[keys["down"]], tensors[keys["up"]]
     if down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
         raise ValueError(f"{source}: {keys['down']!r} is {tuple(down.shape)} and {keys['up']!r} is "
                          f"{tuple(up.shape)}; expected down (r, in) and up (out, r) with the same r")
-    for kind in ("down", "up", "alpha"):
-        if kind in keys and not bool(torch.isfinite(tensors[keys[kind]].float()).all()):
-            raise ValueError(f"{source}: key {keys[kind]!r} holds NaN or Inf values; the file is damaged or came "
-                             "from a diverged training run, so it is refused (use an earlier checkpoint)")
-    alpha = float(tensors[keys["alpha"]].float().reshape(-1)[0]) if "alpha" in keys else None
-    return LoraLayer(down.detach().float().cpu(), up.detach().float().cpu(), alpha)
+    dora = tensors[keys["dora_scale"]].detach().float().cpu() if "dora_scale" in keys else None
+    if dora is not None and (dora.shape[0] != up.shape[0] or dora.numel() != up.shape[0]):
+        raise ValueError(f"{source}: {keys['dora_scale']!r} is {tuple(dora.shape)}; this loader takes DoRA scales "
+                         f"per output row ({up.shape[0]}, 1) only (stock ComfyUI also reads per-input ones)")
+    return LoraLayer(down.detach().float().cpu(), up.detach().float().cpu(), alpha,
+                     None if dora is None else dora.reshape(-1, 1))
 
 
 def parse_lora_state_dict(tensors: dict[str, torch.Tensor], metadata: dict | None = None,
@@ -173,32 +213,81 @@ def map_to_modules(weights: LoraWeights, module_names: Sequence[str]) -> LoraWei
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
-def adapter_layers(transformer, adapter_name: str = "default") -> dict[str, torch.nn.Module]:
-    """{module path: peft LoRA layer} of one adapter."""
+def module_path(name: str) -> str:
+    """A module's path without peft's `base_layer` parts (adapters of several kinds nest on one layer)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+def peft_kind(layer) -> str:
+    """"lora", "lokr" or "loha": the kind of a peft tuner layer."""
     from peft.tuners.lora import LoraLayer as PeftLoraLayer
-    return {name: m for name, m in transformer.named_modules()
-            if isinstance(m, PeftLoraLayer) and adapter_name in m.lora_A}
+    from peft.tuners.lokr import LoKrLayer
+    return "lora" if isinstance(layer, PeftLoraLayer) else "lokr" if isinstance(layer, LoKrLayer) else "loha"
 
 
-def _base_scale(layer, adapter_name: str) -> float:
+def adapter_layers(transformer, adapter_name: str = "default") -> dict[str, torch.nn.Module]:
+    """{module path: peft layer holding adapter `adapter_name`} (LoRA/DoRA, LoKr or LoHa layers)."""
+    from peft.tuners.lora import LoraLayer as PeftLoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
+    return {module_path(name): m for name, m in transformer.named_modules()
+            if isinstance(m, (PeftLoraLayer, LycorisLayer)) and adapter_name in m.r}
+
+
+def base_scale(layer, adapter_name: str) -> float:
     """The layer's scale for the adapter before any `set_adapters` weight: alpha / r (alpha / sqrt(r) rsLoRA)."""
     r = layer.r[adapter_name]
+    if peft_kind(layer) != "lora":
+        return layer.alpha[adapter_name] / r
     alpha = layer.lora_alpha[adapter_name]
     return alpha / r ** 0.5 if layer.use_rslora.get(adapter_name, False) else alpha / r
 
 
-def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """ComfyUI-layout tensors of one adapter (float32 copies on the CPU): `diffusion_model.P.lora_down.weight`,
-    `.lora_up.weight` and `.alpha` = scale * rank (the adapter's alpha), so `alpha / rank * up @ down` is the
-    delta peft applies."""
-    out = {}
-    for path, layer in adapter_layers(transformer, adapter_name).items():
-        rank = layer.r[adapter_name]
-        out[f"diffusion_model.{path}.lora_down.weight"] = layer.lora_A[adapter_name].weight.detach().float().cpu()
-        out[f"diffusion_model.{path}.lora_up.weight"] = layer.lora_B[adapter_name].weight.detach().float().cpu()
-        out[f"diffusion_model.{path}.alpha"] = torch.tensor(_base_scale(layer, adapter_name) * rank,
-                                                            dtype=torch.float32)
+_base_scale = base_scale
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().cpu()
+
+
+def layer_file_tensors(layer, adapter_name: str) -> dict[str, torch.Tensor]:
+    """{key suffix: float32 CPU tensor} of one peft layer, in the keys and scale rules stock ComfyUI reads
+    (adapters/lycoris_files.py): the weight ComfyUI patches equals the one peft computes."""
+    kind, scale = peft_kind(layer), base_scale(layer, adapter_name)
+    if kind == "lora":
+        down, up = _cpu(layer.lora_A[adapter_name].weight), _cpu(layer.lora_B[adapter_name].weight)
+        out = {"lora_down.weight": down, "lora_up.weight": up,
+               "alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
+        if layer.use_dora.get(adapter_name, False):
+            magnitude = layer.lora_magnitude_vector[adapter_name].weight
+            out["dora_scale"] = dora_scale_for(_cpu(layer.get_base_layer().weight), scale * up @ down, _cpu(magnitude))
+        return out
+    names = LOKR_KEYS if kind == "lokr" else LOHA_KEYS
+    out = {n: _cpu(getattr(layer, n)[adapter_name]) for n in names if adapter_name in getattr(layer, n)}
+    dim = next((out[n].shape[0] for n in ("lokr_w2_b", "lokr_w1_b", "hada_w1_b") if n in out), None)
+    if dim is None:  # LoKr with full factors: ComfyUI applies scale 1, so the scale goes into w1
+        out["lokr_w1"] = out["lokr_w1"] * scale
+    else:
+        out["alpha"] = torch.tensor(scale * dim, dtype=torch.float32)
     return out
+
+
+def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """ComfyUI-layout tensors of one adapter (float32 copies on the CPU), keys `diffusion_model.P.<suffix>`:
+    LoRA `lora_down.weight`, `lora_up.weight` and `alpha` = scale * rank (so `alpha / rank * up @ down` is the
+    delta peft applies), plus `dora_scale` for DoRA; LoKr and LoHa factors (`layer_file_tensors`)."""
+    return {f"diffusion_model.{path}.{suffix}": tensor
+            for path, layer in adapter_layers(transformer, adapter_name).items()
+            for suffix, tensor in layer_file_tensors(layer, adapter_name).items()}
+
+
+def effective_delta(layer: FileLayer, base: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
+    """The weight change stock ComfyUI applies for one file layer at `strength` (float32); a DoRA layer needs
+    the `base` weight it patches."""
+    if getattr(layer, "dora_scale", None) is None:
+        return strength * layer.delta()
+    if base is None:
+        raise ValueError("a DoRA layer's weight change depends on the base weight: pass base=")
+    return dora_weight(base, layer.delta(), layer.dora_scale, strength) - base.float()
 
 
 def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: int,
@@ -207,17 +296,18 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
     """Write adapter `adapter_name` as a ComfyUI/diffusers LoRA file, atomically (a temporary file in the same
     folder, then a rename: an existing file is replaced whole or left as it was).
 
-    `dtype` is the matrices' dtype: float32 (default, exact) or bfloat16/float16 (half the size); `.alpha`
-    stays float32. Metadata (all strings): format, architecture, rank, alpha, targets (JSON), base_identity,
-    steps, then `extra_metadata` (which cannot override those)."""
+    `dtype` is the matrices' dtype: float32 (default, exact) or bfloat16/float16 (half the size); `.alpha` and
+    DoRA's `.dora_scale` stay float32. Metadata (all strings): format, architecture, type (lora/lokr/loha), dora,
+    rank, alpha, targets (JSON), base_identity, steps, then `extra_metadata` (which cannot override those)."""
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"LoRA save dtype {dtype} is not accepted; accepted: {', '.join(map(str, SAVE_DTYPES))}")
-    tensors = {k: v if k.endswith(".alpha") else v.to(dtype)
+    tensors = {k: v if k.endswith((".alpha", ".dora_scale")) else v.to(dtype)
                for k, v in lora_state_dict_comfy(transformer, adapter_name).items()}
     if not tensors:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
     metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    metadata.update({"format": "comfyui-lora", "architecture": "qwen-image", "rank": str(spec.rank),
+    metadata.update({"format": "comfyui-lora", "architecture": "qwen-image", "type": spec.type,
+                     "dora": str(spec.dora).lower(), "rank": str(spec.rank),
                      "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),
                      "base_identity": str(base_identity), "steps": str(int(steps))})
     return save_safetensors(tensors, Path(path), metadata=metadata)

@@ -70,7 +70,7 @@ def lora_spec(config: Config) -> lora_mod.LoraSpec:
     """The LoRA to train, from `model.lora`."""
     lora = config.model.lora
     return lora_mod.LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora_mod.resolve_targets(lora.targets),
-                             dropout=lora.dropout, init=lora.init)
+                             dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
 
 
 def _model(config: Config) -> tuple[Path, EncodeSettings]:
