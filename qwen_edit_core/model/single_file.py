@@ -79,8 +79,16 @@ def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors with diffusers names, flags) of a transformer file; fp8 weights not yet dequantized."""
     tensors = _read_tensors(path, "transformer")
     check_quant_formats(tensors, path)
-    out, flags = {}, {"zero_cond_t": False, "scaled_fp8": False}
-    for key, value in tensors.items():
+    names, flags = transformer_names(tensors)
+    return {names[k]: tensors[k] for k in names}, flags
+
+
+def transformer_names(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, str], dict]:
+    """({file key: diffusers key} of the tensors a model takes, flags) of a transformer file's keys: prefixes
+    stripped, markers turned into flags, input scales and quantization notes dropped."""
+    names, flags = {}, {"zero_cond_t": False, "scaled_fp8": False}
+    for file_key in tensors:
+        key = file_key
         for prefix in PREFIXES:
             if key.startswith(prefix):
                 key = key[len(prefix):]
@@ -90,8 +98,26 @@ def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         elif key == "scaled_fp8":
             flags["scaled_fp8"] = True
         elif not key.endswith(_DROP_SUFFIXES):
-            out[key] = value
-    return out, flags
+            names[file_key] = key
+    return names, flags
+
+
+def _read_header(path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
+    """(meta tensors by diffusers key, {file key: diffusers key}, flags) of a transformer file, after checking
+    its quantization formats (the only tensors read here are the small `.comfy_quant` notes)."""
+    from qwen_edit_core.model import file_stream
+    path = Path(path)
+    if not path.is_file():
+        raise SingleFileError(f"transformer file {str(path)!r} does not exist")
+    try:
+        header = file_stream.read_header(path)
+        check_quant_formats(file_stream.read_tensors(path, [k for k in header if k.endswith(".comfy_quant")]), path)
+    except SingleFileError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
+        raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+    names, flags = transformer_names(header)
+    return {names[k]: header[k] for k in names}, names, flags
 
 
 def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -103,7 +129,9 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
             continue
         if value.dtype in _FP8:
             scale = scales.get(key.removesuffix(".weight"))
-            value = value.float() * (scale.float() if scale is not None else 1.0)
+            value = value.float()
+            if scale is not None:
+                value.mul_(scale.float())  # in place: one fp32 temporary of the tensor, not two
         out[key] = value.to(dtype)
     return out
 
@@ -197,7 +225,12 @@ def _bytes(model) -> int:
 
 def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
     """A frozen QwenImageTransformer2DModel from one safetensors file, on `device` in `dtype`; a scaled-fp8
-    file's block linears stay in fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc)."""
+    file's block linears stay in fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
+
+    The file is streamed (`file_stream`): the architecture comes from its header, then one module at a time is
+    read, converted and moved to `device`, so host memory stays under the file's size plus one module's
+    tensors whatever `dtype` and `device` are."""
+    from qwen_edit_core.model import file_stream
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
 
@@ -205,7 +238,7 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8
 
     # ComfyUI calls loaders under inference mode: tensors read there could never be trained (LoRA) on.
     with torch.inference_mode(False):
-        raw, flags = read_state_dict(path)
+        raw, names, flags = _read_header(path)  # meta tensors: shapes and dtypes only
         config = detect_config(raw, flags, source=str(path))
         keep = keeps_fp8(fp8, raw, device)
         with init_empty_weights():
@@ -213,9 +246,12 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8
             if keep:
                 speed.quantize_fp8(model)
         fp8_modules = {n for n, m in model.named_modules() if isinstance(m, speed.Fp8Linear)}
-        tensors = _fp8_state(raw, fp8_modules, dtype) if keep else dequantize(raw, dtype)
-        check_state_dict(tensors, model.state_dict(), f"{path}: does not match the detected architecture")
-        model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, assign=True)
+
+        def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return _fp8_state(tensors, fp8_modules, dtype) if keep else dequantize(tensors, dtype)
+
+        check_state_dict(convert(raw), model.state_dict(), f"{path}: does not match the detected architecture")
+        file_stream.stream_into(model, Path(path), names, convert, torch.device(device))
         model.to(device)
         if any(v.dtype in _FP8 for v in raw.values()):
             upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
