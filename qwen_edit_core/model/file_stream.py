@@ -3,39 +3,88 @@
 `read_header` gives every tensor as a meta tensor (name, shape, dtype; no data read), which is enough to
 detect an architecture and check a state dict. `stream_into` then reads one module's tensors (a weight and
 its scales together), converts them (for example scaled fp8 upcast to bf16), moves them to the target device
-and assigns them into a model built on the meta device, before reading the next module. Host memory holds
-the file's memory-mapped pages and one module's tensors at a time: reading the real transformer's 19 GiB
-scaled-fp8 file whole and then upcasting it would need about 57 GiB of host RAM.
+and assigns them into a model built on the meta device, before reading the next module.
+
+Tensors are read with plain file reads of their byte ranges (the safetensors format: 8 bytes little-endian
+header length, a JSON header of `{name: {dtype, shape, data_offsets: [begin, end]}}` relative to the end of the
+header, then the data; https://github.com/huggingface/safetensors README "Format"), not by memory-mapping the
+file: host memory holds only the module being converted, and the process's resident memory counts only what
+the loader allocated (mapped file pages would count too, as long as the kernel keeps them). Reading the real
+transformer's 19 GiB scaled-fp8 file whole and then upcasting it needs about 57 GiB of host RAM; streamed to a
+GPU it needs one module's tensors.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
-from safetensors import safe_open
 
 #: safetensors header dtype names -> torch dtypes
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_MAX_HEADER = 100 * 2**20  # the safetensors library refuses larger headers too
+
+
+def read_entries(path: Path) -> tuple[dict[str, dict], int]:
+    """({name: header entry}, byte offset of the data) of a safetensors file; `__metadata__` left out.
+
+    Raises ValueError naming the file when the header is truncated, too large or not valid JSON."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{str(path)!r} is shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", raw)
+        if size > _MAX_HEADER:
+            raise ValueError(f"{str(path)!r}: header of {size} bytes is larger than safetensors allows")
+        text = fh.read(size)
+    if len(text) != size:
+        raise ValueError(f"{str(path)!r}: truncated header ({len(text)} of {size} bytes)")
+    entries = json.loads(text)
+    entries.pop("__metadata__", None)
+    for name, entry in entries.items():
+        if entry.get("dtype") not in DTYPES:
+            raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {entry.get('dtype')!r}; readable: "
+                             f"{', '.join(DTYPES)}")
+    return entries, 8 + size
 
 
 def read_header(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a meta tensor with its shape and dtype (no data is read)."""
-    with safe_open(str(path), framework="pt") as fh:
-        out = {}
-        for key in fh.keys():
-            piece = fh.get_slice(key)
-            out[key] = torch.empty(piece.get_shape(), dtype=DTYPES[piece.get_dtype()], device="meta")
-        return out
+    entries, _ = read_entries(path)
+    return {name: torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device="meta") for name, e in entries.items()}
 
 
-def read_tensors(path: Path, keys) -> dict[str, torch.Tensor]:
-    """The named tensors of a safetensors file (for the few small ones a loader needs up front)."""
-    with safe_open(str(path), framework="pt") as fh:
-        return {key: fh.get_tensor(key) for key in keys}
+def _read_one(fh, entry: dict, start: int, name: str, path) -> torch.Tensor:
+    """One tensor read from its byte range into a fresh host tensor."""
+    begin, end = entry["data_offsets"]
+    dtype = DTYPES[entry["dtype"]]
+    count = 1
+    for dim in entry["shape"]:
+        count *= dim
+    if end - begin != count * dtype.itemsize:
+        raise ValueError(f"{str(path)!r}: tensor {name!r} spans {end - begin} bytes, its shape {entry['shape']} "
+                         f"and dtype {entry['dtype']} need {count * dtype.itemsize}")
+    buffer = torch.empty(end - begin, dtype=torch.uint8)
+    view, done = memoryview(buffer.numpy()), 0
+    fh.seek(start + begin)
+    while done < end - begin:  # one read returns at most about 2 GiB on Linux
+        got = fh.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{str(path)!r}: tensor {name!r} is truncated (the file ends inside its data)")
+        done += got
+    return buffer.view(dtype).reshape(entry["shape"])
+
+
+def read_tensors(path: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors (all by default) of a safetensors file, each read from its own byte range."""
+    entries, start = read_entries(path)
+    with open(path, "rb", buffering=0) as fh:
+        return {key: _read_one(fh, entries[key], start, key, path) for key in (entries if keys is None else keys)}
 
 
 def module_groups(names: Mapping[str, str]) -> dict[str, list[str]]:
@@ -50,17 +99,20 @@ def stream_into(model: torch.nn.Module, path: Path, names: Mapping[str, str],
                 convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], device: torch.device) -> None:
     """Fill `model` (parameters on the meta device) from `path`, one module at a time.
 
-    `names` maps the file keys to read to model keys; `convert` turns one module's tensors (model keys) into
-    the state-dict entries of that module (it may rename, upcast or quantize them). Each result is moved to
-    `device` and assigned in place of the meta tensor (`load_state_dict(assign=True)` on the submodule).
+    `names` maps the file keys to read to model keys. One module's tensors are read, moved to `device` as
+    stored (fp8 stays one byte a value on the way), then `convert` turns them (model keys) into that module's
+    state-dict entries on the device (it may rename, upcast or quantize them: on a GPU that is far faster than
+    on the host), which are assigned in place of the meta tensors (`load_state_dict(assign=True)` on the
+    submodule). Host memory holds one module's tensors as stored at a time (and their conversions when
+    `device` is the CPU).
     """
-    with safe_open(str(path), framework="pt") as fh:
+    entries, start = read_entries(path)
+    with open(path, "rb", buffering=0) as fh:
         for file_keys in module_groups(names).values():
-            tensors = convert({names[k]: fh.get_tensor(k) for k in file_keys})
+            tensors = convert({names[k]: _read_one(fh, entries[k], start, k, path).to(device) for k in file_keys})
             by_module: dict[str, dict[str, torch.Tensor]] = {}
-            for key, value in tensors.items():
+            for key in list(tensors):
                 module, _, leaf = key.rpartition(".")
-                by_module.setdefault(module, {})[leaf] = value.to(device)
-            del tensors
+                by_module.setdefault(module, {})[leaf] = tensors.pop(key).to(device)
             for module, state in by_module.items():
                 model.get_submodule(module).load_state_dict(state, strict=False, assign=True)

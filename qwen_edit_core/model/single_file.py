@@ -29,9 +29,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.model import file_stream, variants
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +51,7 @@ def _read_tensors(path, what: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise SingleFileError(f"{what} file {str(path)!r} does not exist")
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            return {k: fh.get_tensor(k) for k in fh.keys()}
+        return file_stream.read_tensors(path)
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
         raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
 
@@ -105,7 +103,6 @@ def transformer_names(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, str],
 def _read_header(path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
     """(meta tensors by diffusers key, {file key: diffusers key}, flags) of a transformer file, after checking
     its quantization formats (the only tensors read here are the small `.comfy_quant` notes)."""
-    from qwen_edit_core.model import file_stream
     path = Path(path)
     if not path.is_file():
         raise SingleFileError(f"transformer file {str(path)!r} does not exist")
@@ -230,7 +227,6 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8
     The file is streamed (`file_stream`): the architecture comes from its header, then one module at a time is
     read, converted and moved to `device`, so host memory stays under the file's size plus one module's
     tensors whatever `dtype` and `device` are."""
-    from qwen_edit_core.model import file_stream
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
 

@@ -39,9 +39,14 @@ def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_pat
     from_file = load_components(tiny_edit_dir, plan, transformer_file=tmp_path / "qwen_image_edit_fp32.safetensors")
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
     settings = sampler.SampleSettings(num_inference_steps=3, seed=2, width=64, height=64, vae_area=64 * 64)
+    file_state, dir_state = from_file.transformer.state_dict(), from_dir.transformer.state_dict()
+    assert file_state.keys() == dir_state.keys()
+    assert all(torch.equal(file_state[k], v) for k, v in dir_state.items())
     a = sampler.sample(from_dir, "blue", [image], settings)
     b = sampler.sample(from_file, "blue", [image], settings)
-    assert torch.equal(a, b)
+    # The same weights; the file's tensors are read into fresh aligned memory while diffusers maps the folder's
+    # file, and CPU matmul kernels round by the data's alignment: equal to float32 rounding.
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_bf16_file_is_exact_and_trainable_after_inference_mode(tiny_edit_dir, tmp_path):
@@ -73,7 +78,8 @@ def test_edit_2511_marker_sets_zero_cond_t(tmp_path):
     loaded = load_transformer_file(tmp_path / "2511.safetensors", device=CPU, dtype=torch.float32)
     reference = load_transformer(model_dir, device=CPU, dtype=torch.float32)
     assert loaded.config.zero_cond_t is True
-    assert torch.equal(_output(loaded), _output(reference))
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())
+    torch.testing.assert_close(_output(loaded), _output(reference), rtol=0, atol=1e-6)  # kernels round by alignment
 
 
 def test_bad_files_name_what_was_expected(tiny_edit_dir, tmp_path):
