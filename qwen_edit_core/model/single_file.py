@@ -100,19 +100,26 @@ def transformer_names(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, str],
     return names, flags
 
 
-def _read_header(path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
-    """(meta tensors by diffusers key, {file key: diffusers key}, flags) of a transformer file, after checking
-    its quantization formats (the only tensors read here are the small `.comfy_quant` notes)."""
+def checked_header(path, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a meta tensor (shapes and dtypes), after checking its quantization
+    formats (the only tensors read are the small `.comfy_quant` notes); errors name the file and `what` it
+    should be."""
     path = Path(path)
     if not path.is_file():
-        raise SingleFileError(f"transformer file {str(path)!r} does not exist")
+        raise SingleFileError(f"{what} file {str(path)!r} does not exist")
     try:
         header = file_stream.read_header(path)
         check_quant_formats(file_stream.read_tensors(path, [k for k in header if k.endswith(".comfy_quant")]), path)
     except SingleFileError:
         raise
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for damaged files
+    except Exception as err:  # noqa: BLE001 - a damaged file raises several types
         raise SingleFileError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+    return header
+
+
+def _read_header(path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
+    """(meta tensors by diffusers key, {file key: diffusers key}, flags) of a transformer file."""
+    header = checked_header(path, "transformer")
     names, flags = transformer_names(header)
     return {names[k]: header[k] for k in names}, names, flags
 

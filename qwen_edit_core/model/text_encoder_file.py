@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from qwen_edit_core.model import file_stream
 from qwen_edit_core.model.single_file import (_DROP_SUFFIXES, SingleFileError, _read_tensors, check_quant_formats,
-                                              check_state_dict, dequantize)
+                                              check_state_dict, checked_header, dequantize)
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,21 @@ def read_text_encoder_state_dict(path) -> tuple[dict[str, torch.Tensor], dict]:
     fp8 weights not yet dequantized (their scales renamed alongside)."""
     tensors = _read_tensors(path, "text encoder")
     check_quant_formats(tensors, path)
-    for prefix in TE_PREFIXES:
-        if any(k.startswith(prefix) for k in tensors):
-            tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            break
-    out, flags, unknown = {}, {"scaled_fp8": False}, []
-    for key, value in tensors.items():
+    names, flags = text_encoder_names(tensors, path)
+    return {new: tensors[old] for old, new in names.items()}, flags
+
+
+def text_encoder_names(keys, path) -> tuple[dict[str, str], dict]:
+    """({file key: transformers 5 name} of the tensors a model takes, flags) of a text encoder file's keys:
+    the ComfyUI prefix stripped (keys outside it ignored), the `scaled_fp8` marker turned into a flag, input
+    scales and quantization notes dropped. Keys outside Qwen2.5-VL's layout raise SingleFileError."""
+    keys = list(keys)
+    prefix = next((p for p in TE_PREFIXES if any(k.startswith(p) for k in keys)), "")
+    names, flags, unknown = {}, {"scaled_fp8": False}, []
+    for file_key in keys:
+        if not file_key.startswith(prefix):
+            continue
+        key = file_key[len(prefix):]
         if key == "scaled_fp8":
             flags["scaled_fp8"] = True
             continue
@@ -73,12 +83,12 @@ def read_text_encoder_state_dict(path) -> tuple[dict[str, torch.Tensor], dict]:
         if new is None:
             unknown.append(key)
         else:
-            out[new] = value
+            names[file_key] = new
     if unknown:
         raise SingleFileError(f"{path}: keys outside Qwen2.5-VL's layout ({', '.join(sorted(unknown)[:4])}); "
                               "expected model.* (language model), visual.* (vision tower) and lm_head.weight, as "
                               "in ComfyUI's text_encoders/qwen_2.5_vl_7b*.safetensors")
-    return out, flags
+    return names, flags
 
 
 def _shape(tensors, key, source, dim=None):
@@ -159,25 +169,34 @@ def load_text_encoder_file(path, *, device: torch.device, dtype: torch.dtype, to
     the real encoder (Qwen2.5-VL-7B, 8.29 B parameters with lm_head, 7.75 B without) is 15.4 GiB in bf16
     (14.4 GiB without lm_head) after the upcast and 30.9 GiB in fp32, against about 7.7 GiB on disk for the
     scaled-fp8 file (7.2 B linear weights at 1 byte, the embeddings, norms and biases in bf16; 8.7 GiB if it
-    carries lm_head in bf16). Loading also holds the file's tensors once more while they are converted.
+    carries lm_head in bf16). The file is streamed (`file_stream`): the architecture comes from its header,
+    the model is built on the meta device, then one module at a time is read, moved to `device` and upcast
+    there, so host memory holds one module beyond the model itself (nothing of it when `device` is a GPU).
     A file without `lm_head.weight` (ComfyUI does not build lm_head) gets lm_head tied to the input embeddings:
     the hidden states the pipelines use do not depend on it.
     """
+    from accelerate import init_empty_weights
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     with torch.inference_mode(False):
-        raw, flags = read_text_encoder_state_dict(path)
-        config = Qwen2_5_VLConfig(**detect_text_encoder_config(raw, text_encoder_token_ids(tokenizer),
+        header = checked_header(path, "text encoder")  # meta tensors: shapes and dtypes only
+        names, flags = text_encoder_names(header, path)
+        header = {new: header[old] for old, new in names.items()}
+        config = Qwen2_5_VLConfig(**detect_text_encoder_config(header, text_encoder_token_ids(tokenizer),
                                                                source=str(path)))
-        tensors = dequantize(raw, dtype)
-        del raw
-        with torch.device("meta"):
-            expected = Qwen2_5_VLForConditionalGeneration(config).state_dict()
+        with init_empty_weights():  # parameters on the meta device; the rotary buffers are computed
+            model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+        expected = model.state_dict()
         if config.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
-        check_state_dict(tensors, expected, f"{path}: does not match the detected Qwen2.5-VL architecture")
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(None, config=config, state_dict=tensors,
-                                                                   dtype=dtype)
+        check_state_dict(dequantize(header, dtype), expected,
+                         f"{path}: does not match the detected Qwen2.5-VL architecture")
+        file_stream.stream_into(model, Path(path), names, lambda t: dequantize(t, dtype), torch.device(device))
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if left:
+            raise SingleFileError(f"{path}: no weights for {left[:4]} after loading")
         if flags["scaled_fp8"]:
             log.info("%s: scaled fp8 upcast to %s", path, dtype)
         return model.to(device).eval().requires_grad_(False)
