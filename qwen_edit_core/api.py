@@ -43,6 +43,7 @@ class QwenImageEditTrainer:
             if predict.uncond_device else None
         self.components: Components | None = None
         self._uncond_transformer = None
+        self._cfg_split = None  # this process's CFG branch under context parallelism (cfg_mode split)
         self._predict_ready = False
 
     # -- loading -----------------------------------------------------------------------------------------
@@ -70,10 +71,12 @@ class QwenImageEditTrainer:
     def setup_predict(self, replica: bool = True) -> None:
         """Ready the loaded components for sampling (sample.predict.prepare_transformer: eval mode, `predict.fp8` /
         `predict.compile` applied to the transformer in place, context parallelism); the uncond replica for split
-        CFG unless `replica=False` (CFG off: nothing to split). `predict` calls it on first use."""
-        predict_mod.prepare_transformer(self._require(), self.plan.transformer, self.config.predict)
+        CFG unless `replica=False` (CFG off: nothing to split) or the CFG branches run on their own processes
+        (context parallelism). `predict` calls it on first use."""
+        self._cfg_split = predict_mod.prepare_transformer(self._require(), self.plan.transformer,
+                                                          self.config.predict)
         self._predict_ready = True
-        if self.config.predict.cfg_mode == "split" and replica:
+        if self.config.predict.cfg_mode == "split" and replica and self._cfg_split is None:
             self._make_replica()
 
     def _make_replica(self) -> None:
@@ -106,11 +109,12 @@ class QwenImageEditTrainer:
                                         negative_prompt=negative_prompt, seed=seed, width=width, height=height)
         if not self._predict_ready:
             self.setup_predict(replica=settings.do_cfg)
-        elif settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None:
+        elif settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None \
+                and self._cfg_split is None:
             self._make_replica()
         images = list(prompt_image) if isinstance(prompt_image, (list, tuple)) else [prompt_image]
         image = sampler.sample(comps, prompt, images, settings, uncond_transformer=self._uncond_transformer,
-                               progress=progress, cancel=cancel)
+                               cfg_split=self._cfg_split, progress=progress, cancel=cancel)
         return predict_mod.to_output(image, output_type)
 
     # -- encoders ----------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def cmd_sample(args) -> None:
         from qwen_edit_core.sample import context_parallel
         plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
         overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
-        context_parallel.init_process_group(args.context_parallel, plan["transformer"])
+        context_parallel.init_process_group(args.context_parallel, plan["transformer"],
+                                            cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
     images = [open_image(p) for p in args.image]
     trainer = QwenImageEditTrainer(config)

@@ -16,20 +16,20 @@ from qwen_edit_core.sample.sampler import SampleSettings
 OUTPUT_TYPES = ("np", "pil", "pt")
 
 
-def prepare_transformer(components, device: torch.device, predict) -> None:
+def prepare_transformer(components, device: torch.device, predict):
     """Ready loaded components for sampling: eval mode; `predict.fp8` / `predict.compile` applied to the
     transformer in place (qwen_edit_core.speed; it stays so until reloaded); context parallelism
-    (`predict.context_parallel`, sample.context_parallel)."""
+    (`predict.context_parallel`, sample.context_parallel). Returns this process's CFG branch
+    (context_parallel.CfgSplit) under context parallelism with `cfg_mode: split`, else None."""
     components.transformer.eval()
     if predict.fp8 or predict.compile:
         from qwen_edit_core import speed
         speed.configure_inference(components.transformer, device, fp8=predict.fp8, compile=predict.compile)
     if predict.context_parallel > 1:
-        if predict.cfg_mode == "split":
-            raise ValueError("predict.context_parallel with cfg_mode split: the two CFG branches on their own "
-                             "process groups are not built; use cfg_mode sequential or batched")
         from qwen_edit_core.sample import context_parallel
-        context_parallel.enable(components.transformer, predict.context_parallel, predict.cp_mode)
+        return context_parallel.enable(components.transformer, predict.context_parallel, predict.cp_mode,
+                                       cfg_split=predict.cfg_mode == "split")
+    return None
 
 
 def uncond_replica(components, device: torch.device, uncond_device: torch.device | None):

@@ -7,7 +7,12 @@ callback per step and cancellation between steps.
 CFG modes:
 - ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
 - ``batched``: cond and uncond in one call of batch 2 (text padded to a common length with a mask).
-- ``split``: cond on the transformer's device and uncond on a replica on a second device, concurrently.
+- ``split``: cond on the transformer's device and uncond on a replica on a second device, concurrently; or,
+  under context parallelism over 2N processes, cond on the first N and uncond on the other N
+  (sample.context_parallel.CfgSplit), the two predictions swapped once per step.
+
+`transformer` is anything called like diffusers' QwenImageTransformer2DModel that carries its `config`; the
+device of every call is the conditioning's (so a pool of worker processes, sample.workers, stands in for it).
 """
 
 from __future__ import annotations
@@ -205,7 +210,7 @@ def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_l
 def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor) -> torch.Tensor:
     """One transformer call; returns the prediction for the target tokens only."""
     batch = embeds.embeds.shape[0]
-    device = next(transformer.parameters()).device
+    device = embeds.embeds.device
     hidden = torch.cat([latents, cond.control_tokens.to(device)], dim=1)
     if hidden.shape[0] != batch:
         hidden = hidden.expand(batch, -1, -1)
@@ -235,9 +240,14 @@ def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
 class _Denoiser:
     """Predicts the guided velocity for one step in the chosen CFG mode."""
 
-    def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None):
+    def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None,
+                 cfg_split=None):
         self.transformer, self.cond, self.settings = transformer, cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
+        if self.mode == "split" and cfg_split is not None:
+            # This process runs one branch; the pair group hands it the other one's prediction.
+            self.mode, self.cfg_split = "processes", cfg_split
+            self.mine = cond.uncond if cfg_split.uncond else cond.cond
         if settings.cfg_mode == "split" and not settings.do_cfg:
             log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is nothing to "
                      "split (no negative pass): the transformer runs alone on its own device", settings.true_cfg_scale,
@@ -263,6 +273,9 @@ class _Denoiser:
         elif self.mode == "batched":
             both = _forward(self.transformer, latents, self.cond, self.both, t)
             cond_pred, uncond_pred = both[:1], both[1:]
+        elif self.mode == "processes":
+            cond_pred, uncond_pred = self.cfg_split.exchange(_forward(self.transformer, latents, self.cond,
+                                                                      self.mine, t))
         else:
             device = self.replica_cond.control_tokens.device
             # The uncond branch runs on its own device in a worker thread while this thread runs cond.
@@ -284,11 +297,12 @@ def _forward_no_grad(*args):
 
 
 @torch.no_grad()
-def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None,
+def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
             progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
-    """Run the flow-matching Euler loop; returns packed latents (1, N, 64) on the transformer's device."""
+    """Run the flow-matching Euler loop; returns packed latents (1, N, 64) on the conditioning's device (the
+    transformer's). `cfg_split`: this process's CFG branch under context parallelism (cfg_mode split)."""
     transformer = components.transformer
-    device, dtype = next(transformer.parameters()).device, cond.cond.embeds.dtype
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
     channels = transformer.config.in_channels // 4
     latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
@@ -296,7 +310,7 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
     log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
              len(timesteps), settings.schedule, settings.true_cfg_scale,
              settings.cfg_mode if settings.do_cfg else "off", mu, seed)
-    denoiser = _Denoiser(transformer, cond, settings, uncond_transformer)
+    denoiser = _Denoiser(transformer, cond, settings, uncond_transformer, cfg_split)
     try:
         with speed.attention_kernel(settings.attention):
             for i, t in enumerate(timesteps):
@@ -319,12 +333,12 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
 
 
 def sample(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
-           uncond_transformer=None, progress: ProgressFn | None = None,
+           uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
            cancel: CancelToken | None = None) -> torch.Tensor:
     """Edit `images` (one control image, or 1-3 for Edit Plus) by `prompt`; returns (1, H, W, 3) in [0, 1]."""
     cond = build_conditioning(components, prompt, images, settings)
-    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, progress=progress,
-                      cancel=cancel)
+    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
+                      progress=progress, cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
 
 
@@ -338,63 +352,3 @@ def check_finite(latents: torch.Tensor, what: str) -> None:
         raise NonFiniteError(f"{what} holds NaN or Inf values, so no image is written; a LoRA with extreme "
                              "weights, a too high strength or CFG scale, or float16 overflow (use bfloat16 or "
                              "float32) causes this")
-
-
-# -- several edits in one batch (samples may differ in size) --------------------------------------------------
-def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditioning], embeds: list[PromptEmbeds],
-                  timesteps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
-    from qwen_edit_core.adapters import multires
-    device = next(transformer.parameters()).device
-    text = encode.pad_embeddings([e.valid(0) for e in embeds]).to(device)
-    packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
-                                   [c.img_shapes for c in conds])
-    dtype = latents[0].dtype
-    t = torch.stack([ts.to(device=device, dtype=dtype) for ts in timesteps])
-    out = transformer(hidden_states=packed.hidden, timestep=t / 1000, encoder_hidden_states=text.embeds,
-                      encoder_hidden_states_mask=text.mask_or_none(), img_shapes=packed.img_shapes,
-                      attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
-    return [out[b: b + 1, : x.shape[1]] for b, x in enumerate(latents)]
-
-
-@torch.no_grad()
-def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence], settings: SampleSettings,
-                 seeds: Sequence[int] | None = None, *, progress: ProgressFn | None = None,
-                 cancel: CancelToken | None = None) -> list[torch.Tensor]:
-    """Several edits in one transformer call per step (cond and uncond batched together), each with its own
-    size, control images, seed and schedule; equals running `sample` on each. Returns (1, H, W, 3) images."""
-    from qwen_edit_core.adapters import multires
-    if settings.cfg_mode == "split":
-        raise ValueError("sample_batch batches CFG on one device; use cfg_mode 'sequential' or 'batched'")
-    transformer = components.transformer
-    multires.install(transformer)
-    seeds = list(seeds) if seeds is not None else [settings.seed if settings.seed is not None else 0] * len(prompts)
-    conds = [build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
-    device = next(transformer.parameters()).device
-    channels = transformer.config.in_channels // 4
-    latents = [initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype, settings.schedule)
-               for s, c in zip(seeds, conds)]
-    schedules = [make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2] for x in latents]
-    with speed.attention_kernel(settings.attention):
-        latents = _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel)
-    return [decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
-
-
-def _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel) -> list[torch.Tensor]:
-    """The Euler loop of `sample_batch`: one transformer call per step for every sample and CFG branch."""
-    total = settings.num_inference_steps
-    for i in range(total):
-        if cancel is not None:
-            cancel.check()
-        ts = [timesteps[i] for _, timesteps in schedules]
-        if settings.do_cfg:
-            both = _forward_many(transformer, latents * 2, conds * 2, [c.cond for c in conds] +
-                                 [c.uncond for c in conds], ts * 2)
-            preds = [guide(c, u, settings.true_cfg_scale, settings.schedule) for c, u in zip(both[: len(conds)], both[len(conds):])]
-        else:
-            preds = _forward_many(transformer, latents, conds, [c.cond for c in conds], ts)
-        latents = [sched.step(v, t, x, return_dict=False)[0].to(x.dtype)
-                   for (sched, _), v, t, x in zip(schedules, preds, ts, latents)]
-        if progress is not None:
-            progress(Progress("sample", i + 1, total))
-    return latents

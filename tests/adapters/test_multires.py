@@ -175,6 +175,7 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
     from PIL import Image
 
     from qwen_edit_core.sample import sampler
+    from qwen_edit_core.sample.batch import sample_batch
     from qwen_edit_core.model.components import load_components
     from qwen_edit_core.model.devices import DevicePlan
     comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
@@ -185,7 +186,7 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
     settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, vae_area=96 * 96)
     singles = [sampler.sample(comps, p, [img], sampler.SampleSettings(**{**settings.__dict__, "seed": s}))
                for p, img, s in zip(prompts, images, (5, 6))]
-    batched = sampler.sample_batch(comps, prompts, [[images[0]], [images[1]]], settings, seeds=[5, 6])
+    batched = sample_batch(comps, prompts, [[images[0]], [images[1]]], settings, seeds=[5, 6])
     for one, many in zip(singles, batched):
         assert one.shape == many.shape
         assert (one - many).abs().max().item() <= 1e-4

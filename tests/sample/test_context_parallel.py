@@ -1,6 +1,7 @@
 """Context-parallel sampling on 2 CPU processes (torchrun, gloo): the tokens split over the processes (Ulysses,
 uneven splits) give the image of one process, at true CFG (sequential and batched) and at CFG 1; bad setups are
-refused with the reason. Ring attention needs a CUDA kernel that returns the log-sum-exp: refused on the CPU."""
+refused with the reason. Ring attention needs a CUDA kernel that returns the log-sum-exp: refused on the CPU.
+With cfg_mode split on 4 processes, cond runs on two and uncond on the other two (each pair splitting tokens)."""
 
 from __future__ import annotations
 
@@ -20,34 +21,36 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPT = "make the square blue and the background a little darker"  # an odd prompt token count
 
 SCRIPT = """
-import sys
+import logging, os, sys
 import numpy as np
 from PIL import Image
 from qwen_edit_core import QwenImageEditTrainer, load_config
-model, image, out = sys.argv[1:4]
-for cfg_mode in ("sequential", "batched"):
+logging.basicConfig(level=logging.INFO)
+model, image, out, prompt, cfg_modes, steps = sys.argv[1:7]
+for cfg_mode in cfg_modes.split(","):
     config = load_config(overrides={"model": {"pretrained_model_name_or_path": model},
                                     "predict": {"vae_area": 96 * 64, "context_parallel": 2, "cfg_mode": cfg_mode}})
     trainer = QwenImageEditTrainer(config)
     trainer.load_model()
-    result = trainer.predict(Image.open(image), sys.argv[4], num_inference_steps=3, true_cfg_scale=4.0, seed=5)
-    np.save(f"{out}-{cfg_mode}.npy", result)
+    result = trainer.predict(Image.open(image), prompt, num_inference_steps=int(steps), true_cfg_scale=4.0, seed=5)
+    np.save(f"{out}-{cfg_mode}-rank{os.environ['RANK']}.npy", result)
 """
 
 
-def _torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + os.getpid() % 300),
-                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run([torchrun, "--nproc_per_node", str(nproc), "--master_port",
+                           str(29600 + os.getpid() % 300), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
 
 
-def _single(model_dir, image: Path, cfg: float) -> np.ndarray:
+def _single(model_dir, image: Path, cfg: float, steps: int = 3) -> np.ndarray:
     config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model_dir)},
                                     "predict": {"vae_area": 96 * 64}})
     trainer = QwenImageEditTrainer(config)
     trainer.load_model()
-    return trainer.predict(Image.open(image), PROMPT, num_inference_steps=3, true_cfg_scale=cfg, seed=5)
+    return trainer.predict(Image.open(image), PROMPT, num_inference_steps=steps, true_cfg_scale=cfg, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +65,50 @@ def wide_control(tmp_path_factory) -> Path:
 def test_two_processes_equal_one_process_with_either_cfg_batching(tiny_edit_dir, wide_control, tmp_path):
     script = tmp_path / "cp.py"
     script.write_text(SCRIPT)
-    proc = _torchrun(str(script), str(tiny_edit_dir), str(wide_control), str(tmp_path / "cp"), PROMPT)
+    proc = _torchrun(str(script), str(tiny_edit_dir), str(wide_control), str(tmp_path / "cp"), PROMPT,
+                     "sequential,batched", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = _single(tiny_edit_dir, wide_control, 4.0)
     for cfg_mode in ("sequential", "batched"):
-        split = np.load(tmp_path / f"cp-{cfg_mode}.npy")
+        split = np.load(tmp_path / f"cp-{cfg_mode}-rank0.npy")
         assert split.shape == reference.shape
         assert np.abs(split - reference).max() < 1e-4, cfg_mode
+
+
+def test_cfg_split_over_two_groups_of_two_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
+    """4 processes: cond on ranks 0-1, uncond on ranks 2-3, each pair splitting its tokens (Ulysses); the
+    predictions are swapped once per step. Every rank ends with the image of one process."""
+    script = tmp_path / "cp.py"
+    script.write_text(SCRIPT)
+    proc = _torchrun(str(script), str(tiny_edit_dir), str(wide_control), str(tmp_path / "cp"), PROMPT, "split",
+                     "2", nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 of 4, cond branch" in proc.stderr and "rank 3 of 4, uncond branch" in proc.stderr
+    reference = _single(tiny_edit_dir, wide_control, 4.0, steps=2)
+    for rank in range(4):
+        split = np.load(tmp_path / f"cp-split-rank{rank}.npy")
+        assert split.shape == reference.shape
+        assert np.abs(split - reference).max() < 1e-4, rank
+
+
+def test_cfg_split_needs_twice_the_processes(monkeypatch):
+    from qwen_edit_core.sample import context_parallel
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"needs 4 processes \(2 for cond, 2 for uncond with --cfg-mode split\)"
+                                         r".*torchrun --nproc_per_node 4.*this run has 2"):
+        context_parallel.init_process_group(2, torch.device("cpu"), cfg_split=True)
+
+
+def test_backend_without_the_collectives_is_refused():
+    from qwen_edit_core.sample import context_parallel
+    with pytest.raises(ValueError, match="backend 'nccl' has no collectives for cpu tensors.*needs gloo"):
+        context_parallel.check_backend("nccl", "cpu")
+    with pytest.raises(ValueError, match="backend 'gloo' has no collectives for cuda tensors.*needs nccl"):
+        context_parallel.check_backend("gloo", "cuda")
+    with pytest.raises(ValueError, match="runs on cpu or cuda devices, not mps"):
+        context_parallel.check_backend("gloo", "mps")
+    context_parallel.check_backend("cpu:gloo,cuda:nccl", "cuda")
+    context_parallel.check_backend("cpu:gloo", "cpu")
 
 
 def test_cli_at_cfg_1_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
@@ -86,7 +126,7 @@ def test_cli_at_cfg_1_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
 def test_one_process_asked_for_two_is_refused(tiny_edit_dir, wide_control, tmp_path, monkeypatch):
     from qwen_edit_core.sample import context_parallel
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match="needs 2 processes, this run has 1.*torchrun --nproc_per_node 2"):
+    with pytest.raises(ValueError, match="needs 2 processes: .*torchrun --nproc_per_node 2.*this run has 1"):
         context_parallel.init_process_group(2, torch.device("cpu"))
 
 

@@ -10,6 +10,7 @@ from host_reads import HostReads
 from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler
+from qwen_edit_core.sample.batch import sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_sample_batch_steps_read_nothing_from_the_device(comps):
         mode.where.clear()
 
     with mode:
-        sampler.sample_batch(comps, ["a", "a longer prompt"], [[_image()], [_image()]], settings, progress=progress)
+        sample_batch(comps, ["a", "a longer prompt"], [[_image()], [_image()]], settings, progress=progress)
     assert per_step[1:] == [[], []], per_step
 
 
