@@ -163,7 +163,8 @@ class QwenEditTrain:
 
     CATEGORY = f"{CATEGORY}/training"
     DESCRIPTION = ("Starts LoRA training in the background and returns a job at once; watch it with Training "
-                   "Status. The LoRA lands in models/loras.")
+                   "Status. The LoRA (or LoKr, LoHa, DoRA: lora_type, dora) lands in models/loras and loads with "
+                   "stock LoraLoaderModelOnly.")
     RETURN_TYPES = (JOB,)
     RETURN_NAMES = ("job",)
     FUNCTION = "start"
@@ -247,6 +248,12 @@ class QwenEditTrain:
                            "sample with control_size target); pipeline: each control at the training area"}),
             "job_name": ("STRING", {"default": "", "tooltip": "name to find this job by (Training Status, Stop "
                                                               "Training, the job list); empty: the LoRA name"}),
+            "lora_type": (["lora", "lokr", "loha"], {
+                "tooltip": "the adapter: lora (low-rank up @ down); lokr (Kronecker product of two factors, "
+                           "w2 low-rank when rank < half its side: more capacity per byte); loha (Hadamard "
+                           "product of two low-rank pairs). All load with stock LoraLoaderModelOnly"}),
+            "dora": ("BOOLEAN", {"default": False, "tooltip": "DoRA (lora_type lora only): also learn a "
+                                                              "magnitude per output row (saved as dora_scale)"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -254,7 +261,8 @@ class QwenEditTrain:
               validation_every=0, memory_budget_gb=0.0, fp8_base=False, compile=False, attention="auto",
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
-              validation_previews="", companion_loras="", control_size="pipeline", job_name=""):
+              validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
+              dora=False):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -271,7 +279,8 @@ class QwenEditTrain:
                           "validation_previews": parse_previews(validation_previews, _lora_path)}
         stack = parse_lora_lines(companion_loras, _lora_path)
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
-                         model={"lora": {"rank": rank, "alpha": alpha, "targets": targets, "stack": stack}},
+                         model={"lora": {"rank": rank, "alpha": alpha, "targets": targets, "stack": stack,
+                                         "type": lora_type, "dora": dora}},
                          data={"batch_size": batch_size, "bucket_grouping": bucket_grouping,
                                "control_size": control_size},
                          cache={"enabled": use_cache},

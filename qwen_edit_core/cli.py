@@ -148,16 +148,22 @@ def cmd_train(args) -> None:
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
 TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
-               ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"))
+               ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
+               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"))
 
 
 def train_overrides(args) -> dict:
-    """The config overrides of the `train` flags that were given (None = keep the config file's value)."""
+    """The config overrides of the `train` flags that were given (None = keep the config file's value); a dotted
+    key nests (`lora.type` -> model: {lora: {type: ...}})."""
     overrides: dict = {}
     for dest, section, key in TRAIN_FLAGS:
         value = getattr(args, dest, None)
         if value is not None:
-            overrides.setdefault(section, {})[key] = value
+            *parents, last = key.split(".")
+            node = overrides.setdefault(section, {})
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[last] = value
     return overrides
 
 
@@ -316,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], e.g. 'lightning steps=4 lora=l.safetensors'")
     p.add_argument("--control-size", choices=["pipeline", "target"],
                    help="data.control_size: target resizes every control to its target's size (pixel-aligned pairs)")
+    p.add_argument("--lora-type", choices=["lora", "lokr", "loha"],
+                   help="model.lora.type: the adapter to train (LoKr: Kronecker factors, LoHa: Hadamard product)")
+    p.add_argument("--dora", action="store_true", default=None,
+                   help="model.lora.dora: DoRA (a learned magnitude per output row; --lora-type lora only)")
     p.set_defaults(func=cmd_train)
 
     from qwen_edit_core.data.synthetic import DEMO_EDIT, EDITS

@@ -271,3 +271,23 @@ def test_speed_node_leaves_its_input_model_unchanged(env):
     assert fast.components.transformer is not handle.components.transformer
     # weights the levers leave alone are shared, not copied
     assert fast.components.transformer.img_in.weight is handle.components.transformer.img_in.weight
+
+
+def test_train_node_trains_the_chosen_adapter_kind(model, env):
+    """lora_type and dora (the Train node's last inputs) reach the run: a LoKr job writes LoKr keys, a DoRA job
+    dora_scale, and both load back through Load LoRA."""
+    from safetensors import safe_open
+    with torch.inference_mode():
+        (data, example) = nodes.QwenEditSyntheticDataset().make("pairs_kinds", 2, 0)
+        cached = nodes.QwenEditBuildCache().build(model, data, 64, "")["result"][0]
+    for lora_type, dora, key in (("lokr", False, "lokr_w1"), ("lora", True, "dora_scale")):
+        name = f"kind_{lora_type}_{dora}"
+        with torch.inference_mode():
+            (job,) = nodes.QwenEditTrain().start(model, cached, name, 2, 1e-3, 4, 4.0, "attn", 2, 64, 0, False, 0,
+                                                 True, lora_type=lora_type, dora=dora)
+            path = nodes.QwenEditTrainStatus().status(True, job)["result"][1]
+        with safe_open(path, framework="pt") as fh:
+            assert any(k.endswith("." + key) for k in fh.keys()) and fh.metadata()["type"] == lora_type
+        with torch.inference_mode():
+            (with_lora,) = nodes.QwenEditLoraLoader().apply(model, "(none)", 1.0, lora_path=path)
+        assert with_lora.loras == ((path, 1.0),)

@@ -40,3 +40,11 @@ def test_training_each_kind_runs_and_resumes_exactly(tiny_edit_dir, pairs_dir, t
     assert QwenImageEditTrainer(config).fit(resume=True).step == 2
     resumed = load_file(out / "lora.safetensors")
     assert max((state[k] - resumed[k]).abs().max().item() for k in state) <= 1e-6
+
+
+def test_cli_flags_choose_the_kind():
+    from qwen_edit_core.cli import build_parser, train_overrides
+    args = build_parser().parse_args(["train", "c.yaml", "--lora-type", "lora", "--dora"])
+    assert train_overrides(args) == {"model": {"lora": {"type": "lora", "dora": True}}}
+    args = build_parser().parse_args(["train", "c.yaml", "--lora-type", "lokr", "--ema-decay", "0.9"])
+    assert train_overrides(args) == {"model": {"lora": {"type": "lokr"}}, "train": {"ema_decay": 0.9}}

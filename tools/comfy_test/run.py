@@ -1,6 +1,7 @@
 """Real-ComfyUI checks of the pack (`make comfy-test COMFYUI_DIR=...`): every shipped workflow on a fresh
 base directory, the training-job lifecycle (attach, stop, restart with a checkpoint, LoRA delivered with
-nobody waiting) and the live view in headless Chromium on ComfyUI's own frontend (with a screenshot).
+nobody waiting), the live view in headless Chromium on ComfyUI's own frontend (with a screenshot), and our
+LoRA/LoKr/LoHa/DoRA files through stock LoraLoaderModelOnly (lora_check.py).
 
     python tools/comfy_test/run.py --comfyui-dir ~/ComfyUI [--python ~/ComfyUI/venv/bin/python]
                                    [--only workflows,lifecycle,browser] [--out comfy_test_out]
@@ -137,8 +138,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser,layout",
-                        help="comma-separated checks: workflows, lifecycle, browser, layout; sizes re-measures "
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora",
+                        help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
+                             "LoHa and DoRA files through stock LoraLoaderModelOnly); sizes re-measures "
                              "workflows/frontend/node_sizes.json")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
@@ -149,8 +151,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from browser_check import check_browser
     from layout_check import check_layout, measure_sizes
+    from lora_check import check_lora_kinds
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
-              "layout": check_layout, "sizes": measure_sizes}
+              "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds}
     failed = []
     for name in args.only.split(","):
         try:
