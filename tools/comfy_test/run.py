@@ -23,28 +23,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
 from convert import set_inputs, to_api  # noqa: E402
+from edit_check import check_edits  # noqa: E402
 
 log = logging.getLogger("comfy_test")
 WORKFLOWS = sorted((PACK / "workflows").glob("*.json"))
 
 
 def check_workflows(args) -> list[str]:
-    """Every shipped workflow, each on its own fresh base directory (as on a fresh install); all are run,
-    then any failure is raised."""
+    """Every shipped workflow, each on its own fresh base directory (as on a fresh install), and its pictures
+    showing the learned edit (edit_check.py); all are run, then any failure is raised."""
     results, failures = [], []
     for path in WORKFLOWS:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
             try:
                 server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
-            except RuntimeError as err:
+                edits = check_edits(server.base)
+            except (RuntimeError, AssertionError) as err:
                 failures.append(f"{path.name}: {err}")
                 log.error(failures[-1])
                 continue
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
             results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s"
                            + (f", LoRA in models/loras: {delivered}" if delivered else ""))
-            log.info(results[-1])
+            results += [f"{path.name}: {line}" for line in edits]
+            log.info("\n".join(results[-1 - len(edits):]))
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(WORKFLOWS)} workflows failed ({len(results)} ok: "
                            f"{[r.split(':')[0] for r in results]}):\n" + "\n".join(failures))
