@@ -58,13 +58,17 @@ def _output(model):
 
 
 def _applied_weights(model) -> dict[str, torch.Tensor]:
-    """{module path: the weight the model applies now}: each adapted Linear run on the identity (minus bias)."""
+    """{module path: the weight the model applies now} for every Linear under a peft layer (the outermost of
+    nested ones), run on the identity (minus bias)."""
     out = {}
-    for path, layer in lora.adapter_layers(model).items():
-        base = layer.get_base_layer()
+    for path, base in lora.adaptable_modules(model).items():
+        layer = model.get_submodule(path)
+        if layer is base:
+            continue
         with torch.no_grad():
             y = layer(torch.eye(base.in_features))
         out[path] = (y - (base.bias if base.bias is not None else 0)).T
+    assert out, "no adapted layer"
     return out
 
 
@@ -245,3 +249,29 @@ def test_files_with_conv_factors_or_mixed_kinds_are_refused(tmp_path):
     save_file({f"{q}.lokr_w1": torch.ones(4, 4), f"{q}.lora_down.weight": torch.ones(2, 32)}, str(path))
     with pytest.raises(ValueError, match="mixes LoKr/LoHa keys"):
         lora.read_lora_file(path)
+
+
+def test_file_stacks_switch_strengths_and_train_beside_companions(base, tmp_path):
+    """`activate` (sampling from files): a DoRA file at 0.5 then 1 equals loading it at each strength; a LoKr
+    adapter in training beside a plain LoRA companion: only the LoKr tensors train, the weight changes add."""
+    dora_model, dora_spec = _trained(base, "lora", True, 4)
+    dora_path = lora.save_lora(tmp_path / "d.safetensors", dora_model, dora_spec, base_identity="t", steps=1)
+    model = copy.deepcopy(base)
+    for strength in (0.5, 1.0):
+        lora.activate(model, [(str(dora_path), strength)])
+        direct = copy.deepcopy(base)
+        lora.load_lora_into(direct, lora.read_lora_file(dora_path), strength=strength)
+        assert (_output(model) - _output(direct)).abs().max().item() < 1e-6, strength
+    companion_model, companion_spec = _trained(base, "lora", False, 4, seed=2)
+    companion = lora.save_lora(tmp_path / "c.safetensors", companion_model, companion_spec, base_identity="t",
+                               steps=1)
+    training, spec = _trained(base, "lokr", False, 2)
+    lora.activate_with_trained(training, [(str(companion), 0.5)])
+    trainable = {n for n, p in training.named_parameters() if p.requires_grad}
+    assert trainable and all(".lokr_" in n and n.endswith(".default") for n in trainable)
+    lokr = lora.read_lora_file(lora.save_lora(tmp_path / "k.safetensors", training, spec, base_identity="t",
+                                              steps=1))
+    plain = lora.read_lora_file(companion)
+    for name, weight in _applied_weights(training).items():
+        expected = base.get_submodule(name).weight + lora.lora_delta(lokr, name) + 0.5 * lora.lora_delta(plain, name)
+        assert _close(weight, expected), name
