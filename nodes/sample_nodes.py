@@ -9,7 +9,7 @@ import torch
 from qwen_edit_core.model import encode
 from qwen_edit_core.adapters import lora
 from qwen_edit_core import speed
-from qwen_edit_core.sample import sampler, schedules
+from qwen_edit_core.sample import sampler, schedules, workers
 from qwen_edit_core.model.components import replicate
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
@@ -43,6 +43,12 @@ VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
                                "~1 megapixel, the model's native size; 512 for quick tries)"})
 
 
+PARALLEL = ("BOOLEAN", {
+    "default": False,
+    "tooltip": "run the transformer on every GPU at once: one worker process per GPU, each with a copy of the "
+               "model and 1/N of the image and prompt tokens (context parallel), started on first use and kept "
+               "for the next runs; helps at any CFG, CFG 1 included. Needs 2+ GPUs (or the devices listed in "
+               f"${workers.DEVICES_ENV}); uncond_device must be same"})
 SCHEDULE = (list(schedules.SCHEDULES), {
     "default": "diffusers",
     "tooltip": "diffusers: the pipelines' schedule and true CFG; comfyui: what stock ComfyUI renders (its model "
@@ -90,13 +96,28 @@ def _preview(latents: torch.Tensor, width: int, height: int):
     return ("JPEG", Image.fromarray(rgb), 256)
 
 
-def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, uncond_device: str, unique_id=None):
+def parallel_components(model, uncond_device: str = "same"):
+    """The model's components with the transformer run by the pack's worker pool (sample.workers.shared_pool:
+    one worker per device of `workers.parallel_devices()`, started once per model, LoRA stack and devices)."""
+    comps = model.components
+    if uncond_device not in ("same", str(next(comps.transformer.parameters()).device)):
+        raise ValueError(f"parallel runs both CFG branches on every GPU; uncond_device {uncond_device} would need "
+                         "a second copy: set uncond_device to same")
+    pool = workers.shared_pool(comps.transformer, workers.parallel_devices(), attention=model.attention,
+                               tag=model.loras)
+    return dataclasses.replace(comps, transformer=pool)
+
+
+def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, uncond_device: str, unique_id=None,
+         parallel: bool = False):
     comps = model.components
     lora.activate(comps.transformer, model.loras)
     settings = dataclasses.replace(settings, attention=model.attention)
     replica = None
     main_device = next(comps.transformer.parameters()).device
-    if not settings.do_cfg and uncond_device not in ("same", str(main_device)):
+    if parallel:
+        comps = parallel_components(model, uncond_device)
+    elif not settings.do_cfg and uncond_device not in ("same", str(main_device)):
         settings = dataclasses.replace(settings, cfg_mode="split")  # the sampler logs that nothing is split
     elif settings.do_cfg and uncond_device not in ("same", str(main_device)):
         key = (uncond_device, model.loras)
@@ -138,7 +159,8 @@ class QwenEditSampler:
 
     CATEGORY = f"{CATEGORY}/sampling"
     DESCRIPTION = ("Edits the control image following the prompt, with true CFG (cond and uncond branches). "
-                   "Put the uncond branch on a second GPU with uncond_device.")
+                   "Put the uncond branch on a second GPU with uncond_device, or run the transformer on every "
+                   "GPU at once with parallel.")
     RETURN_TYPES = ("IMAGE", "LATENT")  # the LATENT came later: outputs are added last
     RETURN_NAMES = ("image", "latent")
     OUTPUT_TOOLTIPS = ("the edited image", STOCK_LATENT)
@@ -154,17 +176,17 @@ class QwenEditSampler:
                          "control_size": (["pipeline", "target"], {
             "tooltip": "target: controls resized to the output size, which is the first control's own size when "
                        "a multiple of 16 (no rescale); for LoRAs trained with control_size target (pixel-aligned "
-                       "pairs). pipeline: as diffusers"})},
+                       "pairs). pipeline: as diffusers"}), "parallel": PARALLEL},
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
                uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
-               control_size="pipeline"):
+               control_size="pipeline", parallel=False):
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
                                  vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size)
             cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
-            return _run(model, cond, settings, uncond_device, unique_id)
+            return _run(model, cond, settings, uncond_device, unique_id, parallel)
 
 
 class QwenEditEncodePrompt:
@@ -207,16 +229,16 @@ class QwenEditSampleConditioning:
                              "conditioning": (CONDITIONING, {"tooltip": "from Encode Prompt + Image"}),
                              "steps": STEPS, "true_cfg_scale": CFG, "seed": SEED, "shift_mode": SHIFT,
                              "uncond_device": UNCOND},
-                "optional": {"schedule": SCHEDULE, "shift": SHIFT_VALUE},
+                "optional": {"schedule": SCHEDULE, "shift": SHIFT_VALUE, "parallel": PARALLEL},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None,
-               schedule="diffusers", shift=0.0):
+               schedule="diffusers", shift=0.0, parallel=False):
         settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift)
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)
         with torch.inference_mode(False), torch.no_grad():
-            return _run(model, conditioning, settings, uncond_device, unique_id)
+            return _run(model, conditioning, settings, uncond_device, unique_id, parallel)
 
 
 class QwenEditEncodeImage:

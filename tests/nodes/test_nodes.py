@@ -161,6 +161,34 @@ def test_split_cfg_node_equals_batched(model):
     assert torch.allclose(batched, split, atol=1e-4)
 
 
+def test_parallel_sampler_node_equals_in_process_and_keeps_its_workers(model, monkeypatch):
+    """parallel: the transformer on 2 CPU worker processes (listed in QWEN_EDIT_PARALLEL_DEVICES), context
+    parallel; the pool starts on the first run and serves the next one (same PIDs)."""
+    from qwen_edit_core.sample import workers
+    args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
+    monkeypatch.setenv(workers.DEVICES_ENV, "cpu,cpu")
+    try:
+        with torch.inference_mode():
+            (plain, _) = nodes.QwenEditSampler().sample(model, *args)
+            (first, _) = nodes.QwenEditSampler().sample(model, *args, parallel=True)
+            pool = workers.shared_pool(model.components.transformer, ["cpu", "cpu"], tag=model.loras)
+            pids = list(pool.pids)
+            (cond,) = nodes.QwenEditEncodePrompt().encode(model, _image(), "make it blue", " ", 0, 0, 64)
+            (second, _) = nodes.QwenEditSampleConditioning().sample(model, cond, 2, 3.0, 1, "dynamic", "same",
+                                                                   parallel=True)
+        assert workers.shared_pool(model.components.transformer, ["cpu", "cpu"], tag=model.loras).pids == pids
+    finally:
+        workers.close_pools()
+    assert (first - plain).abs().max() < 1e-4 and (second - plain).abs().max() < 1e-4
+    assert all(p.returncode == 0 for p in pool.processes)
+    monkeypatch.setenv(workers.DEVICES_ENV, "cpu")
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"needs at least 2 devices; .* has 1 \(cpu\)"):
+        nodes.QwenEditSampler().sample(model, *args, parallel=True)
+    monkeypatch.setenv(workers.DEVICES_ENV, "cpu,cpu")
+    with torch.inference_mode(), pytest.raises(ValueError, match="uncond_device cuda:1 .* set uncond_device to same"):
+        nodes.QwenEditSampler().sample(model, *args[:9], "cuda:1", 64, parallel=True)
+
+
 def test_train_job_from_nodes_reports_stops_and_resumes(model, env):
     with torch.inference_mode():
         (data, example) = nodes.QwenEditSyntheticDataset().make("pairs", 4, 0)

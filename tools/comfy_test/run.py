@@ -141,9 +141,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora",
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora,parallel",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
-                             "LoHa and DoRA files through stock LoraLoaderModelOnly); sizes re-measures "
+                             "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
+                             "parallel option on 2 CPU workers); sizes re-measures "
                              "workflows/frontend/node_sizes.json")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
@@ -155,8 +156,9 @@ def main(argv=None) -> int:
     from browser_check import check_browser
     from layout_check import check_layout, measure_sizes
     from lora_check import check_lora_kinds
+    from parallel_check import check_parallel
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
-              "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds}
+              "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel}
     failed = []
     for name in args.only.split(","):
         try:

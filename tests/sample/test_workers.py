@@ -1,0 +1,72 @@
+"""The transformer in a pool of worker processes (context-parallel over 2 CPU workers, gloo): the sampler's
+image through the pool equals the in-process one, the pool starts once and is reused, a worker's error closes
+it, workers exit cleanly; fewer than two devices are refused naming the count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwen_edit_core.model.components import load_components
+from qwen_edit_core.model.devices import DevicePlan
+from qwen_edit_core.sample import sampler, workers
+
+SETTINGS = sampler.SampleSettings(num_inference_steps=2, true_cfg_scale=4.0, seed=3, vae_area=96 * 64,
+                                  cfg_mode="batched")
+PROMPT = "make the square blue and the background a little darker"  # an odd prompt token count
+
+
+@pytest.fixture(scope="module")
+def comps(tiny_edit_dir):
+    return load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
+
+
+def _control() -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))  # 24 image tokens: an uneven split
+
+
+def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
+    cond = sampler.build_conditioning(comps, PROMPT, [_control()], SETTINGS)
+    reference = sampler.denoise(comps, cond, SETTINGS)
+    try:
+        pool = workers.shared_pool(comps.transformer, ["cpu", "cpu"])
+        pids = list(pool.pids)
+        assert len(set(pids)) == 2 and all(p.poll() is None for p in pool.processes)
+        remote = dataclasses.replace(comps, transformer=pool)
+        first = sampler.denoise(remote, cond, SETTINGS)
+        again = workers.shared_pool(comps.transformer, ["cpu", "cpu"])
+        second = sampler.denoise(dataclasses.replace(comps, transformer=again), cond, SETTINGS)
+        assert again is pool and again.pids == pids  # the same worker processes served both calls
+        assert (first - reference).abs().max() < 1e-4
+        assert (second - reference).abs().max() < 1e-4
+    finally:
+        workers.close_pools()
+    assert pool.closed and all(p.returncode == 0 for p in pool.processes)  # stopped cleanly, none left running
+
+
+def test_a_worker_error_closes_the_pool_and_names_the_worker(comps):
+    with workers.TransformerPool(comps.transformer, ["cpu", "cpu"]) as pool:
+        hidden = torch.zeros(1, 7, 64)
+        with pytest.raises(workers.WorkerError, match="parallel worker [01] on cpu failed"):
+            pool(hidden_states=hidden, timestep=torch.zeros(1), encoder_hidden_states=torch.zeros(1, 5, 3584),
+                 img_shapes=[[(1, 2, 2)]])
+        assert pool.closed and all(p.returncode is not None for p in pool.processes)
+        with pytest.raises(workers.WorkerError, match="closed"):
+            pool(hidden_states=hidden, timestep=torch.zeros(1), encoder_hidden_states=torch.zeros(1, 5, 3584),
+                 img_shapes=[[(1, 2, 2)]])
+
+
+def test_one_device_is_refused_naming_the_count(monkeypatch):
+    with pytest.raises(ValueError, match=r"needs at least 2 devices; this machine has 1 \(cuda:0\)"):
+        workers.check_devices(["cuda:0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"this machine has 0 \(no CUDA GPU\).*QWEN_EDIT_PARALLEL_DEVICES"):
+        workers.parallel_devices({})
+    assert workers.parallel_devices({workers.DEVICES_ENV: "cpu, cpu"}) == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="name a GPU twice"):
+        workers.check_devices(["cuda:1", "cuda:1"])
