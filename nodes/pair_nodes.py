@@ -77,8 +77,10 @@ class QwenEditSavePair:
         written, report = add_pairs(path, comfy_pairs(before, after, caption, mask, before_2, before_3),
                                     name_prefix)
         masked = sum(w.mask is not None for w in written)
+        total = len(report.examples)
         summary = (f"wrote {', '.join(w.name for w in written)} ({masked} with a mask) to {path}; the folder has "
-                   f"{len(report.examples)} pairs, {sum(e.mask is not None for e in report.examples)} with a mask"
+                   f"{total} pair{'' if total == 1 else 's'}, {sum(e.mask is not None for e in report.examples)} "
+                   "with a mask"
                    + (f"; {len(report.skipped)} problem(s) in other pairs skipped, first: {report.skipped[0]}"
                       if report.skipped else ""))
         return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report), summary)}

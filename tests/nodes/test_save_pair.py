@@ -41,7 +41,8 @@ def test_saved_pair_loads_and_its_mask_reaches_the_loss_weights(tiny_edit_dir, t
     out = nodes.QwenEditSavePair().save(_images(seed=1), _images(seed=2), "invert the colors", str(folder), "pair",
                                         mask=mask)
     handle, summary = out["result"]
-    assert summary.startswith("wrote pair_00001 (1 with a mask)") and handle.folder == folder
+    assert summary.startswith("wrote pair_00001 (1 with a mask)") and "the folder has 1 pair, 1 with" in summary
+    assert handle.folder == folder
     (example,) = load_dataset(folder).examples
     assert example.mask == folder / "pair_00001_mask.png" and example.caption == "invert the colors"
     # painted (MASK 1) is written white (edited); the rest black
