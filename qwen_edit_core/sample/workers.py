@@ -106,7 +106,8 @@ class TransformerPool:
     def __call__(self, *, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  img_shapes, encoder_hidden_states_mask: torch.Tensor | None = None, attention_kwargs=None,
                  return_dict: bool = False):
-        """One context-parallel forward over the workers; returns (output,) on `hidden_states`' device."""
+        """One context-parallel forward over the workers, with the transformer's keyword arguments; returns
+        (output,) on `hidden_states`' device (or diffusers' Transformer2DModelOutput with `return_dict`)."""
         if self.closed:
             raise WorkerError("this parallel pool is closed; start a new one")
         if attention_kwargs:
@@ -119,7 +120,10 @@ class TransformerPool:
         for conn in self._conns:
             conn.send(("forward", request))
         output = self._gather()[0].to(hidden_states.device)
-        return (output,) if not return_dict else {"sample": output}
+        if return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+            return Transformer2DModelOutput(sample=output)
+        return (output,)
 
     def _gather(self) -> list:
         """One reply from every worker, in rank order; a worker's error or exit closes the pool and raises."""
