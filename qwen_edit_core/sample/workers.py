@@ -78,8 +78,9 @@ class TransformerPool:
     Called like the transformer; `close()` when done (or use it as a context manager)."""
 
     def __init__(self, transformer: torch.nn.Module, devices, mode: str = "ulysses", attention: str = "auto"):
-        import torch.multiprocessing  # noqa: F401 - registers the tensor sharing reductions with the pickler
+        from torch.multiprocessing import reductions
 
+        reductions.init_reductions()  # tensors pickle as torch.multiprocessing shares them (done once by torch)
         self.config = transformer.config
         self.devices = check_devices(devices)
         self._dir = tempfile.mkdtemp(prefix="qwen-edit-pool-")
@@ -189,9 +190,12 @@ def _shutdown(processes, conns, folder: str) -> None:
 
 def main(argv=None) -> None:
     """A worker's entry (`python -m qwen_edit_core.sample.workers FD`): FD is its end of the socket pair."""
-    import diffusers  # noqa: F401 - imported while the pool sends the model, not after
-    import torch.multiprocessing  # noqa: F401 - the tensor sharing reductions, for the model's tensors
+    import importlib
 
+    from torch.multiprocessing import reductions
+
+    reductions.init_reductions()  # the model's shared tensors unpickle through these
+    importlib.import_module("diffusers.models")  # while the pool sends the model, not after it
     conn = connection.Connection(int((argv or sys.argv)[1]))
     try:
         current_process().authkey = conn.recv_bytes()

@@ -55,5 +55,6 @@ def check_parallel(args) -> list[str]:
         else:
             os.environ[DEVICES_ENV] = previous
     poll(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), 60, "the workers to exit")
-    return [f"2 workers (PIDs {sorted(workers)}) served both parallel runs; image equals the in-process one "
-            f"(max difference {int(np.abs(first - plain).max())}/255); server exited with {code}, no worker left"]
+    difference = int(np.abs(first - plain).max())
+    return [(f"2 workers (PIDs {sorted(workers)}) served both parallel runs; image equals the in-process one "
+             f"(max difference {difference}/255); server exited with {code}, no worker left")]
