@@ -101,6 +101,9 @@ class TransformerPool:
             self._abort()
             raise WorkerError(f"a parallel worker exited while receiving the model: {err}") from err
         self.pids = self._gather()
+        # Every worker is in the group now and nothing reads the rendezvous file again: remove it at once, so no
+        # folder is left behind even when this process is killed.
+        shutil.rmtree(self._dir, ignore_errors=True)
         log.info("parallel pool: %d workers on %s (PIDs %s)", len(self.devices), ", ".join(self.devices),
                  ", ".join(map(str, self.pids)))
 
