@@ -269,6 +269,7 @@ def use_adapters(transformer, names: Sequence[str], strengths: Sequence[float]) 
     if combined:
         transformer.enable_adapters()
         transformer.set_adapters(list(combined), weights=list(combined.values()))
+        speed.scales_as_inputs(transformer)  # compiled blocks take strengths as inputs: no recompile per change
     elif _adapter_names(transformer):
         transformer.disable_adapters()
 

@@ -120,6 +120,13 @@ class PromptEmbeds:
         """Sample b's valid (S_b, D) embeddings (a slice: no device read)."""
         return self.embeds[b, : self.lengths[b]]
 
+    def padded(self, multiple: int) -> "PromptEmbeds":
+        """The same prompts right-padded (with the mask) to a multiple of `multiple` tokens; itself when its
+        length already is one. Padded tokens are masked out of attention, so the model's output is the same."""
+        if self.embeds.shape[1] % multiple == 0:
+            return self
+        return pad_embeddings([self.valid(b) for b in range(len(self.lengths))], multiple)
+
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "PromptEmbeds":
         return PromptEmbeds(self.embeds.to(device=device, dtype=dtype or self.embeds.dtype), self.mask.to(device),
                             self.lengths)

@@ -20,7 +20,7 @@ def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditio
     """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
     from qwen_edit_core.adapters import multires
     device = next(transformer.parameters()).device
-    text = encode.pad_embeddings([e.valid(0) for e in embeds]).to(device)
+    text = encode.pad_embeddings([e.valid(0) for e in embeds], speed.text_multiple(transformer)).to(device)
     packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
                                    [c.img_shapes for c in conds])
     dtype = latents[0].dtype

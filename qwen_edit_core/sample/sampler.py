@@ -222,9 +222,9 @@ def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: 
     return out[:, : latents.shape[1]]
 
 
-def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
-    """Cond and uncond as one right-padded batch of 2."""
-    return encode.pad_embeddings([a.valid(0), b.valid(0)]).to(a.embeds.device)
+def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds, multiple: int = 1) -> PromptEmbeds:
+    """Cond and uncond as one right-padded batch of 2 (length a multiple of `multiple`)."""
+    return encode.pad_embeddings([a.valid(0), b.valid(0)], multiple)
 
 
 def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
@@ -238,38 +238,41 @@ def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
 
 
 class _Denoiser:
-    """Predicts the guided velocity for one step in the chosen CFG mode."""
+    """Predicts the guided velocity for one step in the chosen CFG mode. Prompts are padded (with the mask) to
+    the transformer's text multiple once here: bounded shapes for compiled blocks (speed.text_multiple)."""
 
     def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None,
                  cfg_split=None):
         self.transformer, self.cond, self.settings = transformer, cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
+        multiple = speed.text_multiple(transformer)
+        self.embeds = cond.cond.padded(multiple), cond.uncond.padded(multiple) if settings.do_cfg else None
         if self.mode == "split" and cfg_split is not None:
             # This process runs one branch; the pair group hands it the other one's prediction.
             self.mode, self.cfg_split = "processes", cfg_split
-            self.mine = cond.uncond if cfg_split.uncond else cond.cond
+            self.mine = self.embeds[1] if cfg_split.uncond else self.embeds[0]
         if settings.cfg_mode == "split" and not settings.do_cfg:
             log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is nothing to "
                      "split (no negative pass): the transformer runs alone on its own device", settings.true_cfg_scale,
                      "unset" if settings.negative_prompt is None else "set")
         if self.mode == "batched":
-            self.both = _stack_embeds(cond.cond, cond.uncond)
+            self.both = _stack_embeds(cond.cond, cond.uncond, multiple)
         if self.mode == "split":
             if uncond_transformer is None:
                 raise ValueError("cfg_mode 'split' needs a second transformer replica (give uncond_device)")
             self.replica = uncond_transformer
             device = next(uncond_transformer.parameters()).device
-            self.replica_uncond = cond.uncond.to(device)
+            self.replica_uncond = cond.uncond.padded(speed.text_multiple(uncond_transformer)).to(device)
             self.replica_cond = Conditioning(cond.cond, None, cond.control_tokens.to(device), cond.img_shapes,
                                              cond.width, cond.height)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen-edit-uncond")
 
     def __call__(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if self.mode == "off":
-            return _forward(self.transformer, latents, self.cond, self.cond.cond, t)
+            return _forward(self.transformer, latents, self.cond, self.embeds[0], t)
         if self.mode == "sequential":
-            cond_pred = _forward(self.transformer, latents, self.cond, self.cond.cond, t)
-            uncond_pred = _forward(self.transformer, latents, self.cond, self.cond.uncond, t)
+            cond_pred = _forward(self.transformer, latents, self.cond, self.embeds[0], t)
+            uncond_pred = _forward(self.transformer, latents, self.cond, self.embeds[1], t)
         elif self.mode == "batched":
             both = _forward(self.transformer, latents, self.cond, self.both, t)
             cond_pred, uncond_pred = both[:1], both[1:]
@@ -281,7 +284,7 @@ class _Denoiser:
             # The uncond branch runs on its own device in a worker thread while this thread runs cond.
             future = self.pool.submit(_forward_no_grad, self.replica, latents.to(device), self.replica_cond,
                                       self.replica_uncond, t.to(device))
-            cond_pred = _forward(self.transformer, latents, self.cond, self.cond.cond, t)
+            cond_pred = _forward(self.transformer, latents, self.cond, self.embeds[0], t)
             uncond_pred = future.result().to(latents.device)
         return guide(cond_pred, uncond_pred, self.settings.true_cfg_scale, self.settings.schedule)
 

@@ -3,7 +3,7 @@ block offloading, and the planner that picks them for a memory budget.
 
 Each lever is a small function over a diffusers `QwenImageTransformer2DModel` (with or without peft LoRA
 layers) that changes only this model instance, through public APIs: module replacement, diffusers'
-`enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `nn.Module.compile`, forward hooks.
+`enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `torch.compile` per block, forward hooks.
 
 Why these (the reference timings of docs/MODEL.md, one H100 at 1024^2 Edit; BENCHMARKS.md has the commands
 that measure each lever): the frozen base's linear layers hold ~65% of the FLOPs and fp8 matmuls ran ~1.6x
@@ -14,13 +14,14 @@ RMSNorm, RoPE, GELU, fp8 quantization) is launch- and bandwidth-bound until comp
 
 from qwen_edit_core.speed.attention import ATTENTION_KERNELS, attention_kernel, check_attention_kernel
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
-from qwen_edit_core.speed.compile import compile_blocks
+from qwen_edit_core.speed.compile import (TEXT_BUCKET, CompileStats, compile_blocks, compile_stats, scales_as_inputs,
+                                          text_multiple)
 from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
 from qwen_edit_core.speed.levers import Levers, configure_inference, configure_training, inference_copy
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
 from qwen_edit_core.speed.planner import MemoryEstimate, SpeedPlan, estimate_memory, model_sizes, plan_for_budget
 
 __all__ = ["ATTENTION_KERNELS", "attention_kernel", "check_attention_kernel", "checkpoint_blocks", "checkpointed_indices",
-           "compile_blocks", "FP8", "FP8_MAX", "Fp8Linear", "fp8_matmul_supported", "has_fp8", "quantize_fp8",
+           "compile_blocks", "TEXT_BUCKET", "CompileStats", "compile_stats", "scales_as_inputs", "text_multiple", "FP8", "FP8_MAX", "Fp8Linear", "fp8_matmul_supported", "has_fp8", "quantize_fp8",
            "quantize_rows", "Levers", "configure_inference", "configure_training", "inference_copy", "BlockOffloader", "offload_indices",
            "MemoryEstimate", "SpeedPlan", "estimate_memory", "model_sizes", "plan_for_budget"]

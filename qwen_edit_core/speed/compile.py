@@ -1,18 +1,194 @@
-"""Regional compile: each transformer block compiled on its own."""
+"""Regional compile: each transformer block compiled on its own, with few graphs and an eager fallback.
+
+What compiles, and when a block compiles again (each graph costs ~30 s at real size, once per process):
+
+- Sequence lengths are dynamic (`dynamic=True`): one graph serves every image size and text length. While
+  blocks are compiled, prompt embeddings are also padded to a multiple of `TEXT_BUCKET` tokens (the padding
+  is masked out of attention, so the numbers do not change; `text_multiple`), which keeps the shapes that
+  CUDA graphs (mode "reduce-overhead") record, and kernels tune for, to a few.
+- A new graph is compiled for what changes the graph itself: batch size 1 against larger ones (a size of 1
+  is always specialised), a text or image padding mask present or not, gradients on or off (training against
+  sampling), which LoRA adapters are active (and their ranks), dtype, device or autocast. In training the
+  first block has a graph of its own: its inputs need no gradient (they come from the frozen input
+  projections), the later blocks' do. These are few per run; every new graph is logged and counted
+  (`compile_stats`), and at most `RECOMPILE_LIMIT` are kept.
+- LoRA strengths are not compiled in: `adapters.lora.use_adapters` keeps peft's per-adapter scales as 0-d
+  tensors (graph inputs, not constants), so changing a strength reuses the graph.
+
+Fallback: if compiling a block raises (a graph break under `fullgraph`, dynamo's recompile limit, a missing
+compiler or Triton, a backend error) and the same call succeeds eagerly, every block of that transformer
+runs eagerly from then on and one warning names the reason; the run goes on. If the eager call fails too,
+the error is the input's, and it is raised.
+
+diffusers' `compile_repeated_blocks` (regional compile by class name) is not used: it compiles every block
+of the class, so it cannot leave offloaded blocks eager (their forward hooks move weights in and out of the
+device on each call, which a compiled graph must not capture), and it offers no place for the eager
+fallback or the graph count. Otherwise it is the same per-block compile.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Sequence
 
-def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = None) -> int:
-    """Compile each transformer block (not the whole model: 60 identical blocks compile once, ~30 s).
+import torch
 
-    `skip`: block indices left eager (offloaded blocks, whose forward hooks move weights). Returns the count.
+log = logging.getLogger(__name__)
+
+#: prompt embeddings are padded (with their mask) to a multiple of this many tokens while blocks are compiled
+TEXT_BUCKET = 64
+#: graphs the compiled blocks may hold together, on a torch whose torch.compile takes `recompile_limit` (2.14);
+#: otherwise dynamo's global recompile_limit (8) applies
+RECOMPILE_LIMIT = 32
+
+
+@dataclass
+class CompileStats:
+    """One transformer's compiled blocks: `graphs` compiled so far (each new input signature of a block is
+    one), and why it went back to eager (`fallback`, None while compiled)."""
+
+    blocks: int = 0
+    graphs: int = 0
+    fallback: str | None = None
+    _modules: list = field(default_factory=list, repr=False)
+
+    @property
+    def active(self) -> bool:
+        """Whether the blocks are compiled now (not fallen back; a deep copy of the transformer drops compiled
+        calls, as `nn.Module` pickling does)."""
+        return self.fallback is None and any(m._compiled_call_impl is not None for m in self._modules)
+
+    def summary(self) -> str:
+        if self.fallback is not None:
+            return f"compile: fell back to eager ({self.fallback}) after {self.graphs} block graph(s)"
+        return f"compile: {self.blocks} block(s) compiled, {self.graphs} block graph(s) compiled so far"
+
+
+def _compile_parameters() -> set[str]:
+    import inspect
+    return set(inspect.signature(torch.compile).parameters)
+
+
+def _call_block(block, *args, **kwargs):
+    """What is compiled: one call of a block (module hooks and forward); the block is an input, so one graph
+    serves every block of the same structure."""
+    return block._call_impl(*args, **kwargs)
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def _own(value):
+    """A view as a tensor of its own. The first block's inputs are views (the input projections reshape a 2-D
+    matmul), the later blocks' are not; a graph compiled with dynamic shapes for a view guards on the view's
+    base, so without this copy (one activation per forward) the second block would compile a second graph."""
+    return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+
+def _describe(args, kwargs) -> str:
+    """The shapes of a block call's tensor arguments (what a new graph was compiled for)."""
+    shapes = ["x".join(map(str, t.shape)) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    return f"inputs {', '.join(shapes)}; gradients {'on' if torch.is_grad_enabled() else 'off'}"
+
+
+class _CompiledBlock:
+    """A block's compiled call (set as the block's `_compiled_call_impl`, as `nn.Module.compile` does): counts
+    the graphs it compiles and falls back to eager when compiling fails (see the module doc)."""
+
+    def __init__(self, compiled, block, stats: CompileStats):
+        self.compiled, self.block, self.stats = compiled, block, stats
+
+    def __call__(self, *args, **kwargs):
+        before = _graph_count()
+        args, kwargs = tuple(_own(a) for a in args), {k: _own(v) for k, v in kwargs.items()}
+        try:
+            out = self.compiled(self.block, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any compile failure; the eager call below tells the kinds apart
+            out = self.block._call_impl(*args, **kwargs)  # raises the input's own error if eager fails too
+            _fall_back(self.stats, err)
+            return out
+        new = _graph_count() - before
+        if new > 0:
+            self.stats.graphs += new
+            log.info("compiled transformer block graph %d (%s)", self.stats.graphs, _describe(args, kwargs))
+        return out
+
+
+def _reason(err: Exception) -> str:
+    """The error's type and message on one line, without torch's debugging hints."""
+    if "RecompileLimit" in type(err).__name__:
+        limit = RECOMPILE_LIMIT if "recompile_limit" in _compile_parameters() else torch._dynamo.config.recompile_limit
+        return f"{type(err).__name__}: the blocks needed more graphs than the recompile limit ({limit})"
+    lines = []
+    for line in str(err).splitlines():
+        if line.strip().startswith(("Set TORCH", "For more information", "You can suppress")):
+            break
+        lines.append(line.strip())
+    return f"{type(err).__name__}: {' '.join(l for l in lines if l)}"[:300]
+
+
+def _fall_back(stats: CompileStats, err: Exception) -> None:
+    """Every compiled block of the transformer runs eagerly from now on; one warning says why."""
+    stats.fallback = _reason(err)
+    for block in stats._modules:
+        block._compiled_call_impl = None
+    log.warning("torch.compile failed on a transformer block (%s); the transformer's %d compiled blocks run "
+                "eagerly from now on (same numbers, slower)", stats.fallback, stats.blocks)
+
+
+def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = None,
+                   backend="inductor") -> int:
+    """Compile each transformer block (not the whole model: 60 identical blocks share one graph per input
+    signature, ~30 s each), `fullgraph` with dynamic sequence lengths, falling back to eager on failure.
+
+    `skip`: block indices left eager (offloaded blocks, whose forward hooks move weights). `mode`: torch.compile's
+    mode ("reduce-overhead" adds CUDA graphs). `backend`: torch.compile's backend. Returns the count compiled;
+    `compile_stats(transformer)` counts the graphs.
     """
     skipped = set(skip)
-    count = 0
+    limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in _compile_parameters() else {}
+    compiled = torch.compile(_call_block, fullgraph=True, dynamic=True, mode=mode, backend=backend, **limit)
+    stats = CompileStats()
     for i, block in enumerate(transformer.transformer_blocks):
         if i not in skipped:
-            block.compile(fullgraph=True, dynamic=False, mode=mode)
-            count += 1
-    return count
+            block._compiled_call_impl = _CompiledBlock(compiled, block, stats)
+            stats._modules.append(block)
+    stats.blocks = len(stats._modules)
+    transformer._qwen_edit_compile = stats
+    return stats.blocks
+
+
+def compile_stats(transformer) -> CompileStats | None:
+    """The transformer's compile statistics, or None when its blocks were never compiled."""
+    return getattr(transformer, "_qwen_edit_compile", None)
+
+
+def text_multiple(transformer) -> int:
+    """The multiple that prompt embeddings are padded to for this transformer: `TEXT_BUCKET` while its blocks
+    are compiled (bounded shapes), else 1 (exact lengths: no mask for a single prompt, the fused kernels)."""
+    stats = compile_stats(transformer)
+    return TEXT_BUCKET if stats is not None and stats.active else 1
+
+
+def scales_as_inputs(model) -> int:
+    """Turn peft's LoRA scales (`layer.scaling[adapter]`: alpha / r * strength, a Python float) into 0-d
+    float32 tensors; returns how many changed. A compiled block bakes a float in as a constant and guards on
+    its value, so each new strength would compile the block again (and reach dynamo's recompile limit after
+    8); a tensor is a graph input, so one graph serves every strength. Same numbers in eager (a 0-d tensor
+    multiplies like the scalar). The tensors stay on the CPU: a CPU scalar multiplies tensors on any device,
+    so moving or replicating the transformer needs nothing (CUDA graphs, mode "reduce-overhead", skip a graph
+    with a CPU input: merge the LoRA for those)."""
+    changed = 0
+    with torch.inference_mode(False):  # an inference tensor could not be saved for a training backward
+        for module in model.modules():
+            scaling = getattr(module, "scaling", None)
+            if not isinstance(scaling, dict):
+                continue
+            for name, value in scaling.items():
+                if isinstance(value, (int, float)):
+                    scaling[name] = torch.tensor(float(value), dtype=torch.float32)
+                    changed += 1
+    return changed

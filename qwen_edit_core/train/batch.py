@@ -52,11 +52,13 @@ def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Gene
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-            control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
+            control_dropout: float, device: torch.device, dtype: torch.dtype, text_multiple: int = 1) -> TrainBatch:
     """Per-sample cache tensors -> a batch; applies caption and control dropout.
 
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
-    (the mean image in normalized latent space). Each draw uses the sample's own generator.
+    (the mean image in normalized latent space). Each draw uses the sample's own generator. Prompts are padded
+    (with the mask) to a multiple of `text_multiple` tokens (`speed.text_multiple`: bounded shapes for
+    compiled blocks; the cache keeps exact lengths).
     """
     embeds, controls, targets, shapes, masks = [], [], [], [], []
     for item, gen in zip(items, generators):
@@ -69,8 +71,9 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
         targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    return TrainBatch(targets=targets, controls=controls, embeds=encode.pad_embeddings(embeds).to(device, dtype),
-                      img_shapes=shapes, generators=list(generators), loss_masks=masks)
+    text = encode.pad_embeddings(embeds, text_multiple).to(device, dtype)
+    return TrainBatch(targets=targets, controls=controls, embeds=text, img_shapes=shapes, generators=list(generators),
+                      loss_masks=masks)
 
 
 def _padded(rows: Sequence[torch.Tensor], n_max: int) -> torch.Tensor:

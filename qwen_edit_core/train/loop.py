@@ -169,7 +169,8 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
-                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
+                    text_multiple=speed.text_multiple(run.transformer))
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
@@ -336,7 +337,9 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             run.losslog.close()
     result = finish(run, write_lora)
     result.region_losses = run.regions.history if run.regions is not None else []
-    log.info("training %s at step %d (%.1f s)", run.state, run.step, time.perf_counter() - started)
+    stats = speed.compile_stats(transformer)  # what compiled, so a slow start or a fallback is explained
+    log.info("training %s at step %d (%.1f s)%s", run.state, run.step, time.perf_counter() - started,
+             f"; {stats.summary()}" if stats is not None else "")
     return result
 
 
