@@ -120,7 +120,8 @@ class _CompiledBlock:
 def _reason(err: Exception) -> str:
     """The error's type and message on one line, without torch's debugging hints."""
     if "RecompileLimit" in type(err).__name__:
-        limit = RECOMPILE_LIMIT if "recompile_limit" in _compile_parameters() else torch._dynamo.config.recompile_limit
+        per_call = "recompile_limit" in _compile_parameters()
+        limit = RECOMPILE_LIMIT if per_call else torch._dynamo.config.recompile_limit
         return f"{type(err).__name__}: the blocks needed more graphs than the recompile limit ({limit})"
     lines = []
     for line in str(err).splitlines():

@@ -1,0 +1,129 @@
+"""Compile on (inductor, on the CPU) through whole runs: a training run over many caption lengths and two
+buckets, and ten edits with changing prompts, negative prompts and LoRA strengths, keep the eager numbers
+and compile a bounded number of block graphs (dynamo's recompile limit used to end such runs)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwen_edit_core import speed
+from qwen_edit_core.adapters import lora
+from qwen_edit_core.model.components import load_components
+from qwen_edit_core.model.devices import DevicePlan
+from qwen_edit_core.sample import sampler
+
+from conftest import train_config
+
+COMPILE_LOG = "qwen_edit_core.speed.compile"
+
+
+@pytest.fixture(scope="module")
+def one_block_dir(tmp_path_factory):
+    """A tiny Edit model with one transformer block: training compiles one graph (a second block would add
+    one more, for blocks whose inputs need gradients), which keeps this CPU test's compile time down."""
+    from qwen_edit_core.model.tiny import build_tiny
+    return build_tiny(tmp_path_factory.mktemp("tiny") / "edit-1", variant="edit", seed=0,
+                      transformer_overrides={"num_layers": 1})
+
+
+def _compiled_graph_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == COMPILE_LOG and "compiled transformer block graph"
+            in r.getMessage()]
+
+
+def test_ten_compiled_edits_with_changing_prompts_negatives_and_strengths_match_eager(tiny_edit_dir, caplog):
+    """Ten edits, each with its own prompt length, negative prompt and LoRA strength (two image sizes): the
+    compiled blocks give the eager images within 1e-4 and compile at most 2 graphs (no grad, batch 1, padded
+    text: one graph; a prompt of exactly 64 tokens would add the unmasked one)."""
+    comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}, dtype="float32"))
+    torch.manual_seed(5)
+    lora.inject_lora(comps.transformer, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["attn"]))
+    with torch.no_grad():
+        for layer in lora.adapter_layers(comps.transformer).values():
+            layer.lora_B["default"].weight.normal_(0, 0.2)
+    eager = dataclasses.replace(comps, transformer=copy.deepcopy(comps.transformer))
+    assert speed.compile_blocks(comps.transformer) == 2
+    rng = np.random.default_rng(0)
+    with caplog.at_level(logging.INFO, logger=COMPILE_LOG):
+        for i in range(10):
+            size = (96, 64) if i % 3 else (64, 96)  # 48 image tokens either way, other positions
+            image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+            prompt = "make it " + "very " * (4 * i) + "green"
+            settings = sampler.SampleSettings(num_inference_steps=2, seed=i, true_cfg_scale=3.0,
+                                              negative_prompt=["", "blurry", "dark " * (3 * i)][i % 3],
+                                              vae_area=size[0] * size[1])
+            images = []
+            for components in (comps, eager):
+                lora.use_adapters(components.transformer, ["default"], [0.25 + 0.2 * i])
+                images.append(sampler.sample(components, prompt, [image], settings))
+            torch.testing.assert_close(images[0], images[1], atol=1e-4, rtol=0)
+    stats = speed.compile_stats(comps.transformer)
+    assert stats.fallback is None and stats.graphs <= 2, stats
+    assert len(_compiled_graph_lines(caplog)) == stats.graphs
+
+
+def _pairs(folder, sizes, captions):
+    """One before/after pair per (size, caption): target = inverted control."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for i, ((w, h), caption) in enumerate(zip(sizes, captions)):
+        control = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(control).save(folder / f"p{i:02d}_control.png")
+        Image.fromarray(255 - control).save(folder / f"p{i:02d}.png")
+        (folder / f"p{i:02d}.txt").write_text(caption, encoding="utf-8")
+    return folder
+
+
+def _text_lengths(cache_dir) -> list[int]:
+    from safetensors import safe_open
+    lengths = []
+    for path in sorted(cache_dir.rglob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            if "prompt_embeds" in fh.keys():
+                lengths.append(fh.get_slice("prompt_embeds").get_shape()[0])
+    return lengths
+
+
+def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_eager(one_block_dir, tmp_path,
+                                                                                     caplog):
+    """Twelve captions of twelve token lengths (several 64-token buckets), images in two size buckets (72 and
+    48 tokens), batches of 2: the compiled run's losses and LoRA equal the eager run's within 1e-4, one block
+    graph compiles (dynamic lengths; gradients on, batch 2, padded text), and the run's log reports it."""
+    from safetensors.torch import load_file
+
+    from qwen_edit_core import QwenImageEditTrainer
+    data = _pairs(tmp_path / "data", [(96, 96), (96, 64)] * 6,
+                  [("invert the colors " + "now " * (5 * k)).strip() for k in range(12)])
+
+    def fit(name: str, compile: bool):
+        config = train_config(one_block_dir, data, tmp_path / name, cache_dir=tmp_path / "cache",
+                              model={"lora": {"rank": 4, "alpha": 4.0, "targets": "attn"}},
+                              data={"vae_area": 7000, "batch_size": 2},
+                              train={"max_steps": 6, "compile": compile}, logging={"plot": False})
+        trainer = QwenImageEditTrainer(config)
+        return trainer, trainer.fit()
+
+    _, eager = fit("eager", False)
+    lengths = _text_lengths(tmp_path / "cache")
+    assert len(set(lengths)) >= 12 and len({-(-n // speed.TEXT_BUCKET) for n in lengths}) >= 2, lengths
+    with caplog.at_level(logging.INFO):
+        trainer, fast = fit("compiled", True)
+    stats = speed.compile_stats(trainer.components.transformer)
+    assert stats.fallback is None and stats.graphs <= 1, stats
+    assert len(_compiled_graph_lines(caplog)) == stats.graphs
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training done")]
+    assert done and f"{stats.graphs} block graph(s) compiled" in done[-1], done
+    assert [s for s, _ in fast.history] == [s for s, _ in eager.history] == list(range(1, 7))
+    for (_, a), (_, b) in zip(fast.history, eager.history):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (fast.history, eager.history)
+    got, expected = load_file(fast.lora_path), load_file(eager.lora_path)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=1e-4, rtol=1e-4, msg=key)
