@@ -181,13 +181,17 @@ def scales_as_inputs(model) -> int:
     8); a tensor is a graph input, so one graph serves every strength. Same numbers in eager (a 0-d tensor
     multiplies like the scalar). The tensors stay on the CPU: a CPU scalar multiplies tensors on any device,
     so moving or replicating the transformer needs nothing (CUDA graphs, mode "reduce-overhead", skip a graph
-    with a CPU input: merge the LoRA for those)."""
+    with a CPU input: merge the LoRA for those). LoHa layers keep their floats (peft builds a tensor from the
+    scale on each call)."""
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.lora import LoraLayer
     changed = 0
     with torch.inference_mode(False):  # an inference tensor could not be saved for a training backward
         for module in model.modules():
-            scaling = getattr(module, "scaling", None)
-            if not isinstance(scaling, dict):
+            # LoRA (and DoRA) and LoKr multiply by the scale; LoHa rebuilds a tensor from it on every call
+            if not isinstance(module, (LoraLayer, LoKrLayer)):
                 continue
+            scaling = module.scaling
             for name, value in scaling.items():
                 if isinstance(value, (int, float)):
                     scaling[name] = torch.tensor(float(value), dtype=torch.float32)
