@@ -106,7 +106,7 @@ class _CompiledBlock:
         args, kwargs = tuple(_own(a) for a in args), {k: _own(v) for k, v in kwargs.items()}
         try:
             out = self.compiled(self.block, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - any compile failure; the eager call below tells the kinds apart
+        except _compile_errors() as err:  # not others: checkpointing stops its recompute with an exception
             out = self.block._call_impl(*args, **kwargs)  # raises the input's own error if eager fails too
             _fall_back(self.stats, err)
             return out
@@ -115,6 +115,14 @@ class _CompiledBlock:
             self.stats.graphs += new
             log.info("compiled transformer block graph %d (%s)", self.stats.graphs, _describe(args, kwargs))
         return out
+
+
+def _compile_errors() -> tuple[type, ...]:
+    """What dynamo and inductor raise when a block cannot be compiled: dynamo's errors (a backend or compiler
+    error arrives as BackendCompilerFailed, inductor's InductorError is one) and, under fullgraph, the
+    recompile limit's own kind."""
+    from torch._dynamo import exc
+    return exc.TorchDynamoException, exc.FailOnRecompileLimitHit
 
 
 def _reason(err: Exception) -> str:
