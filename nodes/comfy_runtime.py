@@ -132,6 +132,25 @@ def raise_if_interrupted() -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
 
+def free_device_memory(device: str) -> bool:
+    """Ask ComfyUI to unload every model it loaded on `device` (a torch device name; "cuda" is "cuda:0") and
+    empty the CUDA cache, before a training job needs the memory: `comfy.model_management.free_memory` with
+    more bytes than any device has (what its own `unload_all_models` does for its default device), then
+    `soft_empty_cache`. Our pack's components are not ComfyUI models and stay. Returns whether ComfyUI was
+    asked (not outside ComfyUI, not for the CPU)."""
+    import torch
+    target = torch.device(device)
+    if not in_comfy() or target.type == "cpu":
+        return False
+    if target.index is None:
+        target = torch.device(target.type, 0)
+    import comfy.model_management
+    unloaded = comfy.model_management.free_memory(1e30, target)
+    comfy.model_management.soft_empty_cache()
+    log.info("asked ComfyUI to free %s: %d of its models unloaded", target, len(unloaded or ()))
+    return True
+
+
 def prompt_server():
     """The running ComfyUI server (`server.PromptServer.instance`), or None outside one."""
     if not in_comfy():

@@ -8,7 +8,7 @@ import torch
 
 from qwen_edit_core.model import encode
 from qwen_edit_core.adapters import lora
-from qwen_edit_core import speed
+from qwen_edit_core import jobs, speed
 from qwen_edit_core.sample import sampler, schedules, workers
 from qwen_edit_core.model.components import replicate
 from qwen_edit_core.model.devices import resolve_device
@@ -100,6 +100,7 @@ def parallel_components(model, uncond_device: str = "same"):
     """The model's components with the transformer run by the pack's worker pool (sample.workers.shared_pool:
     one worker per device of `workers.parallel_devices()`, started once per model, LoRA stack and devices)."""
     comps = model.components
+    jobs.REGISTRY.check_free(comps.transformer, "sample")  # a job may train on this very transformer
     if uncond_device not in ("same", str(next(comps.transformer.parameters()).device)):
         raise ValueError(f"parallel runs both CFG branches on every GPU; uncond_device {uncond_device} would need "
                          "a second copy: set uncond_device to same")
@@ -111,6 +112,7 @@ def parallel_components(model, uncond_device: str = "same"):
 def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, uncond_device: str, unique_id=None,
          parallel: bool = False):
     comps = model.components
+    jobs.REGISTRY.check_free(comps.transformer, "sample")  # a job may train on this very transformer
     lora.activate(comps.transformer, model.loras)
     settings = dataclasses.replace(settings, attention=model.attention)
     replica = None
@@ -326,6 +328,7 @@ class QwenEditSpeed:
 
     def apply(self, model, fp8, compile, attention):
         transformer = model.components.transformer
+        jobs.REGISTRY.check_free(transformer, "apply speed levers")
         device = next(transformer.parameters()).device
         if not fp8 and not compile:  # nothing to change in the weights: share the transformer itself
             return (dataclasses.replace(model, attention=attention),)

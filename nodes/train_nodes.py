@@ -212,8 +212,9 @@ class QwenEditTrain:
             "validation_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
                                          "tooltip": "0: no validation images"}),
             "memory_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
-                                           "tooltip": "> 0: pick checkpointing, fp8 and CPU offload to fit this "
-                                                      "many GiB of GPU memory (estimated; 16 for 1024^2 Edit)"}),
+                                           "tooltip": "pick checkpointing, fp8 and CPU offload to fit this many "
+                                                      "GiB of GPU memory (estimated; 16 for 1024^2 Edit); 0: fit "
+                                                      "the GPU's free memory once ComfyUI unloaded its models"}),
             "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
                                                                   "the LoRA trains in bf16/fp32"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),
@@ -254,6 +255,13 @@ class QwenEditTrain:
                            "product of two low-rank pairs). All load with stock LoraLoaderModelOnly"}),
             "dora": ("BOOLEAN", {"default": False, "tooltip": "DoRA (lora_type lora only): also learn a "
                                                               "magnitude per output row (saved as dora_scale)"}),
+            "gradient_checkpointing": ("BOOLEAN", {
+                "default": True, "tooltip": "recompute blocks in the backward pass instead of keeping their "
+                                            "activations (the 20 B model needs it at 1024^2 on 80 GB); the memory "
+                                            "budget decides how many blocks"}),
+            "mixed_precision": (["bf16", "fp16", "no"], {
+                "tooltip": "autocast of the forward pass: bf16 (half the activation memory of fp32; the LoRA "
+                           "and its optimizer stay fp32), fp16 (with loss scaling), no: the model's dtype"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -262,7 +270,7 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False):
+              dora=False, gradient_checkpointing=True, mixed_precision="bf16"):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -285,14 +293,20 @@ class QwenEditTrain:
                                "control_size": control_size},
                          cache={"enabled": use_cache},
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
-                                "lora_name": name, "memory_budget_gb": memory_budget_gb, "fp8_base": fp8_base,
+                                "lora_name": name, "memory_budget_gb": memory_budget_gb,
+                                "memory_budget_auto": True, "gradient_checkpointing": gradient_checkpointing,
+                                "mixed_precision": mixed_precision, "fp8_base": fp8_base,
                                 "compile": compile, "attention": attention, "ema_decay": ema_decay,
                                 "ema_validation": ema_validation, "mask_weight": mask_weight,
                                 "unmasked_weight": unmasked_weight, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
+        # ComfyUI's own models leave the training device first; the job trains on the graph's transformer
+        # (one copy of the weights), which the sampler nodes leave alone while the job runs.
+        comfy_runtime.free_device_memory(config.train.device)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
-        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg),)
+        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
+                                    model=model.components),)
 
 
 def find_job(job, job_name: str) -> jobs.TrainingJob:

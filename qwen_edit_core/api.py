@@ -176,7 +176,7 @@ class QwenImageEditTrainer:
                              height=height).validate()
         preflight.sampling(resolve_model_dir(self.config.model.pretrained_model_name_or_path), loras, out_file)
 
-    def fit(self, *, resume=None, progress=None, cancel=None, lock=None):
+    def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and
         write it to `train.output_dir` (train.run.fit); returns loop.TrainResult. The trained transformer and
         its LoRA stay loaded (save_lora, predict).
@@ -184,13 +184,14 @@ class QwenImageEditTrainer:
         Everything checkable is checked before any weight loads (qwen_edit_core.preflight). One writer per output
         directory: the run holds an OutputLock on `train.output_dir` until it ends (or uses `lock`, one the caller
         holds); a second run there is refused at once with OutputDirBusyError naming the holder's PID and start
-        time."""
+        time. `shared`: loaded components to train on instead of loading a transformer (the caller keeps them;
+        the trained adapter is taken off their transformer when the run ends: train.run.fit)."""
         if (lock is not None and lock.held) or os.environ.get("RANK", "0") != "0":  # other ranks: rank 0 holds it
-            return self._fit(resume, progress, cancel)
+            return self._fit(resume, progress, cancel, shared)
         with OutputLock(self.config.train.output_dir):
-            return self._fit(resume, progress, cancel)
+            return self._fit(resume, progress, cancel, shared)
 
-    def _fit(self, resume, progress, cancel):
+    def _fit(self, resume, progress, cancel, shared=None):
         def release() -> None:
             self.components = None
 
@@ -200,8 +201,8 @@ class QwenImageEditTrainer:
         def check(model_dir: Path, n_examples: int) -> None:
             preflight.training(self.config, model_dir, n_examples)
 
-        result = run.fit(self.config, encoders=self.components, release=release, ready=ready, check=check,
-                         resume=resume, progress=progress, cancel=cancel)
+        result = run.fit(self.config, encoders=self.components, shared=shared, release=release, ready=ready,
+                         check=check, resume=resume, progress=progress, cancel=cancel)
         self._uncond_transformer = None
         return result
 

@@ -186,6 +186,9 @@ class TrainConfig:
     offload_blocks: int = 0
     #: > 0: choose gradient_checkpointing, checkpoint_blocks, fp8_base and offload_blocks to fit this many GiB
     memory_budget_gb: float = 0.0
+    #: with memory_budget_gb 0 on a CUDA device: size the planner to the device's free memory when training
+    #: starts (plus the transformer's own weights already there; the ComfyUI Train node turns this on)
+    memory_budget_auto: bool = False
     #: which fused attention kernel goes first (perf.ATTENTION_KERNELS); "cudnn" is fastest on Hopper
     attention: AttentionKernel = "auto"
     #: with an fp8 base: the base's input gradients as fp8 matmuls too (e4m3, per-row scales; faster,

@@ -78,15 +78,18 @@ class JobStatus:
 Listener = Callable[["TrainingJob", str], None]
 
 
-def fit_with_trainer(config: Config, *, resume, progress, cancel, lock=None):
+def fit_with_trainer(config: Config, *, resume, progress, cancel, lock=None, model=None):
     """The default run of a job: `QwenImageEditTrainer(config).fit(...)`, returning its TrainResult. `lock`: the
-    output directory's lock, already held by the job."""
+    output directory's lock, already held by the job; `model`: loaded components the run trains on (shared,
+    not loaded again; their encoders serve the cache stage)."""
     import torch
 
     from qwen_edit_core.api import QwenImageEditTrainer
+    trainer = QwenImageEditTrainer(config)
+    trainer.components = model
     # A new thread starts outside inference mode; say so anyway, training needs autograd.
     with torch.inference_mode(False):
-        return QwenImageEditTrainer(config).fit(resume=resume, progress=progress, cancel=cancel, lock=lock)
+        return trainer.fit(resume=resume, progress=progress, cancel=cancel, lock=lock, shared=model)
 
 
 def check_with_trainer(config: Config, resume) -> None:
@@ -101,8 +104,11 @@ class TrainingJob:
     def __init__(self, config: Config, *, name: str | None = None, resume=None,
                  deliver: Callable[[Path], Path] | None = None, listeners: tuple[Listener, ...] = (),
                  on_finish: Callable[["TrainingJob"], None] | None = None, fit=fit_with_trainer,
-                 preflight=check_with_trainer):
+                 preflight=check_with_trainer, model=None):
+        """`model`: loaded components (model.components.Components) the job trains on instead of loading its
+        own; while it runs, `uses` names their modules (the ComfyUI sampler refuses to run on them)."""
         self.config = config
+        self.model = model
         self.name = name or config.train.lora_name
         self.device = config.train.device
         self.output_dir = Path(config.train.output_dir)
@@ -149,7 +155,7 @@ class TrainingJob:
     def _run(self) -> None:
         try:
             result = self._fit(self.config, resume=self._resume, progress=self._progress, cancel=self._cancel,
-                               lock=self._output_lock)
+                               lock=self._output_lock, model=self.model)
             delivered = self._deliver(result.lora_path) if self._deliver and result.lora_path else None
             with self._lock:
                 self._result, self._delivered = result, delivered
@@ -159,6 +165,7 @@ class TrainingJob:
             with self._lock:
                 self._state, self._error = "failed", f"{type(err).__name__}: {err}"
         finally:
+            self.model = None  # the registry keeps finished jobs: it must not keep the caller's model alive
             self._output_lock.release()
             if self._on_finish is not None:
                 self._on_finish(self)
@@ -178,6 +185,14 @@ class TrainingJob:
     def finished(self) -> bool:
         with self._lock:
             return self._state in FINISHED
+
+    def uses(self, module) -> bool:
+        """Whether this job, still running, trains on (or encodes with) `module`, a component of its shared
+        model."""
+        shared = self.model
+        if shared is None or module is None or self.finished:
+            return False
+        return any(module is getattr(shared, name, None) for name in ("transformer", "vae", "text_encoder"))
 
     @property
     def history(self) -> list[tuple[int, float]]:
@@ -238,9 +253,10 @@ class JobRegistry:
             if listener not in self._listeners:
                 self._listeners.append(listener)
 
-    def start(self, config: Config, *, name: str | None = None, resume=None) -> TrainingJob:
+    def start(self, config: Config, *, name: str | None = None, resume=None, model=None) -> TrainingJob:
         """Start a job named `name` (default: the LoRA name), or return the job of that name when it runs,
-        or finished training, with this very config (re-queuing the graph that started it attaches)."""
+        or finished training, with this very config (re-queuing the graph that started it attaches). `model`:
+        loaded components the job trains on (TrainingJob)."""
         name = name or config.train.lora_name
         with self._lock:
             same = self._jobs.get(name)
@@ -260,7 +276,8 @@ class JobRegistry:
                                    f"{status.step}/{status.total}, output {busy.output_dir}); stop it or wait "
                                    "for it, or train on another device")
             job = TrainingJob(config, name=name, resume=resume, deliver=self._deliver,
-                              listeners=tuple(self._listeners), fit=self._fit, preflight=self._preflight)
+                              listeners=tuple(self._listeners), fit=self._fit, preflight=self._preflight,
+                              model=model)
             self._jobs[name] = job
         try:
             return job.start()
@@ -283,6 +300,17 @@ class JobRegistry:
     def jobs(self) -> list[TrainingJob]:
         with self._lock:
             return list(self._jobs.values())
+
+    def check_free(self, module, use: str = "sample") -> None:
+        """Raise JobBusyError naming the job when a running job trains on `module` (one copy of the weights:
+        `use` must wait until the job is done)."""
+        job = next((j for j in self.jobs() if j.uses(module)), None)
+        if job is not None:
+            status = job.status()
+            raise JobBusyError(f"training job {job.name!r} trains on this model (step {status.step}/{status.total}, "
+                               f"output {job.output_dir}); cannot {use} with it until the job is done: wait for "
+                               "it (Training Status) or stop it (Stop Training), or load the model again in a "
+                               "second loader for this")
 
     def running(self) -> list[TrainingJob]:
         return [job for job in self.jobs() if not job.finished]

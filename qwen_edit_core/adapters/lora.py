@@ -151,6 +151,7 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     config = peft_config(spec.type, r=spec.rank, alpha=spec.alpha, targets=modules, dora=spec.dora,
                          dropout=spec.dropout, init=spec.init)
     add_adapter(transformer, config, adapter_name)
+    use_adapters(transformer, [adapter_name], [1.0])  # on, even where a removed adapter left the layers off
     train_only(transformer, adapter_name)
     log.info("%s adapter %r: rank %d, alpha %g on %d modules", f"{spec.type}{' + DoRA' if spec.dora else ''}",
              adapter_name, spec.rank, spec.alpha, len(modules))
@@ -272,6 +273,14 @@ def use_adapters(transformer, names: Sequence[str], strengths: Sequence[float]) 
         speed.scales_as_inputs(transformer)  # compiled blocks take strengths as inputs: no recompile per change
     elif _adapter_names(transformer):
         transformer.disable_adapters()
+
+
+def remove_adapter(transformer, name: str = "default") -> None:
+    """Turn every adapter off and delete adapter `name` (diffusers' `delete_adapters`), e.g. the trained one
+    once it is saved, from a transformer that stays in use; the LoRA files' adapters stay loaded."""
+    use_adapters(transformer, [], [])
+    if name in _adapter_names(transformer):
+        transformer.delete_adapters([name])
 
 
 def _member(transformer, name: str, strength: float, read) -> tuple[str, float]:

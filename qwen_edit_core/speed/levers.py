@@ -13,7 +13,7 @@ from qwen_edit_core.speed.compile import compile_blocks
 from qwen_edit_core.speed.fp8 import (_set_fp8_backward, dequantize_fp8, fp8_matmul_supported, has_fp8, probe_fp8,
                                       quantize_fp8)
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
-from qwen_edit_core.speed.planner import model_sizes, plan_for_budget
+from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, plan_for_budget, resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,37 @@ def configure_training(transformer, train, device: torch.device, tokens: int) ->
     device = torch.device(device)
     fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
         train.offload_blocks
-    if train.memory_budget_gb > 0:
-        plan = plan_for_budget(train.memory_budget_gb, prefer_fp8=train.fp8_base, tokens=tokens,
-                               **model_sizes(transformer))
+    budget = train.memory_budget_gb or (auto_budget_gb(transformer, device) if train.memory_budget_auto else 0.0)
+    if budget > 0:
+        plan = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, **model_sizes(transformer))
         fp8, ckpt, n_off = plan.fp8, plan.checkpoint_blocks, plan.offload_blocks
-        log.info("memory_budget_gb %.1f: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
-                 "%.1f GiB)", train.memory_budget_gb, fp8, "all" if ckpt < 0 else ckpt, n_off,
-                 plan.estimate.total / 2**30)
+        log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
+                 "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,
+                 "all" if ckpt < 0 else ckpt, n_off, plan.estimate.total / 2**30)
     return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile,
                   fp8_backward=train.fp8_backward)
+
+
+def auto_budget_gb(transformer, device: torch.device) -> float:
+    """`train.memory_budget_auto`: the planner's budget on a CUDA device, its free memory now plus the
+    transformer's weights already there (planner.free_memory_budget_gb); 0 (no planner) elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    free, _ = torch.cuda.mem_get_info(device)
+    return free_memory_budget_gb(free, resident_bytes(transformer, device))
+
+
+def release_training(transformer) -> None:
+    """Take the training levers off a transformer that stays in use (a shared model after a run): blocks no
+    longer recompute, offloaded blocks are back on their device. fp8 base layers stay fp8 (their original
+    weights are gone) and compiled blocks stay compiled."""
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    if offloader is not None:
+        offloader.remove()
+        transformer._qwen_edit_offloader = None
+    if getattr(transformer, "is_gradient_checkpointing", False):
+        transformer.disable_gradient_checkpointing()
 
 
 def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool,

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+#: the share of a device's memory the planner plans for when it sizes itself to the free memory: its
+#: estimate is rough (a fixed 1 GiB for the CUDA context and the allocator's slack)
+FREE_MEMORY_HEADROOM = 0.9
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """What a training step holds on the device, in bytes, for one configuration."""
@@ -87,3 +93,22 @@ def model_sizes(transformer) -> dict:
     return {"n_blocks": len(blocks), "block_params": block_params,
             "other_params": total - sum(frozen(b) for b in blocks), "trainable_params": trainable,
             "dim": transformer.config.num_attention_heads * transformer.config.attention_head_dim}
+
+
+def resident_bytes(module: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of `module`'s parameters and buffers that live on `device` ("cuda" is "cuda:0")."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, 0)
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device == device and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def free_memory_budget_gb(free_bytes: int, resident: int, headroom: float = FREE_MEMORY_HEADROOM) -> float:
+    """The budget (GiB) for `plan_for_budget` on a device with `free_bytes` free whose transformer already
+    holds `resident` bytes there (the estimate counts the weights too): `headroom` of their sum."""
+    return headroom * (free_bytes + resident) / 2**30

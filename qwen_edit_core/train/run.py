@@ -6,7 +6,7 @@ batch. `QwenImageEditTrainer` (api.py) holds the loaded components between calls
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -115,11 +115,26 @@ def _validation_example(config: Config, n_controls: int):
     return validation_example(t.validation_image, t.validation_prompt, n_controls)
 
 
+def _loaded(config: Config, plan: DevicePlan, model_dir: Path, which: tuple[str, ...],
+            shared: comp.Components | None) -> comp.Components:
+    """The components `which`: the `shared` ones where it holds them (nothing of those is loaded again), the
+    rest loaded on the plan's devices."""
+    if shared is None:
+        return comp.load_components(model_dir, plan, which=which, quantize_transformer=config.model.quantize,
+                                    **model_files(config))
+    missing = tuple(w for w in which if getattr(shared, w) is None)
+    if not missing:
+        return shared
+    loaded = comp.load_components(model_dir, plan, which=missing, quantize_transformer=config.model.quantize,
+                                  **model_files(config))
+    return replace(shared, **{w: getattr(loaded, w) for w in missing})
+
+
 def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
-                   settings: EncodeSettings) -> FitInputs:
-    """Load only the transformer; items and the validation sample come from the cache."""
-    comps = comp.load_components(model_dir, plan, which=("transformer",),
-                                 quantize_transformer=config.model.quantize, **model_files(config))
+                   settings: EncodeSettings, shared: comp.Components | None = None) -> FitInputs:
+    """Load only the transformer (or take the shared one); items and the validation sample come from the
+    cache."""
+    comps = _loaded(config, plan, model_dir, ("transformer",), shared)
     cache, identity = open_cache(config), cache_identity(config, model_dir)
     keys = [cache_key(ex, settings, identity) for ex in examples]
 
@@ -134,10 +149,9 @@ def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, mode
 
 
 def _realtime_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
-                     settings: EncodeSettings) -> FitInputs:
-    """Load every component; items are encoded as the loop asks for them."""
-    comps = comp.load_components(model_dir, plan, quantize_transformer=config.model.quantize,
-                                 **model_files(config))
+                     settings: EncodeSettings, shared: comp.Components | None = None) -> FitInputs:
+    """Load every component (or take the shared ones); items are encoded as the loop asks for them."""
+    comps = _loaded(config, plan, model_dir, ("transformer", "vae", "text_encoder"), shared)
     val = encode_example(comps, val_example, settings) if val_example is not None else None
     return FitInputs(comps, lambda i: encode_example(comps, examples[i], settings), val)
 
@@ -153,17 +167,20 @@ def _inject(config: Config, transformer, spec: lora_mod.LoraSpec) -> None:
                                 adapter_name="default", strength=1.0)
 
 
-def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: None,
+def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
+        release: Callable[[], None] = lambda: None,
         ready: Callable[[comp.Components, lora_mod.LoraSpec], None] = lambda comps, spec: None,
         check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None):
     """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and write
     it to `train.output_dir`; returns loop.TrainResult.
 
-    `encoders`: already loaded components the cache stage may use; `release()` is called once the cache stage
-    is done with them (the caller drops its reference, so they are freed before the transformer loads);
-    `ready(components, spec)` as soon as the LoRA is injected, before the loop runs; `check(model_dir, n_examples)`
-    before any weight loads (the facade's preflight)."""
+    `encoders`: loaded components the cache stage may use; `release()` once the cache stage is done with them
+    (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
+    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's; `_release_shared` gives
+    the transformer back when the run ends); `ready(components, spec)` as soon as the LoRA is injected;
+    `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
     from qwen_edit_core.data.dataset import load_dataset
+    from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     d = config.data
     examples = list(load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
@@ -171,43 +188,55 @@ def fit(config: Config, *, encoders=None, release: Callable[[], None] = lambda: 
     out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)
     plan = encoder_plan(config)  # every device checked before any work
-    from qwen_edit_core.train.checkpoint import lora_stack
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))
     if config.cache.enabled:
-        run_cache(config, examples + ([val_example] if val_example else []), encoders, progress=progress,
-                  cancel=cancel)
-        encoders = None
+        run_cache(config, examples + ([val_example] if val_example else []), encoders or shared,
+                  progress=progress, cancel=cancel)
+        del encoders
         release()  # free the encoders before the transformer loads
-        inputs = _cached_inputs(config, plan, examples, val_example, model_dir, settings)
-    else:
-        inputs = _realtime_inputs(config, plan, examples, val_example, model_dir, settings)
+    inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(config, plan, examples, val_example,
+                                                                             model_dir, settings, shared)
     comps, validator = inputs.components, None
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
         validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
     spec = lora_spec(config)
     with torch.inference_mode(False):
-        _inject(config, comps.transformer, spec)
-        if stack:
-            # companions: active and frozen; saved files and checkpoints hold only "default"
-            lora_mod.activate_with_trained(comps.transformer, stack)
-        ready(comps, spec)
+        try:
+            _inject(config, comps.transformer, spec)
+            if stack:
+                # companions: active and frozen; saved files and checkpoints hold only "default"
+                lora_mod.activate_with_trained(comps.transformer, stack)
+            ready(comps, spec)
 
-        def write_lora(path: Path, step: int) -> None:
-            lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
+            def write_lora(path: Path, step: int) -> None:
+                lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
 
-        log_resizes(examples, settings)
-        result = train(config, comps.transformer, inputs.load_item, examples,
-                       [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
-                       write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
-                       cancel=cancel, validate=validator)
+            log_resizes(examples, settings)
+            result = train(config, comps.transformer, inputs.load_item, examples,
+                           [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
+                           write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
+                           cancel=cancel, validate=validator)
+        finally:
+            if shared is not None:
+                _release_shared(comps.transformer)
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
+
+
+def _release_shared(transformer) -> None:
+    """Give a shared transformer back as it was lent: the trained adapter deleted (its LoRA is in its file),
+    every adapter off, the training levers off (speed.release_training), eval mode, frozen."""
+    from qwen_edit_core import speed
+    lora_mod.remove_adapter(transformer, "default")
+    speed.release_training(transformer)
+    transformer.eval().requires_grad_(False)
+    log.info("training done: the shared transformer is back to sampling (trained adapter removed)")
 
 
 # -- one batch -------------------------------------------------------------------------------------------------

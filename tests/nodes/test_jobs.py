@@ -44,7 +44,7 @@ class StepGate:
             with self.done_steps:
                 assert self.done_steps.wait_for(lambda: self.step >= target, timeout=60)
 
-    def __call__(self, config, *, resume, progress, cancel, lock=None):
+    def __call__(self, config, *, resume, progress, cancel, lock=None, model=None):
         self.resumes.append(resume)
         with self.done_steps:
             self.step = 0

@@ -150,6 +150,7 @@ def test_offload_indices_spread_over_the_model():
 
 REAL = {"n_blocks": 60, "block_params": 339_000_000, "other_params": 60_000_000, "tokens": 8192 + 512,
         "dim": 3072, "trainable_params": 14_000_000}
+REAL_WEIGHTS = (60 * REAL["block_params"] + REAL["other_params"]) * 2  # bf16
 
 
 def test_memory_planner_picks_the_fastest_settings_that_fit():
@@ -280,3 +281,32 @@ def test_predict_compile_and_attention_kernel_keep_the_edit(tiny_edit_dir):
     got = _edit(fast)
     assert fast.components.transformer._qwen_edit_compiled
     assert float(abs(got - expected).max()) < 1e-4
+
+
+def test_the_auto_budget_is_the_free_memory_plus_the_resident_transformer(monkeypatch):
+    """memory_budget_auto (the ComfyUI Train node's default): on an 80 GB GPU where the graph's bf16 transformer
+    (about 38 GiB) and text encoder (about 15 GiB) already live, the planner gets 90% of the free memory plus
+    the transformer's own weights, and picks a plan without offload that fits the card."""
+    model = _model()
+    resident = perf.resident_bytes(model, torch.device("cpu"))
+    assert resident == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert perf.resident_bytes(model, torch.device("cuda")) == 0  # "cuda" is cuda:0, where nothing of it lives
+    transformer, text_encoder, card = 38 * 2**30, 15 * 2**30, 80 * 2**30
+    free = card - transformer - text_encoder
+    budget = perf.free_memory_budget_gb(free, transformer)
+    assert budget == pytest.approx(0.9 * (card - text_encoder) / 2**30)
+    plan = perf.plan_for_budget(budget, **REAL)
+    assert not plan.offload_blocks and plan.estimate.total - REAL_WEIGHTS <= free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, card))
+    assert perf.auto_budget_gb(model, torch.device("cuda:0")) == pytest.approx(0.9 * free / 2**30)
+    assert perf.auto_budget_gb(model, torch.device("cpu")) == 0.0  # no planner off CUDA
+
+
+def test_the_auto_budget_is_off_on_the_cpu_and_checkpointing_stays_on():
+    model = _model()
+    from qwen_edit_core.config import load_config
+    train = load_config(overrides={"train": {"memory_budget_auto": True, "gradient_checkpointing": True}}).train
+    levers = perf.configure_training(model, train, torch.device("cpu"), tokens=116)
+    assert levers.checkpointed == (0, 1, 2, 3) and not levers.offloaded
+    perf.release_training(model)
+    assert not model.is_gradient_checkpointing

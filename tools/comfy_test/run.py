@@ -141,11 +141,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora,parallel",
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora,parallel,free_memory",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
                              "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
-                             "parallel option on 2 CPU workers); sizes re-measures "
-                             "workflows/frontend/node_sizes.json")
+                             "parallel option on 2 CPU workers), free_memory (the Train node's request to "
+                             "ComfyUI to free a GPU); sizes re-measures workflows/frontend/node_sizes.json")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
     args = parser.parse_args(argv)
@@ -154,11 +154,13 @@ def main(argv=None) -> int:
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
     from browser_check import check_browser
+    from free_memory_check import check_free_memory
     from layout_check import check_layout, measure_sizes
     from lora_check import check_lora_kinds
     from parallel_check import check_parallel
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
-              "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel}
+              "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel,
+              "free_memory": check_free_memory}
     failed = []
     for name in args.only.split(","):
         try:

@@ -1,0 +1,107 @@
+"""The Train node at real size: it trains on the transformer the graph already loaded (no second copy), with
+checkpointing, bf16 autocast and the free-memory planner by default; the sampler refuses that transformer while
+the job runs; ComfyUI is asked to unload its own models from the training device first."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import nodes
+from nodes import comfy_runtime
+from nodes.common import TINY_MODEL
+from qwen_edit_core import jobs
+from qwen_edit_core.model import components as comp
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    for name in ("QWEN_EDIT_HOME", "QWEN_EDIT_LORAS", "QWEN_EDIT_OUTPUT"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _base_pointers(transformer) -> set[int]:
+    return {p.data_ptr() for p in transformer.parameters() if not p.requires_grad}
+
+
+def test_the_job_trains_the_graphs_transformer_without_a_second_copy(env, monkeypatch):
+    with torch.inference_mode():
+        (model,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        (data, _) = nodes.QwenEditSyntheticDataset().make("pairs", 2, 0)
+    transformer = model.components.transformer
+    before = _base_pointers(transformer)
+    loads, freed, seen = [], [], {}
+    real_load = comp.load_components
+
+    def load_components(*args, which=("transformer", "vae", "text_encoder"), **kwargs):
+        loads.append(tuple(which))
+        return real_load(*args, which=which, **kwargs)
+
+    def spy_fit(config, *, resume, progress, cancel, lock=None, model=None):
+        def spying(event):
+            if event.stage == "train" and "pointers" not in seen:  # inside training, in the job's thread
+                seen["same_object"] = model.transformer is transformer
+                seen["pointers"] = _base_pointers(transformer)
+                seen["trainable"] = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+                seen["checkpointing"] = transformer.is_gradient_checkpointing
+                with pytest.raises(jobs.JobBusyError, match="'shared_lora' trains on this model"):
+                    nodes.QwenEditSampleConditioning().sample(handle, types.SimpleNamespace(uncond=None), 2, 1.0,
+                                                              0, "dynamic", "same")
+                seen["refused"] = True
+            progress(event)
+        return jobs.fit_with_trainer(config, resume=resume, progress=spying, cancel=cancel, lock=lock, model=model)
+
+    handle = model
+    monkeypatch.setattr(comp, "load_components", load_components)
+    monkeypatch.setattr(comfy_runtime, "free_device_memory", freed.append)
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=spy_fit))
+    with torch.inference_mode():
+        (job,) = nodes.QwenEditTrain().start(model, data, "shared_lora", 2, 1e-3, 4, 4.0, "attn", 1, 64, 0, False,
+                                             0, False)
+    status = job.wait()
+    assert status.state == "done", status.error
+    train = job.config.train
+    assert (train.gradient_checkpointing, train.mixed_precision, train.memory_budget_auto) == (True, "bf16", True)
+    assert freed == ["cpu"]  # ComfyUI asked to free the training device before the job started
+    # realtime training: the graph's transformer, text encoder and VAE serve it; nothing is loaded again
+    assert seen["same_object"] and seen["pointers"] == before and seen["trainable"] > 0 and seen["refused"]
+    assert seen["checkpointing"]
+    assert all("transformer" not in which for which in loads), loads
+    # afterwards the graph's transformer is as lent: same weights, no trained adapter, levers off, frozen
+    assert _base_pointers(transformer) == before
+    assert "default" not in (getattr(transformer, "peft_config", None) or {})
+    assert not transformer.is_gradient_checkpointing and not transformer.training
+    assert not any(p.requires_grad for p in transformer.parameters())
+    jobs.REGISTRY.check_free(transformer)  # the sampler may use it again
+    assert job.model is None  # the finished job keeps no reference to the graph's model
+
+
+def test_free_device_memory_asks_comfyui_to_unload_its_models(monkeypatch):
+    calls = []
+    management = types.ModuleType("comfy.model_management")
+    management.free_memory = lambda memory_required, device, keep_loaded=(): calls.append(
+        ("free_memory", memory_required, device)) or ["a model"]
+    management.soft_empty_cache = lambda force=False: calls.append(("soft_empty_cache",))
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = management
+    monkeypatch.setitem(sys.modules, "folder_paths", types.ModuleType("folder_paths"))
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", management)
+    assert comfy_runtime.free_device_memory("cuda")
+    assert calls == [("free_memory", 1e30, torch.device("cuda", 0)), ("soft_empty_cache",)]
+    calls.clear()
+    assert not comfy_runtime.free_device_memory("cpu") and calls == []
+    monkeypatch.delitem(sys.modules, "folder_paths")
+    assert not comfy_runtime.free_device_memory("cuda:1") and calls == []  # outside ComfyUI: nothing to ask
+
+
+def test_the_train_node_defaults_are_the_safe_ones():
+    optional = nodes.QwenEditTrain.INPUT_TYPES()["optional"]
+    assert optional["gradient_checkpointing"][1]["default"] is True
+    assert optional["mixed_precision"][0][0] == "bf16"  # a combo's default is its first choice
+    assert list(optional)[-2:] == ["gradient_checkpointing", "mixed_precision"]  # new inputs go last
