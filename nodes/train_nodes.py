@@ -114,6 +114,14 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
     return load_config(overrides=base)
 
 
+def _precision(choice: str, handle) -> str:
+    """train.mixed_precision of the Train node's choice: "auto" is bf16 where the transformer is on a GPU, "no"
+    on the CPU."""
+    if choice != "auto":
+        return choice
+    return "no" if next(handle.components.transformer.parameters()).device.type == "cpu" else "bf16"
+
+
 class QwenEditBuildCache:
     """Precompute latents and embeddings of a dataset (reused across runs); progress bar; interruptible."""
 
@@ -259,9 +267,10 @@ class QwenEditTrain:
                 "default": True, "tooltip": "recompute blocks in the backward pass instead of keeping their "
                                             "activations (the 20 B model needs it at 1024^2 on 80 GB); the memory "
                                             "budget decides how many blocks"}),
-            "mixed_precision": (["bf16", "fp16", "no"], {
+            "mixed_precision": (["auto", "bf16", "fp16", "no"], {
                 "tooltip": "autocast of the forward pass: bf16 (half the activation memory of fp32; the LoRA "
-                           "and its optimizer stay fp32), fp16 (with loss scaling), no: the model's dtype"}),
+                           "and its optimizer stay fp32), fp16 (with loss scaling), no: the model's dtype; auto: "
+                           "bf16 on a GPU, the model's dtype on the CPU (where bf16 is slow)"}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -270,7 +279,7 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False, gradient_checkpointing=True, mixed_precision="bf16"):
+              dora=False, gradient_checkpointing=True, mixed_precision="auto"):
         name = lora_name.strip().removesuffix(".safetensors")
         if not name or any(c in name for c in "/\\:"):
             raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
@@ -295,7 +304,7 @@ class QwenEditTrain:
                          train={"max_steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
                                 "lora_name": name, "memory_budget_gb": memory_budget_gb,
                                 "memory_budget_auto": True, "gradient_checkpointing": gradient_checkpointing,
-                                "mixed_precision": mixed_precision, "fp8_base": fp8_base,
+                                "mixed_precision": _precision(mixed_precision, model), "fp8_base": fp8_base,
                                 "compile": compile, "attention": attention, "ema_decay": ema_decay,
                                 "ema_validation": ema_validation, "mask_weight": mask_weight,
                                 "unmasked_weight": unmasked_weight, **validation},

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nodes
-from nodes import comfy_runtime
+from nodes import comfy_runtime, train_nodes
 from nodes.common import TINY_MODEL
 from qwen_edit_core import jobs
 from qwen_edit_core.model import components as comp
@@ -66,7 +66,8 @@ def test_the_job_trains_the_graphs_transformer_without_a_second_copy(env, monkey
     status = job.wait()
     assert status.state == "done", status.error
     train = job.config.train
-    assert (train.gradient_checkpointing, train.mixed_precision, train.memory_budget_auto) == (True, "bf16", True)
+    # mixed_precision "auto": bf16 on a GPU, the model's dtype on this CPU
+    assert (train.gradient_checkpointing, train.mixed_precision, train.memory_budget_auto) == (True, "no", True)
     assert freed == ["cpu"]  # ComfyUI asked to free the training device before the job started
     # realtime training: the graph's transformer, text encoder and VAE serve it; nothing is loaded again
     assert seen["same_object"] and seen["pointers"] == before and seen["trainable"] > 0 and seen["refused"]
@@ -103,5 +104,9 @@ def test_free_device_memory_asks_comfyui_to_unload_its_models(monkeypatch):
 def test_the_train_node_defaults_are_the_safe_ones():
     optional = nodes.QwenEditTrain.INPUT_TYPES()["optional"]
     assert optional["gradient_checkpointing"][1]["default"] is True
-    assert optional["mixed_precision"][0][0] == "bf16"  # a combo's default is its first choice
+    assert optional["mixed_precision"][0][0] == "auto"  # a combo's default is its first choice
+    on_gpu = types.SimpleNamespace(components=types.SimpleNamespace(transformer=torch.nn.Linear(1, 1, device="meta")))
+    on_cpu = types.SimpleNamespace(components=types.SimpleNamespace(transformer=torch.nn.Linear(1, 1)))
+    assert train_nodes._precision("auto", on_gpu) == "bf16" and train_nodes._precision("auto", on_cpu) == "no"
+    assert train_nodes._precision("bf16", on_cpu) == "bf16"
     assert list(optional)[-2:] == ["gradient_checkpointing", "mixed_precision"]  # new inputs go last
