@@ -33,12 +33,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_tiny(args) -> None:
     if args.pretrained:
-        from qwen_edit_core.pretrain import Recipe, pretrain
+        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae
         from qwen_edit_core.model.toy import WEIGHTS_DIR, build_toy
         if args.variant != variants.DEFAULT or args.size != "tiny":
             raise ValueError("--pretrained builds the Edit variant at size tiny; drop --variant/--size")
         weights = Path(args.weights_dir) if args.weights_dir else WEIGHTS_DIR
-        if args.train or not (weights / "toy.json").is_file():
+        if args.train_vae:
+            pretrain_vae(weights, Recipe(seed=args.seed))
+        elif args.train or not (weights / "toy.json").is_file():
             pretrain(weights, Recipe(seed=args.seed))
         out = build_toy(args.out_dir, weights)
         log.info("pretrained toy model written to %s (weights: %s)", out, weights)
@@ -248,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --pretrained: train the toy weights from scratch into --weights-dir first")
     p.add_argument("--weights-dir", default=None,
                    help="with --pretrained: toy weights folder (default: the package's model/toy_weights)")
+    p.add_argument("--train-vae", action="store_true",
+                   help="with --pretrained: retrain only the VAE's decoder into --weights-dir (its transformer and "
+                        "the latents stay as they are)")
     p.set_defaults(func=cmd_tiny)
 
     p = _command(sub, "sample", help="edit an image with true CFG")

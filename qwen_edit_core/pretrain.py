@@ -1,17 +1,21 @@
 """Build the toy model's weights (`qwen-edit tiny --pretrained --train`): a VAE, then a transformer.
 
-1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) gets constructed
-   weights (`constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels, its decoder
-   upsamples the cell colours smoothly. Gradient training of this architecture from random weights barely
-   moved in the CPU time available (300 Adam steps: pixel MSE 0.17 -> 0.15 in [-1, 1] units), so the
-   weights are set directly; `latents_mean`/`latents_std` are the measured per-channel statistics, so
-   normalized latents have unit scale as the flow-matching maths assumes.
+1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) starts from
+   constructed weights (`constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
+   its decoder upsamples the cell colours smoothly. The encoder is kept as constructed (`latents_mean`/
+   `latents_std` are its latents' measured per-channel statistics, so normalized latents have unit scale as
+   the flow-matching maths assumes); the decoder's residual branches are then trained by gradient descent
+   on synthetic pictures (`train_vae_decoder`), starting at the constructed output. (Training the whole
+   architecture from random weights barely moved in the CPU time available: 300 Adam steps, pixel MSE
+   0.17 -> 0.15 in [-1, 1] units.)
 2. The transformer (QwenImageTransformer2DModel: 2 blocks, 2 heads of 32) learns the edits of
    `synthetic.EDITS` from (control, prompt) -> target pairs in that VAE's latent space with the trainer's own
    flow-matching loss (train/batch.py `flow_loss`: the sampler's shifted timesteps, per-sample generators).
    Prompts are embedded by the random tiny text encoder of `build_tiny(seed=0)`, which is kept as it is:
    the transformer learns to tell its embeddings of the few fixed prompts apart. The samplers' default
    negative prompt " " is trained as "keep the image".
+3. The VAE decoder is trained last (the transformer only sees the encoder's latents, so it does not depend
+   on the decoder); `qwen-edit tiny --pretrained --train-vae` reruns this step alone.
 
 Deterministic for its seed: every draw comes from seeded generators and the intra-op thread count is fixed
 to one for the build (float sums then do not depend on the machine's core count).
@@ -139,6 +143,9 @@ class Recipe:
     heads: int = 2
     head_dim: int = 32
     layers: int = 2
+    vae_steps: int = 300
+    vae_batch: int = 4
+    vae_lr: float = 5e-4
 
 
 def transformer_settings(recipe: Recipe) -> dict:
@@ -182,6 +189,64 @@ def make_vae(recipe: Recipe):
     vae.register_to_config(latents_mean=[round(float(v), 4) for v in mean],
                            latents_std=[round(float(v), 4) for v in std])
     return vae
+
+
+@torch.no_grad()
+def _wake_residuals(decoder, seed: int) -> None:
+    """Make the decoder's residual branches trainable without changing its output: their first norms'
+    gains scale the colour channels to unit size (the constant channel dominates the norm, so they would
+    reach the branch at 1/CONST) and the constant channel to one, and their conv1 / attention qkv weights
+    get a seeded default init. The branches' output layers (conv2, proj) stay zero, so the output is the
+    constructed one; with everything zero gradients would only reach biases."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in decoder.named_modules():
+        if name.endswith(("conv1", "to_qkv")):
+            bound = 1.0 / math.sqrt(module.weight[0].numel())
+            module.weight.copy_(torch.rand(module.weight.shape, generator=generator) * 2 * bound - bound)
+        if name.endswith(("norm1", "attentions.0.norm")):
+            dim = module.gamma.shape[0]
+            module.gamma.fill_(CONST / dim ** 0.5)
+            module.gamma[3] = 1.0 / dim ** 0.5
+
+
+def _branch_parameters(decoder) -> list:
+    """The residual branches' and attention's parameters (the constructed linear path stays as it is)."""
+    return [p for name, p in decoder.named_parameters()
+            if (".resnets." in name and ".conv_shortcut." not in name) or ".attentions." in name]
+
+
+def train_vae_decoder(recipe: Recipe, vae):
+    """Train `vae`'s decoder in place by gradient descent on synthetic pictures (pixel MSE in [-1, 1]
+    units, Adam with cosine decay), starting from the constructed weights. The encoder, quant_conv and
+    `latents_mean`/`latents_std` are untouched, so the latents (and the transformer trained on them) do not
+    change. Only the residual branches and attention train (`_branch_parameters`); their output layers
+    start at zero, so training starts at the constructed decoder's output and learns sharper edges and the
+    detail the latents carry beyond the cell means (the four 4x4 squares' colours)."""
+    _wake_residuals(vae.decoder, recipe.seed + 5)
+    params = _branch_parameters(vae.decoder)
+    for param in vae.parameters():
+        param.requires_grad_(False)
+    for param in params:
+        param.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=recipe.vae_lr)
+    rng = np.random.default_rng(recipe.seed + 4)
+    started = time.perf_counter()
+    for step in range(recipe.vae_steps):
+        for group in opt.param_groups:
+            group["lr"] = recipe.vae_lr * _cosine(step, recipe.vae_steps)
+        pixels = _pixels([synthetic.picture(rng, recipe.size) for _ in range(recipe.vae_batch)])
+        with torch.no_grad():
+            z = vae.encode(pixels).latent_dist.mode()
+        loss = torch.nn.functional.mse_loss(vae.decode(z, return_dict=False)[0], pixels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == recipe.vae_steps - 1:
+            log.info("vae decoder step %d/%d: pixel MSE %.5f (%.0f s)", step + 1, recipe.vae_steps, loss.item(),
+                     time.perf_counter() - started)
+    for param in vae.parameters():
+        param.requires_grad_(False)
+    return vae.eval()
 
 
 @torch.no_grad()
@@ -239,10 +304,31 @@ def train_transformer(recipe: Recipe, items: list[dict], scheduler_config: dict)
     return transformer
 
 
+def _save(weights_dir: Path, info: dict, modules: dict) -> None:
+    """Write each module's `<name>.safetensors` with its sha256 into `info`, then `toy.json`."""
+    from safetensors.torch import save_file
+
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    for name, module in modules.items():
+        state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+        save_file(state, str(weights_dir / f"{name}.safetensors"), metadata={"format": "pt"})
+        info["sha256"][f"{name}.safetensors"] = toy.sha256(weights_dir / f"{name}.safetensors")
+    (weights_dir / toy.MANIFEST).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def _manifest(recipe: Recipe, vae) -> dict:
+    command = "qwen-edit tiny --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
+    return {"command": command + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
+            "seed": recipe.seed, "recipe": asdict(recipe), "text_encoder_seed": 0, "edits": list(synthetic.EDITS),
+            "vae_config": {**VAE_CONFIG, "latents_mean": vae.config.latents_mean,
+                           "latents_std": vae.config.latents_std},
+            "transformer_config": transformer_settings(recipe), "sha256": {}}
+
+
 def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     """Train both components and write `vae.safetensors`, `transformer.safetensors` and `toy.json` to
-    `weights_dir`; returns the manifest."""
-    from safetensors.torch import save_file
+    `weights_dir`; returns the manifest. The decoder is trained last, so the transformer's data (the
+    encoder's latents) and its random draws do not depend on it."""
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     threads = torch.get_num_threads()
@@ -258,20 +344,33 @@ def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
                 vae = make_vae(recipe)
                 items = edit_dataset(recipe, vae, text_encoder, processor)
                 transformer = train_transformer(recipe, items, scheduler_config)
+                train_vae_decoder(recipe, vae)
     finally:
         torch.set_num_threads(threads)
-    weights_dir = Path(weights_dir)
-    weights_dir.mkdir(parents=True, exist_ok=True)
-    command = "qwen-edit tiny --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
-    info = {"command": command + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
-            "seed": recipe.seed, "recipe": asdict(recipe), "text_encoder_seed": 0, "edits": list(synthetic.EDITS),
-            "vae_config": {**VAE_CONFIG, "latents_mean": vae.config.latents_mean,
-                           "latents_std": vae.config.latents_std},
-            "transformer_config": transformer_settings(recipe), "sha256": {}}
-    for name, module in (("vae", vae), ("transformer", transformer)):
-        state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
-        save_file(state, str(weights_dir / f"{name}.safetensors"), metadata={"format": "pt"})
-        info["sha256"][f"{name}.safetensors"] = toy.sha256(weights_dir / f"{name}.safetensors")
-    (weights_dir / toy.MANIFEST).write_text(json.dumps(info, indent=1) + "\n")
+    info = _manifest(recipe, vae)
+    _save(Path(weights_dir), info, {"vae": vae, "transformer": transformer})
     log.info("toy weights written to %s in %.0f s", weights_dir, time.perf_counter() - started)
+    return info
+
+
+def pretrain_vae(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
+    """Rebuild only `vae.safetensors` (constructed encoder, trained decoder) in `weights_dir`, keeping its
+    `transformer.safetensors`: the encoder and latent statistics do not depend on the decoder's training,
+    so the transformer stays valid. Updates `toy.json`; returns it."""
+    info = toy.manifest(weights_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            vae = train_vae_decoder(recipe, make_vae(recipe))
+    finally:
+        torch.set_num_threads(threads)
+    fresh = _manifest(recipe, vae)
+    if fresh["vae_config"] != info["vae_config"]:
+        raise ValueError(f"{Path(weights_dir) / toy.MANIFEST}: the VAE's latent statistics changed; the "
+                         f"transformer must be retrained with `{fresh['command']}`")
+    info.update(recipe=fresh["recipe"])
+    _save(Path(weights_dir), info, {"vae": vae})
+    log.info("toy VAE written to %s in %.0f s", weights_dir, time.perf_counter() - started)
     return info
