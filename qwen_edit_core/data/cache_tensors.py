@@ -12,7 +12,9 @@ import torch
 if TYPE_CHECKING:
     from qwen_edit_core.data.cache import CacheKey
 
-CACHE_FORMAT_VERSION = 1
+#: 2: the empty prompt of caption dropout is `model.templates.EMPTY_PROMPT` (" "), as at inference; format-1
+#: entries hold the embeddings of "" and are recomputed rather than trained on.
+CACHE_FORMAT_VERSION = 2
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
 CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
 EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
