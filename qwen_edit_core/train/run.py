@@ -143,7 +143,7 @@ def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, mode
         if tensors is None:
             raise RuntimeError(f"cache entry of {examples[i].name} vanished from {cache.root}; run cache again")
         return tensors
-    val = open_cache(config).get(cache_key(val_example, settings, cache_identity(config, model_dir))) \
+    val = cache.get(cache_key(val_example, settings, identity)) \
         if val_example is not None else None
     return FitInputs(comps, load_item, val)
 
