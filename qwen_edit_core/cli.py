@@ -18,17 +18,20 @@ from qwen_edit_core.model.templates import EMPTY_PROMPT
 log = logging.getLogger("qwen_edit_core.cli")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from PIL import UnidentifiedImageError
+#: (module, class) of the errors a user can fix; looked up only in modules already imported (`_user_errors`)
+USER_ERRORS = (("qwen_edit_core.common.typed", "ConfigError"), ("qwen_edit_core.model.devices", "DeviceError"),
+               ("qwen_edit_core.model.encode", "EncodeError"), ("qwen_edit_core.model.components", "ModelNotFoundError"),
+               ("qwen_edit_core.model.single_file", "SingleFileError"), ("PIL", "UnidentifiedImageError"),
+               ("qwen_edit_core.common.files", "OutputDirBusyError"),
+               ("qwen_edit_core.common.files", "OutputWriteError"))
 
-    from qwen_edit_core.model.components import ModelNotFoundError
-    from qwen_edit_core.config import ConfigError
-    from qwen_edit_core.model.devices import DeviceError
-    from qwen_edit_core.model.encode import EncodeError
-    from qwen_edit_core.model.single_file import SingleFileError
-    from qwen_edit_core.common.files import OutputDirBusyError, OutputWriteError
-    return (ConfigError, DeviceError, EncodeError, ModelNotFoundError, SingleFileError, FileNotFoundError,
-            UnidentifiedImageError, ValueError, OutputDirBusyError, OutputWriteError)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The error classes that end in a one-line message. Taken from modules already imported: an error class
+    can only have been raised once its module is loaded, and importing the rest here would pull in torch
+    (seconds) just to report a config error."""
+    found = tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
+    return (*found, FileNotFoundError, ValueError)
 
 
 def cmd_tiny(args) -> None:
@@ -66,8 +69,6 @@ def _progress_bar(total_desc: str):
 
 def cmd_sample(args) -> None:
     from qwen_edit_core.config import load_config
-    from qwen_edit_core.model.encode import open_image
-    from qwen_edit_core.api import QwenImageEditTrainer
 
     plan = {}
     if args.devices:
@@ -92,6 +93,8 @@ def cmd_sample(args) -> None:
         context_parallel.init_process_group(args.context_parallel, plan["transformer"],
                                             cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
+    from qwen_edit_core.api import QwenImageEditTrainer
+    from qwen_edit_core.model.encode import open_image
     images = [open_image(p) for p in args.image]
     trainer = QwenImageEditTrainer(config)
     loras = [_lora_arg(spec) for spec in args.lora or []]
@@ -123,21 +126,23 @@ def _lora_arg(spec: str) -> tuple[str, float]:
 
 def cmd_cache(args) -> None:
     from qwen_edit_core.config import load_config
+    config = load_config(args.config)
     from qwen_edit_core.api import QwenImageEditTrainer
-    trainer = QwenImageEditTrainer(load_config(args.config))
+    trainer = QwenImageEditTrainer(config)
     stats = trainer.cache(progress=_progress_bar("cache"))
     log.info("cache: %(total)d entries, %(hits)d reused, %(computed)d computed", stats)
 
 
 def cmd_train(args) -> None:
     from qwen_edit_core.config import load_config
-    from qwen_edit_core.api import QwenImageEditTrainer
-    from qwen_edit_core.common.progress import CancelToken
     overrides = train_overrides(args)
     if args.preview:
         from qwen_edit_core.train.validation import parse_previews
         overrides.setdefault("train", {})["validation_previews"] = parse_previews("\n".join(args.preview))
-    trainer = QwenImageEditTrainer(load_config(args.config, overrides=overrides))
+    config = load_config(args.config, overrides=overrides)
+    from qwen_edit_core.api import QwenImageEditTrainer
+    from qwen_edit_core.common.progress import CancelToken
+    trainer = QwenImageEditTrainer(config)
     resume = True if args.resume == "" else args.resume
     bar = _train_bar()
     result = trainer.fit(resume=resume, progress=bar, cancel=CancelToken())
@@ -148,7 +153,9 @@ def cmd_train(args) -> None:
 
 
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
-TRAIN_FLAGS = (("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
+TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "max_steps"),
+               ("lora_name", "train", "lora_name"), ("validation_every", "train", "validation_every"),
+               ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
                ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"))
@@ -312,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
+    p.add_argument("--output-dir", help="train.output_dir: the run's folder (LoRA, checkpoints, loss plot)")
+    p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
+    p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
+    p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
     p.add_argument("--ema-decay", type=float, help="train.ema_decay: keep an EMA of the LoRA (e.g. 0.999), saved "
                    "as NAME_ema.safetensors")
     p.add_argument("--ema-validation", action="store_true", default=None,

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from qwen_edit_core.common.typed import ConfigError, from_dict  # noqa: F401 (ConfigError re-exported)
+from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict  # noqa: F401 (ConfigError re-exported)
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        data = expand_env(data, source=f"config file {str(path)!r}: ")
     if overrides:
         data = _merge(data, overrides)
     config = from_dict(Config, data)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import types
 import typing
 from typing import Any
@@ -82,3 +84,23 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
             raise ConfigError(f"unknown config key {where!r}; accepted here: {', '.join(sorted(names))}")
     values = {key: _coerce(value, hints[key], f"{path}.{key}" if path else key) for key, value in data.items()}
     return cls(**values)
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(value: Any, path: str = "", source: str = "") -> Any:
+    """A config file's `${NAME}` references replaced by the environment variable NAME, in every string value
+    (so one file serves any working folder: `output_dir: ${WORK}/run`); an unset NAME is a ConfigError naming
+    `source` (the file) and the key. Only the braced form is read, so a `$` elsewhere in a path stays."""
+    if isinstance(value, dict):
+        return {key: expand_env(item, f"{path}.{key}" if path else str(key), source) for key, item in value.items()}
+    if isinstance(value, list):
+        return [expand_env(item, f"{path}[{i}]", source) for i, item in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    missing = [name for name in _ENV_REF.findall(value) if name not in os.environ]
+    if missing:
+        raise ConfigError(f"{source}{path}: {value!r} names the environment variable ${{{missing[0]}}}, which is "
+                          f"not set; set it (export {missing[0]}=...) or write the value out")
+    return _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)

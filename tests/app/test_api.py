@@ -179,11 +179,27 @@ def test_cli_cache_then_sample_with_two_loras(tiny_edit_dir, pairs_dir, tmp_path
     assert np.abs(np.asarray(Image.open(out), dtype=np.float32) - plain).max() > 0
 
 
-def test_example_configs_parse():
+def test_example_configs_parse(tmp_path, monkeypatch):
     from pathlib import Path
 
     import yaml
+    monkeypatch.setenv("WORK", str(tmp_path))  # the toy examples name ${WORK}, the reader's working folder
     for path in sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")):
         if "distributed_type" in yaml.safe_load(path.read_text()):
             continue  # an `accelerate launch --config_file` file (examples/fsdp2.yaml), not a training config
         load_config(path)
+
+
+def test_config_values_read_environment_variables(tmp_path, monkeypatch):
+    """`${NAME}` in a config file's strings is the environment variable NAME; an unset one is refused naming
+    the file and the key; a `$` in any other form stays as written."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {output_dir: '${QWEN_EDIT_TEST_WORK}/run', lora_name: 'a$b'}\n"
+                    "model: {lora: {stack: [{path: '${QWEN_EDIT_TEST_WORK}/l.safetensors'}]}}\n")
+    monkeypatch.delenv("QWEN_EDIT_TEST_WORK", raising=False)
+    with pytest.raises(ConfigError, match=r"c.yaml.*train.output_dir.*QWEN_EDIT_TEST_WORK.*not set"):
+        load_config(path)
+    monkeypatch.setenv("QWEN_EDIT_TEST_WORK", "/data/w")
+    config = load_config(path)
+    assert config.train.output_dir == "/data/w/run" and config.train.lora_name == "a$b"
+    assert config.model.lora.stack[0].path == "/data/w/l.safetensors"

@@ -13,7 +13,7 @@ from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.model.single_file import SingleFileError, load_transformer_file
 
-from conftest import scaled_fp8
+from conftest import TINY_SAMPLER_ROUNDINGS, fp32_atol, scaled_fp8
 
 CPU = torch.device("cpu")
 
@@ -45,8 +45,9 @@ def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_pat
     a = sampler.sample(from_dir, "blue", [image], settings)
     b = sampler.sample(from_file, "blue", [image], settings)
     # The same weights; the file's tensors are read into fresh aligned memory while diffusers maps the folder's
-    # file, and CPU matmul kernels round by the data's alignment: equal to float32 rounding.
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # file, and CPU matmul kernels round by the data's alignment: equal up to float32 rounding along the
+    # sampler's chain of operations, on pictures in [0, 1] (measured: 1.0e-6; the bound is 1.5e-5).
+    torch.testing.assert_close(a, b, rtol=0, atol=fp32_atol(1.0, TINY_SAMPLER_ROUNDINGS))
 
 
 def test_bf16_file_is_exact_and_trainable_after_inference_mode(tiny_edit_dir, tmp_path):

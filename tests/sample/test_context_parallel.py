@@ -62,6 +62,7 @@ def wide_control(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # torchrun: several processes
 def test_two_processes_equal_one_process_with_either_cfg_batching(tiny_edit_dir, wide_control, tmp_path):
     script = tmp_path / "cp.py"
     script.write_text(SCRIPT)
@@ -75,6 +76,7 @@ def test_two_processes_equal_one_process_with_either_cfg_batching(tiny_edit_dir,
         assert np.abs(split - reference).max() < 1e-4, cfg_mode
 
 
+@pytest.mark.slow  # torchrun: several processes
 def test_cfg_split_over_two_groups_of_two_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
     """4 processes: cond on ranks 0-1, uncond on ranks 2-3, each pair splitting its tokens (Ulysses); the
     predictions are swapped once per step. Every rank ends with the image of one process."""
@@ -111,6 +113,7 @@ def test_backend_without_the_collectives_is_refused():
     context_parallel.check_backend("cpu:gloo", "cpu")
 
 
+@pytest.mark.slow  # torchrun: several processes
 def test_cli_at_cfg_1_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
     """CFG 1 (the few-step case, where the two-device CFG split has nothing to split)."""
     common = ["--model", str(tiny_edit_dir), "--image", str(wide_control), "--prompt", PROMPT, "--steps", "3",

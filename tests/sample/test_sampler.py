@@ -12,6 +12,8 @@ from qwen_edit_core.model.components import load_components, replicate
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.common.progress import CancelToken, Cancelled
 
+from conftest import TINY_SAMPLER_ROUNDINGS, fp32_atol
+
 
 @pytest.fixture(scope="module")
 def comps(tiny_edit_dir):
@@ -32,7 +34,9 @@ def test_split_cfg_equals_sequential(comps):
     replica = replicate(comps.transformer, torch.device("cpu"))
     split = sampler.sample(comps, "x", [_image()], sampler.SampleSettings(cfg_mode="split", **SMALL),
                            uncond_transformer=replica)
-    assert torch.allclose(seq, split, atol=1e-6)
+    # the uncond branch runs at batch 1 on its replica instead of beside the cond one: other kernels, so equal
+    # up to float32 rounding along the sampler's chain, on pictures in [0, 1]
+    assert torch.allclose(seq, split, rtol=0, atol=fp32_atol(1.0, TINY_SAMPLER_ROUNDINGS))
 
 
 def test_split_needs_a_replica(comps):

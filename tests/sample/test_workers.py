@@ -30,6 +30,7 @@ def _control() -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))  # 24 image tokens: an uneven split
 
 
+@pytest.mark.slow  # worker processes
 def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
     cond = sampler.build_conditioning(comps, PROMPT, [_control()], SETTINGS)
     reference = sampler.denoise(comps, cond, SETTINGS)
@@ -49,6 +50,7 @@ def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
     assert pool.closed and all(p.returncode == 0 for p in pool.processes)  # stopped cleanly, none left running
 
 
+@pytest.mark.slow  # worker processes
 def test_a_worker_error_closes_the_pool_and_names_the_worker(comps):
     with workers.TransformerPool(comps.transformer, ["cpu", "cpu"]) as pool:
         hidden = torch.zeros(1, 7, 64)

@@ -21,6 +21,8 @@ from qwen_edit_core.sample import sampler
 
 from conftest import train_config
 
+pytestmark = pytest.mark.slow  # inductor compilation (minutes with a cold cache)
+
 COMPILE_LOG = "qwen_edit_core.speed.compile"
 
 

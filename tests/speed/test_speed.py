@@ -171,6 +171,7 @@ def test_model_sizes_reads_the_model():
     assert sizes["block_params"] > 0 and sizes["other_params"] > 0
 
 
+@pytest.mark.slow  # inductor compilation
 def test_compiled_blocks_give_the_same_loss():
     """Compiled blocks (fullgraph) give the eager numbers over repeated training steps with checkpointing and
     a no-grad call: nothing in a block (like a Python-side counter) may force a recompile per call, which
@@ -274,6 +275,7 @@ def test_predict_fp8_stays_close_to_the_full_precision_edit_and_takes_loras_afte
         lora.merge_lora(fast.components.transformer)
 
 
+@pytest.mark.slow  # inductor compilation
 def test_predict_compile_and_attention_kernel_keep_the_edit(tiny_edit_dir):
     """predict.compile (each block compiled) and predict.attention give the plain sampler's edit."""
     expected = _edit(_trainer(tiny_edit_dir))

@@ -45,6 +45,7 @@ def _max_diff(a: Path, b: Path) -> float:
     return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
 
 
+@pytest.mark.slow  # accelerate launch: several processes
 def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_edit_dir, pairs_dir, tmp_path):
     cache = tmp_path / "cache"
     full = _launch(_config(tiny_edit_dir, pairs_dir, tmp_path / "fsdp", cache, 4), tmp_path)
@@ -66,6 +67,7 @@ def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_edit_dir, 
     assert (tmp_path / "resumed" / "validation" / "step-0000004.png").is_file()
 
 
+@pytest.mark.slow  # accelerate launch: several processes
 def test_sharding_plan_splits_frozen_blocks_and_keeps_the_lora_whole(tiny_edit_dir, tmp_path):
     """Every transformer block is an FSDP unit whose frozen weights are sharded (DTensors, half the rows on each
     of 2 processes); the LoRA parameters stay plain, whole tensors."""

@@ -150,6 +150,7 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous(tiny_edit_
     assert not list((out / "checkpoints").glob(".partial-*"))
 
 
+@pytest.mark.slow  # accelerate launch: several processes
 def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tmp_path):
     """`accelerate launch --num_processes 2` on the CPU gives the LoRA of one process with the same global
     batch (2), within 1e-5 (the gradient all-reduce sums in another order), with an fp8 base (its frozen weights
