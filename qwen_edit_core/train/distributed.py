@@ -65,6 +65,14 @@ class Distributed:
             value = self.accelerator.reduce(value.reshape(1), reduction="mean")
         return float(value.reshape(-1)[0])
 
+    def agreed(self, flag: bool) -> bool:
+        """True on every process when `flag` is True on any (one small all-reduce): a stop asked of one process
+        (a signal reaches each at a slightly different point) stops all of them at the same step."""
+        if self.accelerator is None:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
+
     def barrier(self) -> None:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()

@@ -318,8 +318,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             run.position, run.drawn = run.sampler.state_dict(), []
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
-                if cancel is not None:
-                    cancel.check()
+                if cancel is not None and run.dist.agreed(cancel.cancelled):
+                    raise Cancelled("cancelled by request")
                 share = micro_step(run, micro, load_item)
                 total = share if total is None else total + share
             # one host sync per step: a NaN/Inf loss must stop (or skip) the step before the optimizer applies it

@@ -207,7 +207,10 @@ def test_gradient_checkpointing_gives_the_same_training(tiny_edit_dir, pairs_dir
     assert _max_diff(_lora(plain.lora_path), _lora(ckpt_run.lora_path)) < 1e-6
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_path):
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_saves_a_checkpoint_and_exits_128_plus_its_number(tiny_edit_dir, pairs_dir, tmp_path, signame, code):
+    """Ctrl-C (SIGINT) and SIGTERM (docker stop, timeout, Slurm, systemd) both stop `qwen-edit train` at a step
+    boundary with a checkpoint, exit 128 + the signal's number and say how to continue."""
     import re
     import signal
 
@@ -222,18 +225,18 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_p
     qwen_edit = os.path.join(os.path.dirname(sys.executable), "qwen-edit")
     proc = subprocess.Popen([qwen_edit, "train", str(path)], stderr=subprocess.PIPE,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    # Synchronise on the run's own progress output (blocking reads, no polling): SIGINT once step 3 is done.
+    # Synchronise on the run's own progress output (blocking reads, no polling): the signal once step 3 is done.
     seen = ""
     while not any(int(n) >= 3 for n in re.findall(r"(\d+)/100000", seen)):
         chunk = os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
         assert chunk, f"training ended before step 3: {seen[-2000:]}"
         seen += chunk
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     _, rest = proc.communicate(timeout=120)
     err = seen + rest.decode(errors="replace")
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err
+    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err and signame in err
 
 
 def _mixed_pairs(folder, controls=1):
