@@ -79,10 +79,32 @@ def test_nan_lora_to_continue_from_is_refused_before_weights(tiny_edit_dir, pair
 def test_too_little_free_space_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
                                                          no_weights):
     import qwen_edit_core.preflight as preflight
-    monkeypatch.setattr(preflight, "free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 100 << 10)
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
-    with pytest.raises(OutputWriteError, match=r"has 1.0 MiB free; training outputs need about \d+\.\d MiB"):
+    with pytest.raises(OutputWriteError, match=r"has 0.1 MiB free; training outputs need about 0\.\d MiB \(1 "
+                                               r"checkpoint\(s\) of 0\.\d\d MiB at once plus 0\.\d\d MiB of LoRA"):
         QwenImageEditTrainer(config).fit()
+
+
+@pytest.mark.parametrize("lora, train", [({"rank": 4}, {}), ({"rank": 16, "dora": True}, {"ema_decay": 0.9})])
+def test_free_space_estimate_is_what_a_real_run_writes(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch, lora, train):
+    """The space asked for is the trained tensors' bytes plus small allowances: a real run's checkpoint and final
+    files (LoRA, EMA LoRA, loss log and plot) fit in it, and it asks at most 1.5x what they take (the allowances
+    of a tiny LoRA; a real-size one is ~1x). A run with just that much free is not refused."""
+    import qwen_edit_core.preflight as preflight
+    t = {"max_steps": 2, "checkpoint_every": 2, **train}
+    model = {"pretrained_model_name_or_path": str(tiny_edit_dir), "lora": {"alpha": 4.0, "targets": "all", **lora}}
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", model=model, train=t)
+    size = preflight.output_size(config, preflight.trained_tensors(config, tiny_edit_dir))
+    result = QwenImageEditTrainer(config).fit()
+    written = sum(f.stat().st_size for f in (tmp_path / "o" / "checkpoints").rglob("*") if f.is_file())
+    finals = [result.lora_path, result.loss_plot, tmp_path / "o" / "loss.csv"]
+    finals += [result.lora_path.with_name(result.lora_path.stem + "_ema.safetensors")] if train else []
+    final = sum(f.stat().st_size for f in finals)
+    assert size.checkpoints == 1 and written <= size.checkpoint <= 1.5 * written
+    assert written + final <= size.total <= 1.5 * (written + final)
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: int(1.5 * (written + final)))
+    QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "p", model=model, train=t)).check_fit()
 
 
 def test_unwritable_output_dir_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
