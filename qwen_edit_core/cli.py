@@ -137,7 +137,7 @@ def cmd_train(args) -> None:
     overrides = train_overrides(args)
     if args.preview:
         from qwen_edit_core.train.validation import parse_previews
-        overrides.setdefault("train", {})["validation_previews"] = parse_previews("\n".join(args.preview))
+        overrides.setdefault("train", {})["validation_previews"] = parse_previews(args.preview)
     trainer = QwenImageEditTrainer(load_config(args.config, overrides=overrides))
     resume = True if args.resume == "" else args.resume
     cancel = CancelToken()

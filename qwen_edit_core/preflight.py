@@ -2,7 +2,8 @@
 
 Loading the real model takes minutes; a setting that cannot work must fail before that. `training` checks the
 output directory (created, writable, free space for what the run writes: `output_size`), the LoRA to continue from
-(readable, finite, matching the transformer's module names and shapes), the batch against the data; `sampling`
+(readable, finite, matching the transformer's module names and shapes), the validation previews
+(settings, LoRA files), the batch against the data; `sampling`
 checks the LoRA files to apply and the output file's folder. The transformer's module names come from a
 meta-device model built from its config.json (no weights, no memory).
 """
@@ -156,6 +157,9 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
     check_output_dir(out_dir, need, detail=detail)
     if config.model.lora.init_from:
         check_lora_files([config.model.lora.init_from], meta_transformer(model_dir))
+    if config.train.validation_every and config.train.validation_image:
+        from qwen_edit_core.train.validation import previews_from_config
+        previews_from_config(config)  # settings and LoRA files of every preview
 
 
 def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None) -> None:
