@@ -3,7 +3,7 @@
 Loading the real model takes minutes; a setting that cannot work must fail before that. `training` checks the
 output directory (created, writable, free space for what the run writes: `output_size`), the LoRA to continue from
 (readable, finite, matching the transformer's module names and shapes), the validation previews
-(settings, LoRA files), the batch against the data; `sampling`
+(settings, LoRA files), the batch against the data, the process count `accelerate launch` gave; `sampling`
 checks the LoRA files to apply and the output file's folder. The transformer's module names come from a
 meta-device model built from its config.json (no weights, no memory).
 """
@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -146,6 +147,10 @@ def warn_about_data(config: Config, n_examples: int) -> None:
 def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
     """Every training check that needs no weights (see the module docstring)."""
     from qwen_edit_core.train.checkpoint import list_checkpoints
+    from qwen_edit_core.train.distributed import launch_mismatch
+    mismatch = launch_mismatch(os.environ)
+    if mismatch:
+        log.warning(mismatch)
     warn_about_data(config, n_examples)
     out_dir = Path(config.train.output_dir)
     tensors = trained_tensors(config, model_dir)
