@@ -1,12 +1,12 @@
 """Fault soak: faults injected into real training runs on the tiny model, each followed by `--resume`.
 
-`qwen-edit bench soak --rounds N` runs, N times each with a seeded random point: a SIGKILL during caching (inside
-a cache write), during a training step, and inside a checkpoint write; a SIGTERM during a training step (the run
-must stop at the step boundary with a checkpoint and exit 143); the output directory remounted read-only during a
-training step (a real read-only bind mount in a private mount namespace when the soak runs as root with
-`unshare`; otherwise EROFS raised at the write calls, and the table says which); a full disk inside a checkpoint
-write (the kernel's own ENOSPC from /dev/full); a cache entry with flipped bytes; a second run on a busy output
-directory. Kills land inside writes without timing: the child process stops at the injected point, says so
+`qwen-edit bench soak --rounds N` runs, N times each with a seeded random point: a SIGKILL during caching
+(inside a cache write), during a training step, and inside a checkpoint write; a SIGTERM during a training step
+(the run must stop at the step boundary with a checkpoint and exit 143); the run's checkpoints folder remounted
+read-only during a training step (a real read-only bind mount in a private mount namespace when the soak runs as
+root with `unshare`; otherwise EROFS raised at the write calls, and the table says which); a full disk inside a
+checkpoint write (the kernel's own ENOSPC from /dev/full); a cache entry with flipped bytes; a second run on a
+busy output directory. Kills land inside writes without timing: the child process stops at the injected point, says so
 on stdout and waits; the parent then kills it. After each fault the run is finished with resume and its LoRA
 compared to an uninterrupted run. Prints faults injected, runs recovered and the max difference.
 
@@ -129,7 +129,8 @@ def _fault(kind: str, work: Path, name: str, rng: random.Random, reference: dict
     if kind in ("disk-full", "read-only"):  # the child meets the fault alone and ends
         out, _ = proc.communicate(timeout=1800)
         failed = next((line[8:90] for line in out.splitlines() if line.startswith("failed: ")), "no error")
-        how = "real read-only remount" if real_mount else "EROFS injected at the write calls (no mount namespace)"
+        how = ("checkpoints/ remounted read-only (real bind mount)" if real_mount
+               else "EROFS injected at the write calls under checkpoints/ (no mount namespace)")
         note += (f", {how}" if kind == "read-only" else "") + f", exit {proc.returncode}: {failed}"
     elif not _wait_for_point(proc):
         raise RuntimeError(f"soak child for {kind} exited before its injected point")
@@ -208,8 +209,8 @@ def _pause(point: str, stop_at: int, counter: list) -> None:
 
 
 def _read_only(out: Path, real: bool):
-    """Make `out` read-only now: remount its bind mount (`real`, inside the child's mount namespace), or make
-    every write under it raise EROFS (the child's `open` and safetensors' `save_file`)."""
+    """Make folder `out` read-only now: remount its bind mount (`real`, inside the child's mount namespace), or
+    make every write under it raise EROFS (the child's `open` and safetensors' `save_file`)."""
     if real:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(out)], check=True)
         return
@@ -282,10 +283,14 @@ def child(work: Path, name: str, kind: str, stop_at: int) -> int:
     from qwen_edit_core.common.progress import CancelToken, SignalStop
     config = _config(work, name)
     out = Path(config.train.output_dir).resolve()
+    # The checkpoints folder becomes read-only: the output folder itself holds the run's lock file, open for
+    # writing all run long, and the kernel refuses (EBUSY) to remount a mount read-only while a file is open
+    # for writing on it.
+    target = out / "checkpoints"
     if kind == "read-only" and os.environ.get("SOAK_REAL_MOUNT") == "1":  # in a mount namespace of its own
-        out.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "--bind", str(out), str(out)], check=True)
-    _inject(FAULTS[kind], kind, name, stop_at, out, [0])
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(target), str(target)], check=True)
+    _inject(FAULTS[kind], kind, name, stop_at, target, [0])
     cancel = CancelToken()
     try:
         with SignalStop(cancel) as stop:  # as `qwen-edit train` runs
