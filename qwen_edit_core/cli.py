@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -138,18 +139,19 @@ def cmd_train(args) -> None:
     overrides = train_overrides(args)
     if args.preview:
         from qwen_edit_core.train.validation import parse_previews
-        overrides.setdefault("train", {})["validation_previews"] = parse_previews("\n".join(args.preview))
+        overrides.setdefault("train", {})["validation_previews"] = parse_previews(args.preview)
     config = load_config(args.config, overrides=overrides)
     from qwen_edit_core.api import QwenImageEditTrainer
-    from qwen_edit_core.common.progress import CancelToken
+    from qwen_edit_core.common.progress import CancelToken, Interrupted, SignalStop
     trainer = QwenImageEditTrainer(config)
     resume = True if args.resume == "" else args.resume
-    bar = _train_bar()
-    result = trainer.fit(resume=resume, progress=bar, cancel=CancelToken())
+    cancel = CancelToken()
+    with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
+        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path,
              result.loss_plot)
     if result.state == "cancelled":
-        raise KeyboardInterrupt
+        raise Interrupted(stop.received or signal.SIGINT)
 
 
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
@@ -315,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config (model, data, cache sections)")
     p.set_defaults(func=cmd_cache)
 
-    p = _command(sub, "train", help="train a LoRA (Ctrl-C saves a checkpoint and exits)")
+    p = _command(sub, "train", help="train a LoRA (Ctrl-C or SIGTERM saves a checkpoint and exits)")
     p.add_argument("config", help="YAML config")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
@@ -378,9 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
-    except KeyboardInterrupt:
-        log.error("interrupted (a training run saved its checkpoint; continue with --resume)")
-        return 130
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        log.error("%s: stopped (a training run saved its checkpoint; continue with --resume)",
+                  signal.Signals(signum).name)
+        return 128 + signum
     except _user_errors() as err:
         if args.verbose:
             raise

@@ -1,8 +1,9 @@
 """Preflight: what can be checked before any weight loads, checked before any weight loads.
 
 Loading the real model takes minutes; a setting that cannot work must fail before that. `training` checks the
-output directory (created, writable, free space for one checkpoint plus the LoRA), the LoRA to continue from
-(readable, finite, matching the transformer's module names and shapes), the batch against the data; `sampling`
+output directory (created, writable, free space for what the run writes: `output_size`), the LoRA to continue from
+(readable, finite, matching the transformer's module names and shapes), the validation previews
+(settings, LoRA files), the batch against the data, the process count `accelerate launch` gave; `sampling`
 checks the LoRA files to apply and the output file's folder. The transformer's module names come from a
 meta-device model built from its config.json (no weights, no memory).
 """
@@ -10,20 +11,31 @@ meta-device model built from its config.json (no weights, no memory).
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from qwen_edit_core.common.files import OutputWriteError, free_bytes, temporary_name, writing
-from qwen_edit_core.config import Config
+from qwen_edit_core.config import Config, to_dict
 
 log = logging.getLogger(__name__)
 
-#: bytes per trainable LoRA parameter written by one checkpoint plus the final LoRA: adapter (fp32), the
-#: checkpoint's LoRA file (fp32), AdamW's two moments (fp32), the final LoRA file (fp32)
-BYTES_PER_PARAMETER = 4 + 4 + 8 + 4
-#: slack for state.json, rng.pt, the loss log and plot
-SLACK_BYTES = 4 << 20
+#: Allowances over the tensors' own bytes, measured on the tiny model's checkpoints (48 LoRA tensors): safetensors
+#: headers 119-130 B per key, torch.save 150 B per tensor, rng.pt 19.7 KB, state.json 3 KB, loss.png 14 KB; each
+#: rounded up by about a quarter
+HEADER_BYTES_PER_KEY = 160
+TORCH_BYTES_PER_TENSOR = 256
+RNG_FILE_BYTES = 24 << 10
+STATE_SLACK_BYTES = 1 << 10
+#: safetensors metadata of a LoRA file beside its targets list (format, type, rank, alpha, identity, steps)
+LORA_METADATA_BYTES = 4 << 10
+#: loss.png (a plot of a fixed size) and loss.csv's rows
+PLOT_BYTES = 64 << 10
+CSV_BYTES_PER_STEP = 32
 #: more epochs than this is almost surely a mistake in max_steps (or a tiny dataset)
 SENSIBLE_EPOCHS = 1000
 
@@ -40,17 +52,57 @@ def meta_transformer(model_dir: Path | None):
             QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
 
 
-def lora_parameters(transformer, targets: Sequence[str], rank: int) -> int:
-    """Trainable parameters of a rank-`rank` LoRA on the `targets` of `transformer` (a meta model is enough)."""
+@dataclass(frozen=True)
+class OutputSize:
+    """Bytes a run writes: one checkpoint, how many exist at once at most, and the files written at the end."""
+
+    checkpoint: int
+    checkpoints: int
+    final: int
+
+    @property
+    def total(self) -> int:
+        return self.checkpoint * self.checkpoints + self.final
+
+
+def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...]] | None:
+    """{name: shape} of the adapter `model.lora` trains, injected by peft into a meta-device transformer (the
+    real tensors' shapes for every adapter kind: LoRA, DoRA, LoKr, LoHa; no weights, no memory); None when the
+    model directory has no transformer config."""
     from qwen_edit_core.adapters import lora
-    modules = lora.adaptable_modules(transformer)
-    return sum(rank * (modules[n].in_features + modules[n].out_features)
-               for n in lora._matching_modules(transformer, targets))
+    from qwen_edit_core.train.run import lora_spec
+    meta = meta_transformer(model_dir)
+    if meta is None:
+        return None
+    lora.inject_lora(meta, lora_spec(config))
+    return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}
 
 
-def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training outputs") -> None:
+def output_size(config: Config, tensors: dict[str, tuple[int, ...]], existing: int = 0) -> OutputSize:
+    """What a run writes, from the trained tensors (trained in float32): a checkpoint holds them as the adapter,
+    as the LoRA file, the optimizer's moments (AdamW: 2 x float32; 8-bit AdamW: 2 bytes for tensors of 4096
+    elements or more), the EMA with train.ema_decay, the RNG states and state.json; up to keep_checkpoints + 1
+    exist at once (the new one is written before the oldest is pruned), less the `existing` ones; at the end the
+    LoRA (and its EMA twin), the loss log and plot. Validation images are not counted."""
+    t = config.train
+    sizes = [math.prod(shape) for shape in tensors.values()]
+    data, keys = 4 * sum(sizes), len(sizes)
+    moments = sum(2 * n if config.optimizer.type == "adamw8bit" and n >= 4096 else 8 * n for n in sizes)
+    # the LoRA file: the tensors, an alpha per layer (counted per tensor), their keys, the metadata
+    lora_file = data + keys * (4 + 2 * HEADER_BYTES_PER_KEY) + LORA_METADATA_BYTES + len(str(config.model.lora))
+    state_json = len(json.dumps(to_dict(config), indent=1)) + STATE_SLACK_BYTES
+    ema = data + keys * HEADER_BYTES_PER_KEY if t.ema_decay else 0
+    checkpoint = (data + keys * HEADER_BYTES_PER_KEY) + lora_file + moments + 3 * keys * TORCH_BYTES_PER_TENSOR \
+        + RNG_FILE_BYTES + state_json + ema
+    saves = (t.max_steps // t.checkpoint_every + bool(t.max_steps % t.checkpoint_every)) if t.checkpoint_every else 1
+    at_once = saves if t.keep_checkpoints <= 0 else min(t.keep_checkpoints + 1, saves)
+    final = lora_file * (2 if t.ema_decay else 1) + PLOT_BYTES + CSV_BYTES_PER_STEP * t.max_steps
+    return OutputSize(checkpoint, max(1, at_once - existing), final)
+
+
+def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training outputs", detail: str = "") -> None:
     """Create `out_dir` and write a probe file there; OutputWriteError when it cannot be written or has less
-    than `need_bytes` free."""
+    than `need_bytes` free (`detail` says what they are)."""
     out_dir = Path(out_dir)
     with writing(out_dir, what):
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,8 +114,8 @@ def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training o
     free = free_bytes(out_dir)
     if free is not None and free < need_bytes:
         raise OutputWriteError(errno.ENOSPC, f"output directory {str(out_dir)!r} has {free / 2**20:.1f} MiB free; "
-                                             f"{what} need about {need_bytes / 2**20:.1f} MiB (one checkpoint "
-                                             "plus the LoRA); free some space or choose another output directory")
+                                             f"{what} need about {need_bytes / 2**20:.1f} MiB{detail}; free some "
+                                             "space or choose another output directory")
 
 
 def check_lora_files(paths: Sequence[str | Path], transformer) -> None:
@@ -94,16 +146,25 @@ def warn_about_data(config: Config, n_examples: int) -> None:
 
 def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
     """Every training check that needs no weights (see the module docstring)."""
-    from qwen_edit_core.adapters import lora
+    from qwen_edit_core.train.checkpoint import list_checkpoints
+    from qwen_edit_core.train.distributed import launch_mismatch
+    mismatch = launch_mismatch(os.environ)
+    if mismatch:
+        log.warning(mismatch)
     warn_about_data(config, n_examples)
-    meta = meta_transformer(model_dir)
-    need = SLACK_BYTES
-    if meta is not None:
-        spec = config.model.lora
-        need += BYTES_PER_PARAMETER * lora_parameters(meta, lora.resolve_targets(spec.targets), spec.rank)
-    check_output_dir(Path(config.train.output_dir), need)
+    out_dir = Path(config.train.output_dir)
+    tensors = trained_tensors(config, model_dir)
+    need, detail = 0, ""
+    if tensors is not None:
+        size = output_size(config, tensors, existing=len(list_checkpoints(out_dir / "checkpoints")))
+        need, detail = size.total, (f" ({size.checkpoints} checkpoint(s) of {size.checkpoint / 2**20:.2f} MiB at "
+                                    f"once plus {size.final / 2**20:.2f} MiB of LoRA and logs)")
+    check_output_dir(out_dir, need, detail=detail)
     if config.model.lora.init_from:
-        check_lora_files([config.model.lora.init_from], meta)
+        check_lora_files([config.model.lora.init_from], meta_transformer(model_dir))
+    if config.train.validation_every and config.train.validation_image:
+        from qwen_edit_core.train.validation import previews_from_config
+        previews_from_config(config)  # settings and LoRA files of every preview
 
 
 def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None) -> None:

@@ -1,9 +1,12 @@
 """Fault soak: faults injected into real training runs on the tiny model, each followed by `--resume`.
 
-`qwen-edit bench soak --rounds N` runs, N times each with a seeded random point: a SIGKILL during caching (inside
-a cache write), during a training step, and inside a checkpoint write; a full disk inside a checkpoint write
-(the kernel's own ENOSPC from /dev/full); a cache entry with flipped bytes; a second run on a busy output
-directory. Kills land inside writes without timing: the child process stops at the injected point, says so
+`qwen-edit bench soak --rounds N` runs, N times each with a seeded random point: a SIGKILL during caching
+(inside a cache write), during a training step, and inside a checkpoint write; a SIGTERM during a training step
+(the run must stop at the step boundary with a checkpoint and exit 143); the run's checkpoints folder remounted
+read-only during a training step (a real read-only bind mount in a private mount namespace when the soak runs as
+root with `unshare`; otherwise EROFS raised at the write calls, and the table says which); a full disk inside a
+checkpoint write (the kernel's own ENOSPC from /dev/full); a cache entry with flipped bytes; a second run on a
+busy output directory. Kills land inside writes without timing: the child process stops at the injected point, says so
 on stdout and waits; the parent then kills it. After each fault the run is finished with resume and its LoRA
 compared to an uninterrupted run. Prints faults injected, runs recovered and the max difference.
 
@@ -13,9 +16,12 @@ library for anyone else.
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +33,10 @@ log = logging.getLogger(__name__)
 
 #: fault kind -> injected point the child stops at (None: no child process)
 FAULTS = {"kill-cache": "cache-write", "kill-step": "train-step", "kill-checkpoint": "checkpoint-write",
-          "disk-full": None, "corrupt-cache": None, "second-run": "train-step"}
+          "sigterm-step": "train-step", "read-only": "train-step", "disk-full": "disk-full", "corrupt-cache": None,
+          "second-run": "train-step"}
+#: the first injected point of each kind drawn from 1..N (N: the points a 6-step run with checkpoints every 2 has)
+LAST_POINT = {"cache-write": 3, "train-step": 5, "checkpoint-write": 2, "disk-full": 2}
 
 
 @dataclass
@@ -68,10 +77,26 @@ def _finish(config) -> Path:
     return QwenImageEditTrainer(config).fit(resume=True if has else None).lora_path
 
 
-def _child(work: Path, name: str, point: str, stop_at: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "qwen_edit_core.bench.soak", str(work), name, point,
+def _child(work: Path, name: str, kind: str, stop_at: int, namespace: bool = False) -> subprocess.Popen:
+    """The faulty run in a child process (in a mount namespace of its own with `namespace`)."""
+    prefix = ["unshare", "--mount", "--propagation", "private"] if namespace else []
+    return subprocess.Popen([*prefix, sys.executable, "-m", "qwen_edit_core.bench.soak", str(work), name, kind,
                              str(stop_at)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            text=True, env={**os.environ, "SOAK_REAL_MOUNT": "1" if namespace else "0"})
+
+
+@functools.lru_cache(maxsize=1)
+def can_remount() -> bool:
+    """Whether a real read-only remount works here: a bind mount remounted read-only inside a private mount
+    namespace (`unshare`, as root), tried on a scratch folder."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = (f"mount --bind {tmp} {tmp} && mount -o remount,bind,ro {tmp} && "
+                 f"! touch {tmp}/probe 2>/dev/null")
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", probe],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return done.returncode == 0
 
 
 def _wait_for_point(proc: subprocess.Popen) -> bool:
@@ -96,14 +121,17 @@ def _fault(kind: str, work: Path, name: str, rng: random.Random, reference: dict
         data[len(data) - 1 - rng.randrange(64)] ^= 0x20
         entry.write_bytes(bytes(data))
         return _diff(_lora(_finish(config)), reference), "entry recomputed"
-    point = FAULTS[kind] if kind != "disk-full" else "disk-full"
-    stop_at = {"cache-write": rng.randint(1, 3), "train-step": rng.randint(1, 5),
-               "checkpoint-write": rng.randint(1, 2), "disk-full": rng.randint(1, 2)}[point]
-    proc = _child(work, name, point, stop_at)
+    point = FAULTS[kind]
+    stop_at = rng.randint(1, LAST_POINT[point])
+    real_mount = kind == "read-only" and can_remount()
+    proc = _child(work, name, kind, stop_at, namespace=real_mount)
     note = f"{point} #{stop_at}"
-    if point == "disk-full":
-        proc.wait(timeout=1800)
-        note += f", exit {proc.returncode}"
+    if kind in ("disk-full", "read-only"):  # the child meets the fault alone and ends
+        out, _ = proc.communicate(timeout=1800)
+        failed = next((line[8:90] for line in out.splitlines() if line.startswith("failed: ")), "no error")
+        how = ("checkpoints/ remounted read-only (real bind mount)" if real_mount
+               else "EROFS injected at the write calls under checkpoints/ (no mount namespace)")
+        note += (f", {how}" if kind == "read-only" else "") + f", exit {proc.returncode}: {failed}"
     elif not _wait_for_point(proc):
         raise RuntimeError(f"soak child for {kind} exited before its injected point")
     elif kind == "second-run":
@@ -112,14 +140,31 @@ def _fault(kind: str, work: Path, name: str, rng: random.Random, reference: dict
             raise RuntimeError("a second run on a busy output directory was not refused")
         except OutputDirBusyError:
             note += ", second run refused"
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        proc.wait(timeout=1800)
+        _release(proc)
         return _diff(_lora(Path(config.train.output_dir) / "lora.safetensors"), reference), note
+    elif kind == "sigterm-step":
+        proc.send_signal(signal.SIGTERM)  # while the child waits inside the step: it ends the step, then stops
+        _release(proc)
+        note += f", exit {proc.returncode}, {_checkpoints(config)}"
+        if proc.returncode != 128 + signal.SIGTERM:
+            return float("inf"), note
     else:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     return _diff(_lora(_finish(config)), reference), note
+
+
+def _release(proc: subprocess.Popen) -> None:
+    """Let a child paused at its injected point go on, and wait for it to end."""
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=1800)
+
+
+def _checkpoints(config) -> str:
+    from qwen_edit_core.train.checkpoint import list_checkpoints
+    steps = [c.step for c in list_checkpoints(Path(config.train.output_dir) / "checkpoints")]
+    return f"checkpoints at steps {steps}"
 
 
 def soak(rounds: int = 1, faults: tuple[str, ...] = tuple(FAULTS), seed: int = 0,
@@ -163,14 +208,37 @@ def _pause(point: str, stop_at: int, counter: list) -> None:
         sys.stdin.readline()
 
 
-def child(work: Path, name: str, point: str, stop_at: int) -> None:
-    """The faulty run: train `name` and stop at the `stop_at`-th `point` (or fill the disk there)."""
+def _read_only(out: Path, real: bool):
+    """Make folder `out` read-only now: remount its bind mount (`real`, inside the child's mount namespace), or
+    make every write under it raise EROFS (the child's `open` and safetensors' `save_file`)."""
+    if real:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(out)], check=True)
+        return
+    import builtins
+
+    import safetensors.torch as st
+    real_open, real_save = builtins.open, st.save_file
+
+    def refuse(path, mode="r"):
+        if str(out) in os.path.abspath(str(path)) and any(m in mode for m in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system (injected)", str(path))
+
+    def guarded_open(file, mode="r", *a, **k):
+        refuse(file, mode) if isinstance(file, (str, os.PathLike)) else None
+        return real_open(file, mode, *a, **k)
+
+    def guarded_save(tensors, path, metadata=None):
+        refuse(path, "w")
+        return real_save(tensors, path, metadata=metadata)
+    builtins.open, st.save_file = guarded_open, guarded_save
+
+
+def _inject(point: str, kind: str, name: str, stop_at: int, out: Path, counter: list) -> None:
+    """Patch this (child) process so the run stops (or meets its fault) at the `stop_at`-th `point`."""
     import safetensors.torch as st
 
     import qwen_edit_core.train.checkpoint as ckpt
     import qwen_edit_core.train.loop as loop
-    from qwen_edit_core.api import QwenImageEditTrainer
-    counter = [0]
     if point == "cache-write":
         real_save = st.save_file
 
@@ -183,7 +251,12 @@ def child(work: Path, name: str, point: str, stop_at: int) -> None:
         real_step = loop.optimizer_step
 
         def optimizer_step(run):
-            _pause(point, stop_at, counter)
+            if kind == "read-only":
+                counter[0] += 1
+                if counter[0] == stop_at:
+                    _read_only(out, real=os.environ.get("SOAK_REAL_MOUNT") == "1")
+            else:
+                _pause(point, stop_at, counter)
             real_step(run)
         loop.optimizer_step = optimizer_step
     elif point in ("checkpoint-write", "disk-full"):
@@ -201,8 +274,32 @@ def child(work: Path, name: str, point: str, stop_at: int) -> None:
                 return _pause(point, stop_at, counter)  # the optimizer file is written, the checkpoint is not
             return real_torch_save(obj, fh, *a, **k)
         ckpt.torch.save = torch_save
-    QwenImageEditTrainer(_config(work, name)).fit()
+
+
+def child(work: Path, name: str, kind: str, stop_at: int) -> int:
+    """The faulty run: train `name` and meet fault `kind` at its `stop_at`-th point; the exit status (a run that
+    fails prints `failed: <error>` on stdout)."""
+    from qwen_edit_core.api import QwenImageEditTrainer
+    from qwen_edit_core.common.progress import CancelToken, SignalStop
+    config = _config(work, name)
+    out = Path(config.train.output_dir).resolve()
+    # The checkpoints folder becomes read-only: the output folder itself holds the run's lock file, open for
+    # writing all run long, and the kernel refuses (EBUSY) to remount a mount read-only while a file is open
+    # for writing on it.
+    target = out / "checkpoints"
+    if kind == "read-only" and os.environ.get("SOAK_REAL_MOUNT") == "1":  # in a mount namespace of its own
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(target), str(target)], check=True)
+    _inject(FAULTS[kind], kind, name, stop_at, target, [0])
+    cancel = CancelToken()
+    try:
+        with SignalStop(cancel) as stop:  # as `qwen-edit train` runs
+            result = QwenImageEditTrainer(config).fit(progress=stop.progress(), cancel=cancel)
+    except Exception as err:  # noqa: BLE001 (the parent reports it)
+        print(f"failed: {type(err).__name__}: {err}", flush=True)
+        return 2
+    return 128 + stop.received if result.state == "cancelled" else 0
 
 
 if __name__ == "__main__":
-    child(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    sys.exit(child(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])))

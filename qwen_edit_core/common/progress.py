@@ -1,15 +1,21 @@
 """Progress and cancellation between the core and whoever drives it (CLI, ComfyUI nodes, tests).
 
 The core reports through a plain callable and checks a `CancelToken` between steps; it never imports a UI.
+`SignalStop` turns SIGINT and SIGTERM (what `docker stop`, `timeout`, Slurm and systemd send) into a cancel
+for a command-line run.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Cancelled(RuntimeError):
@@ -46,3 +52,58 @@ class CancelToken:
     def check(self) -> None:
         if self._event.is_set():
             raise Cancelled("cancelled by request")
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by signal `signum`; a command exits with 128 + signum (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+class SignalStop:
+    """Context manager: SIGINT and SIGTERM stop a run with a checkpoint instead of killing it.
+
+    Before the training loop runs (loading, caching) a signal raises `Interrupted` at once: nothing is lost.
+    Once `progress` has seen a "train" event, the first signal only cancels `token`: the loop stops at its next
+    step boundary and saves a checkpoint there, so no signal lands inside an optimizer step or a checkpoint
+    write (resume is exact). A second signal raises `Interrupted` at once. `received` is the first signal's
+    number (None if none came). The previous handlers are restored on exit; signal handlers can only be set in
+    the main thread, so elsewhere this does nothing."""
+
+    def __init__(self, token: CancelToken, signals=(signal.SIGINT, signal.SIGTERM)):
+        self.token, self.signals = token, tuple(signals)
+        self.received: int | None = None
+        self.training = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def progress(self, forward: ProgressFn | None = None) -> ProgressFn:
+        """A progress function that notes when training started, then calls `forward`."""
+        def update(event: Progress) -> None:
+            if event.stage == "train":
+                self.training = True
+            if forward is not None:
+                forward(event)
+        return update
+
+    def _handle(self, signum, frame) -> None:
+        first = self.received is None
+        if first:
+            self.received = int(signum)
+        if first and self.training:
+            log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
+                        signal.Signals(signum).name)
+            self.token.cancel()
+            return
+        raise Interrupted(signum)

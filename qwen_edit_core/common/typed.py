@@ -36,14 +36,18 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _coerce(value, option, path)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{path}: {value!r} is not one of {options}")
+            except ConfigError as err:
+                errors.append(err)
+        if len(errors) == 1:  # `X | None`: X's own message ("expected a finite number, got nan")
+            raise errors[0]
+        names = ", ".join("null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options)
+        raise ConfigError(f"{path}: {value!r} is not one of: {names}")
     if hint is tuple or origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")

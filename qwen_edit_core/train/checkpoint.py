@@ -39,32 +39,49 @@ class Checkpoint:
     state: dict
 
 
-def rng_state() -> dict:
-    """Every RNG the loop may touch (peft dropout uses torch's global RNG)."""
+def cuda_index(device: torch.device | str | None) -> int | None:
+    """The CUDA device whose generator a run on `device` draws from (LoRA dropout runs on the transformer's
+    device), or None for a non-CUDA device. A bare "cuda" means the current device."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def rng_state(device: torch.device | str | None = None) -> dict:
+    """Every RNG the loop may touch: torch's CPU generator (peft dropout on the CPU), Python's, numpy's and the
+    generator of the training `device` when it is a GPU (dropout there). Only that device's generator:
+    `get_rng_state_all` would create a CUDA context on every visible GPU from every process, and the current
+    device need not be the training one (a run on cuda:1)."""
     np_state = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": repr(random.getstate()),
              "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
              "numpy_meta": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
              "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # The current device's generator only: `get_rng_state_all` would create a CUDA context on every
-        # visible GPU from every process (each rank uses its own GPU).
-        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    index = cuda_index(device)
+    if index is not None:
+        state["cuda"] = torch.cuda.get_rng_state(index)
+        state["cuda_index"] = torch.tensor([index])
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device | str | None = None) -> None:
+    """Restore `rng_state`'s generators; the saved GPU generator goes to this run's training `device` (which
+    may be another index than the saving run's)."""
     torch.set_rng_state(state["torch"])
     import ast
     random.setstate(_tuplify(ast.literal_eval(state["python"])))
     meta = state["numpy_meta"].tolist()
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1],
                          float(state["numpy_gauss"][0])))
-    if "cuda" in state and torch.cuda.is_available():
+    index = cuda_index(device)
+    if "cuda" in state and index is not None:
         cuda = state["cuda"]
         if cuda.dim() == 2:  # written by earlier versions: one row per visible GPU
-            cuda = cuda[min(torch.cuda.current_device(), cuda.shape[0] - 1)]
-        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
+            cuda = cuda[min(index, cuda.shape[0] - 1)]
+        torch.cuda.set_rng_state(cuda, index)
 
 
 def _tuplify(value):
@@ -72,10 +89,12 @@ def _tuplify(value):
 
 
 def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], optimizer: dict, state: dict,
-                    write_lora, ema: dict[str, torch.Tensor] | None = None) -> Path:
+                    write_lora, ema: dict[str, torch.Tensor] | None = None,
+                    device: torch.device | str | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically; `write_lora(path)` writes the user-facing LoRA file;
-    `ema` (the LoRA's moving average by parameter name) goes to `ema.safetensors`. A full disk, read-only
-    folder or denied permission raises OutputWriteError naming what survived."""
+    `ema` (the LoRA's moving average by parameter name) goes to `ema.safetensors`; the RNG states include the
+    training `device`'s generator. A full disk, read-only folder or denied permission raises OutputWriteError
+    naming what survived."""
     final = root / f"step-{step:07d}"
     with writing(final, f"checkpoint step {step}", _survivor(root)):
         root.mkdir(parents=True, exist_ok=True)
@@ -88,7 +107,7 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
                 save_safetensors(ema, tmp / EMA_FILE)
             write_lora(tmp / "lora.safetensors")
             _torch_save(optimizer, tmp / "optimizer.pt")
-            _torch_save(rng_state(), tmp / "rng.pt")
+            _torch_save(rng_state(device), tmp / "rng.pt")
             (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "format": CHECKPOINT_FORMAT}, indent=1))
             _fsync_dir(tmp)
             if final.exists():

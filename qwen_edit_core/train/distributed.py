@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 
@@ -30,6 +31,22 @@ def ddp_kwargs() -> list:
     return [DistributedDataParallelKwargs(broadcast_buffers=False), InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)]
 
 
+def launch_mismatch(env: Mapping[str, str]) -> str | None:
+    """What is wrong when `accelerate launch` was asked for several processes and started one (None if nothing).
+
+    accelerate's plain launcher (used with `--cpu`, or when it finds no GPU and is not given `--multi_gpu`)
+    runs the script once whatever `--num_processes` says; it still exports MASTER_ADDR/MASTER_PORT for a
+    process count above 1 (accelerate 1.15 `prepare_simple_launcher_cmd_env`), but no WORLD_SIZE: every
+    multi-process launcher (torchrun underneath `--multi_gpu` and FSDP configs) sets WORLD_SIZE."""
+    launched = "ACCELERATE_MIXED_PRECISION" in env  # exported by every accelerate launcher
+    if not launched or "WORLD_SIZE" in env or "MASTER_ADDR" not in env:
+        return None
+    return ("`accelerate launch` was asked for several processes (it set MASTER_ADDR) but started only this one "
+            "(no WORLD_SIZE): its plain launcher, used with --cpu or when no GPU is found, runs one process. On the "
+            "CPU start them with `accelerate launch --multi_gpu --num_processes N` (torchrun underneath; with "
+            "train.device cpu each process trains on the CPU); on GPUs drop --cpu. This run trains as one process.")
+
+
 class Distributed:
     """Multi-process plumbing: a no-op in one process; under `accelerate launch`, DDP, or FSDP2 when the
     accelerate config asks for it (the frozen base sharded, the LoRA whole: `train.sharding`)."""
@@ -43,6 +60,8 @@ class Distributed:
         self.rank = self.accelerator.process_index if self.accelerator else 0
         self.is_main = self.rank == 0
         self.fsdp = self.accelerator is not None and sharding.is_fsdp()
+        if self.world > 1 and self.is_main:
+            log.info("training on %d processes (%s)", self.world, "FSDP2" if self.fsdp else "data parallel")
 
     def wrap(self, model):
         if self.fsdp:
@@ -64,6 +83,14 @@ class Distributed:
         if self.accelerator is not None:
             value = self.accelerator.reduce(value.reshape(1), reduction="mean")
         return float(value.reshape(-1)[0])
+
+    def agreed(self, flag: bool) -> bool:
+        """True on every process when `flag` is True on any (one small all-reduce): a stop asked of one process
+        (a signal reaches each at a slightly different point) stops all of them at the same step."""
+        if self.accelerator is None:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
 
     def barrier(self) -> None:
         if self.accelerator is not None:

@@ -148,7 +148,7 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
     if t.ema_decay:
         run.ema = LoraEma(params, t.ema_decay)
     if resume is not None:
-        run.step = run.last_saved = _restore(resume, params, optimizer, run.lr_scheduler, run.sampler, run.ema)
+        run.step = run.last_saved = _restore(resume, run)
         log.info("resumed from %s at step %d", resume, run.step)
     if dist.is_main:
         run.losslog = LossLog(out_dir, tensorboard=config.logging.tensorboard, start_step=run.step)
@@ -242,7 +242,7 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
                                     "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
                              write_lora=lambda path: write_lora(path, at),
-                             ema=run.ema.state_dict() if run.ema is not None else None)
+                             ema=run.ema.state_dict() if run.ema is not None else None, device=run.device)
         ckpt.prune(root, run.config.train.keep_checkpoints)
     run.last_saved = at
     run.dist.barrier()
@@ -318,8 +318,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             run.position, run.drawn = run.sampler.state_dict(), []
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
-                if cancel is not None:
-                    cancel.check()
+                if cancel is not None and run.dist.agreed(cancel.cancelled):
+                    raise Cancelled("cancelled by request")
                 share = micro_step(run, micro, load_item)
                 total = share if total is None else total + share
             # one host sync per step: a NaN/Inf loss must stop (or skip) the step before the optimizer applies it
@@ -343,7 +343,9 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     return result
 
 
-def _restore(path: Path, params, optimizer, lr_scheduler, sampler, ema: LoraEma | None) -> int:
+def _restore(path: Path, run: RunState) -> int:
+    """Load checkpoint `path` into the run's LoRA, optimizer, schedule, batch order, EMA and RNGs; its step."""
+    params, optimizer, lr_scheduler, sampler, ema = run.params, run.optimizer, run.lr_scheduler, run.sampler, run.ema
     checkpoint, adapter, optimizer_state, rng = ckpt.read_checkpoint(path)
     missing = sorted(set(params) - set(adapter))
     if missing:
@@ -357,7 +359,7 @@ def _restore(path: Path, params, optimizer, lr_scheduler, sampler, ema: LoraEma 
     sampler.load_state_dict(checkpoint.state["sampler"])
     if ema is not None:
         ema.load_state_dict(ckpt.read_ema(path, params))
-    ckpt.set_rng_state(rng)
+    ckpt.set_rng_state(rng, run.device)
     return checkpoint.step
 
 

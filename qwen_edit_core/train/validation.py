@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -62,69 +64,140 @@ class Preview:
 
 def previews_from_config(config) -> list[Preview]:
     """The previews of `train.validation_previews` (empty: one with `predict.schedule`); steps and CFG not
-    given are the schedule's (lightning: 4 and 1.0), else train.validation_steps and predict.true_cfg_scale."""
+    given are the schedule's (lightning: 4 and 1.0), else train.validation_steps and predict.true_cfg_scale.
+    Every problem of every preview (a setting out of range, a LoRA file missing) is reported at once."""
     items = config.train.validation_previews or (ValidationPreview(schedule=config.predict.schedule,
                                                                    shift=config.predict.shift),)
-    previews = []
-    for item in items:
+    previews, problems = [], []
+    for number, item in enumerate(items, 1):
+        where = f"train.validation_previews[{number - 1}]"
         steps, cfg = schedules.steps_and_cfg(item.schedule, item.steps, item.cfg, config.train.validation_steps,
                                              config.predict.true_cfg_scale)
         settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=EMPTY_PROMPT,
                                           seed=config.train.seed, schedule=item.schedule, shift=item.shift)
-        settings.validate()
+        try:
+            settings.validate()
+        except ValueError as err:
+            problems.append(f"{where}: {err}")
         loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)
-        for path, _ in loras:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"train.validation_previews: LoRA file {path!r} does not exist")
+        problems += [f"{where}: LoRA file {path!r} does not exist" for path, _ in loras if not Path(path).is_file()]
         previews.append(Preview(item.label or f"{item.schedule} {steps} steps", settings, loras))
+    if problems:
+        raise ValueError(_problems("validation previews", problems))
     return previews
+
+
+def _problems(what: str, problems: list[str]) -> str:
+    return f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
 
 
 def parse_lora_lines(text: str, resolve=Path) -> list[dict]:
     """`FILE[:STRENGTH]` per line (or comma-separated) -> [{path, strength}] for model.lora.stack; `resolve`
-    turns a name into a path (e.g. a name in ComfyUI's loras folder)."""
-    items = []
+    turns a name into a path (e.g. a name in ComfyUI's loras folder). A strength that is not a number is an
+    error (all of them at once), not part of a file name."""
+    items, problems = [], []
     for part in (p.strip() for line in text.splitlines() for p in line.split(",")):
-        if not part:
-            continue
-        name, _, strength = part.rpartition(":") if _has_strength(part) else (part, "", "")
-        items.append({"path": str(resolve(name.strip())), "strength": float(strength) if strength else 1.0})
+        if part:
+            item, problem = _lora_item(part, resolve, check_file=False)
+            items += [item] if item else []
+            problems += [problem] if problem else []
+    if problems:
+        raise ValueError(_problems("LoRA list", problems))
     return items
 
 
-def _has_strength(part: str) -> bool:
-    head, sep, tail = part.rpartition(":")
+def _lora_item(spec: str, resolve, check_file: bool = True) -> tuple[dict | None, str | None]:
+    """`FILE[:STRENGTH]` -> ({path, strength}, None) or (None, what is wrong). An existing file's whole name wins
+    (a name may hold ':'); otherwise the text after the last ':' must be a finite number."""
+    name, strength = spec, 1.0
+    if ":" in spec and not _exists(spec, resolve):
+        head, _, tail = spec.rpartition(":")
+        try:
+            strength = float(tail)
+        except ValueError:
+            strength = None
+        if strength is None or not math.isfinite(strength) or not head:
+            return None, (f"lora {spec!r}: {tail!r} after the last ':' is not a strength (a finite number) and no "
+                          f"file is called {spec!r}; write FILE or FILE:STRENGTH, e.g. FILE:0.8")
+        name = head.strip()
     try:
-        float(tail)
-    except ValueError:
+        path = resolve(name)
+    except (OSError, ValueError) as err:  # ComfyUI's folder lookup raises for an unknown name
+        return None, f"lora {name!r}: {err}"
+    if check_file and not Path(path).is_file():
+        return None, f"lora {name!r}: no such file ({str(path)!r}); give a LoRA file's path or name"
+    return {"path": str(path), "strength": strength}, None
+
+
+def _exists(name: str, resolve) -> bool:
+    try:
+        return Path(resolve(name)).is_file()
+    except (OSError, ValueError):
         return False
-    return bool(sep and head)
 
 
-def parse_previews(text: str, resolve=Path) -> list[dict]:
-    """One preview per line, `SCHEDULE [steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]]... [label=TEXT]`
-    (e.g. `lightning steps=4 lora=Qwen-Image-Edit-Lightning-4steps.safetensors`) -> dicts for
-    train.validation_previews; LoRA names go through `resolve`."""
-    previews = []
-    for number, line in enumerate(text.splitlines(), 1):
-        words = line.split()
-        if not words:
-            continue
-        schedules.check_schedule(words[0])
-        item: dict = {"schedule": words[0], "loras": []}
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in ("steps", "cfg", "shift", "lora", "label"):
-                raise ValueError(f"validation previews line {number} {line!r}: {word!r} is not key=value with a "
-                                 "key among steps, cfg, shift, lora, label")
-            if key == "lora":
-                item["loras"] += parse_lora_lines(value, resolve)
-            elif key == "label":
-                item["label"] = value.replace("_", " ")
-            else:
-                item[key] = int(value) if key == "steps" else float(value)
+#: key -> (parse the value or raise ValueError, what is accepted)
+PREVIEW_KEYS = {
+    "steps": (lambda v: _checked(int(v), lambda x: x >= 1), "a whole number >= 1"),
+    "cfg": (lambda v: _checked(float(v), lambda x: math.isfinite(x) and x >= 0), "a finite number >= 0 (<= 1: no CFG)"),
+    "shift": (lambda v: _checked(float(v), lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
+    "label": (lambda v: _checked(v.replace("_", " "), bool), "a non-empty text (_ for spaces)"),
+}
+
+
+def _checked(value, ok):
+    if not ok(value):
+        raise ValueError(value)
+    return value
+
+
+def parse_previews(text: str | Sequence[str], resolve=Path) -> list[dict]:
+    """Previews `SCHEDULE [steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]]... [label=TEXT]` (e.g. `lightning
+    steps=4 lora=Qwen-Image-Edit-Lightning-4steps.safetensors`) -> dicts for train.validation_previews. A string
+    holds one per line (blank lines skipped: a text box); a list holds one per item (the CLI's --preview: an empty
+    one is an error). LoRA names go through `resolve` and must be files. Every problem of every preview (a
+    schedule or key not accepted, a value out of range, a key given twice, a strength that is not a number, a
+    missing file) is reported at once, naming the preview, the key and what is accepted, in one ValueError."""
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if isinstance(text, str) \
+        else list(enumerate(text, 1))
+    previews, problems = [], []
+    for number, line in lines:
+        item, found = _parse_preview(line, resolve)
         previews.append(item)
+        problems += [f"preview {number} {line!r}: {problem}" for problem in found]
+    if problems:
+        raise ValueError(_problems("validation previews", problems))
     return previews
+
+
+def _parse_preview(line: str, resolve) -> tuple[dict, list[str]]:
+    """One preview's dict and its problems."""
+    words, problems = line.split(), []
+    accepted = f"accepted: {', '.join(schedules.SCHEDULES)}"
+    if not words:
+        return {}, [f"empty; give SCHEDULE [key=value]... ({accepted})"]
+    if words[0] not in schedules.SCHEDULES:
+        problems.append(f"the first word {words[0]!r} is not a schedule; {accepted}")
+    item: dict = {"schedule": words[0], "loras": []}
+    seen: dict[str, str] = {}
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if not sep or key not in (*PREVIEW_KEYS, "lora"):
+            problems.append(f"{word!r} is not key=value with a key among {', '.join((*PREVIEW_KEYS, 'lora'))}")
+        elif key == "lora":
+            lora, problem = _lora_item(value, resolve) if value else (None, "lora= names no file")
+            item["loras"] += [lora] if lora else []
+            problems += [problem] if problem else []
+        elif key in seen:
+            problems.append(f"{key} is given twice ({key}={seen[key]} and {word}); give each key once")
+        else:
+            seen[key] = value
+            parse, what = PREVIEW_KEYS[key]
+            try:
+                item[key] = parse(value)
+            except ValueError:
+                problems.append(f"{key} {value!r} is not {what}")
+    return item, problems
 
 
 class Validator:

@@ -79,10 +79,76 @@ def test_nan_lora_to_continue_from_is_refused_before_weights(tiny_edit_dir, pair
 def test_too_little_free_space_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
                                                          no_weights):
     import qwen_edit_core.preflight as preflight
-    monkeypatch.setattr(preflight, "free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 100 << 10)
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
-    with pytest.raises(OutputWriteError, match=r"has 1.0 MiB free; training outputs need about \d+\.\d MiB"):
+    with pytest.raises(OutputWriteError, match=r"has 0.1 MiB free; training outputs need about 0\.\d MiB \(1 "
+                                               r"checkpoint\(s\) of 0\.\d\d MiB at once plus 0\.\d\d MiB of LoRA"):
         QwenImageEditTrainer(config).fit()
+
+
+@pytest.mark.parametrize("lora, train", [({"rank": 4}, {}), ({"rank": 16, "dora": True}, {"ema_decay": 0.9})])
+def test_free_space_estimate_is_what_a_real_run_writes(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch, lora, train):
+    """The space asked for is the trained tensors' bytes plus small allowances: a real run's checkpoint and final
+    files (LoRA, EMA LoRA, loss log and plot) fit in it, and it asks at most 1.5x what they take (the allowances
+    of a tiny LoRA; a real-size one is ~1x). A run with just that much free is not refused."""
+    import qwen_edit_core.preflight as preflight
+    t = {"max_steps": 2, "checkpoint_every": 2, **train}
+    model = {"pretrained_model_name_or_path": str(tiny_edit_dir), "lora": {"alpha": 4.0, "targets": "all", **lora}}
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", model=model, train=t)
+    size = preflight.output_size(config, preflight.trained_tensors(config, tiny_edit_dir))
+    result = QwenImageEditTrainer(config).fit()
+    written = sum(f.stat().st_size for f in (tmp_path / "o" / "checkpoints").rglob("*") if f.is_file())
+    finals = [result.lora_path, result.loss_plot, tmp_path / "o" / "loss.csv"]
+    finals += [result.lora_path.with_name(result.lora_path.stem + "_ema.safetensors")] if train else []
+    final = sum(f.stat().st_size for f in finals)
+    assert size.checkpoints == 1 and written <= size.checkpoint <= 1.5 * written
+    assert written + final <= size.total <= 1.5 * (written + final)
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: int(1.5 * (written + final)))
+    QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "p", model=model, train=t)).check_fit()
+
+
+def test_preview_strings_report_every_problem_by_key(tmp_path):
+    """Every problem of every --preview string at once, each naming the preview, the key and what is accepted:
+    no Python error text, no type reprs, a strength that is not a number is not taken for part of a file name,
+    a key given twice and an empty preview are errors, a missing LoRA file is named."""
+    from qwen_edit_core.train.validation import parse_previews
+    lora = tmp_path / "l.safetensors"
+    lora.write_bytes(b"")
+    with pytest.raises(ValueError) as err:
+        parse_previews(["diffusers steps=abc", "diffusers cfg=nan steps=-2", f"lightning lora={lora}:abc",
+                        "comfyui steps=3 steps=5", "", f"lightning lora={tmp_path / 'gone.safetensors'}:0.5",
+                        "fast shift=0"])
+    text = str(err.value)
+    for expected in ("preview 1 'diffusers steps=abc': steps 'abc' is not a whole number >= 1",
+                     "preview 2 'diffusers cfg=nan steps=-2': cfg 'nan' is not a finite number >= 0",
+                     "preview 2 'diffusers cfg=nan steps=-2': steps '-2' is not a whole number >= 1",
+                     "'abc' after the last ':' is not a strength (a finite number)",
+                     "steps is given twice (steps=3 and steps=5)", "preview 5 '': empty",
+                     f"lora '{tmp_path / 'gone.safetensors'}': no such file",
+                     "the first word 'fast' is not a schedule; accepted: diffusers, comfyui, lightning",
+                     "shift '0' is not a finite number > 0"):
+        assert expected in text, text
+    assert "invalid literal" not in text and "<class" not in text and "9 problem(s)" in text
+    assert parse_previews([f"lightning steps=4 lora={lora}:0.5 label=fast_one"]) == [
+        {"schedule": "lightning", "steps": 4, "loras": [{"path": str(lora), "strength": 0.5}], "label": "fast one"}]
+    assert len(parse_previews("diffusers\n\nlightning")) == 2  # a text box: blank lines are no previews
+
+
+def test_cli_preview_problems_come_before_any_weight_loads(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
+    cfg = _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache", validation_every=1,
+                   validation_image=str(pairs_dir / "p0_control.png"), validation_prompt="x")
+    path = _yaml(tmp_path, cfg)
+    assert main(["train", str(path), "--preview", "lightning lora=missing.safetensors"]) == 2
+    assert "lora 'missing.safetensors': no such file" in capsys.readouterr().err
+    assert main(["train", str(path), "--preview", ""]) == 2
+    assert "preview 1 '': empty" in capsys.readouterr().err
+    # the same from the config file: every preview checked in the preflight, before the encoders load
+    cfg["train"]["validation_previews"] = [{"schedule": "lightning", "loras": [{"path": "missing.safetensors"}]},
+                                           {"schedule": "diffusers", "steps": 0}]
+    assert main(["train", str(_yaml(tmp_path, cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "validation_previews[0]: LoRA file 'missing.safetensors' does not exist" in err
+    assert "validation_previews[1]: num_inference_steps must be >= 1" in err
 
 
 def test_unwritable_output_dir_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,

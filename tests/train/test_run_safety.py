@@ -23,7 +23,9 @@ def test_per_sample_seeds_never_collide():
     assert sample_generator(7, 3, 1, 2).initial_seed() == sample_generator(7, 3, 1, 2).initial_seed()
 
 
-def test_checkpoint_rng_state_reads_only_the_current_cuda_device(monkeypatch):
+def test_checkpoint_rng_state_is_the_training_devices_generator(monkeypatch):
+    """A run on cuda:1 saves and restores cuda:1's generator (LoRA dropout draws there), not the current
+    device's (cuda:0), and never every GPU's; a resume on another GPU restores it onto that GPU."""
     from qwen_edit_core.train import checkpoint
     calls = []
     fake = torch.arange(16, dtype=torch.uint8)
@@ -33,19 +35,43 @@ def test_checkpoint_rng_state_reads_only_the_current_cuda_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", everywhere)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: everywhere())
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": calls.append(("get", device)) or fake)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append(("set", device, state)))
-    state = checkpoint.rng_state()
-    assert torch.equal(state["cuda"], fake)
-    checkpoint.set_rng_state(state)
-    assert calls[0] == ("get", 3) and calls[1][:2] == ("set", 3) and torch.equal(calls[1][2], fake)
-    # A checkpoint of an earlier version (one row per visible GPU) restores this device's row.
+    state = checkpoint.rng_state(torch.device("cuda:1"))
+    assert calls == [("get", 1)] and torch.equal(state["cuda"], fake)
+    checkpoint.set_rng_state(state, "cuda:1")
+    assert calls[1][:2] == ("set", 1) and torch.equal(calls[1][2], fake)
+    checkpoint.set_rng_state(state, "cuda:2")  # resumed on another GPU: the saved generator goes there
+    assert calls[2][:2] == ("set", 2)
     calls.clear()
-    checkpoint.set_rng_state({**state, "cuda": torch.stack([fake * 0, fake + 1, fake + 2, fake + 3])})
-    assert torch.equal(calls[0][2], fake + 3)
+    assert checkpoint.rng_state("cuda")["cuda_index"].item() == 0 and calls == [("get", 0)]  # bare: current one
+    calls.clear()
+    assert "cuda" not in checkpoint.rng_state("cpu") and calls == []  # a CPU run touches no GPU
+    # A checkpoint of an earlier version (one row per visible GPU) restores the training device's row.
+    checkpoint.set_rng_state({**state, "cuda": torch.stack([fake * 0, fake + 1, fake + 2, fake + 3])}, "cuda:3")
+    assert calls[0][1] == 3 and torch.equal(calls[0][2], fake + 3)
+
+
+def test_checkpoint_saves_the_generator_of_the_runs_device(tmp_path, monkeypatch):
+    """The loop hands its training device to the checkpoint writer (which GPU's generator is saved)."""
+    from qwen_edit_core.train import checkpoint
+    asked = []
+    monkeypatch.setattr(checkpoint, "rng_state", lambda device=None: asked.append(device) or {})
+    checkpoint.save_checkpoint(tmp_path, 1, adapter={"a": torch.zeros(1)}, optimizer={}, state={},
+                               write_lora=lambda path: path.write_bytes(b""), device=torch.device("cuda:1"))
+    assert asked == [torch.device("cuda:1")]
+
+
+def test_a_run_checkpoints_its_training_devices_generator(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch):
+    from qwen_edit_core import QwenImageEditTrainer
+    from qwen_edit_core.train import checkpoint
+    real, asked = checkpoint.rng_state, []
+    monkeypatch.setattr(checkpoint, "rng_state", lambda device=None: asked.append(device) or real(device))
+    QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 1})).fit()
+    assert asked == [torch.device("cpu")]
 
 
 class _ZeroModel(torch.nn.Module):

@@ -152,9 +152,9 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous(tiny_edit_
 
 @pytest.mark.slow  # accelerate launch: several processes
 def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tmp_path):
-    """`accelerate launch --num_processes 2` on the CPU gives the LoRA of one process with the same global
-    batch (2), within 1e-5 (the gradient all-reduce sums in another order), with an fp8 base (its frozen weights
-    are buffers, which DDP must not broadcast)."""
+    """`accelerate launch --multi_gpu --num_processes 2` on the CPU (two processes: `--cpu` would start one)
+    gives the LoRA of one process with the same global batch (2), within 1e-5 (the gradient all-reduce sums in
+    another order), with an fp8 base (its frozen weights are buffers, which DDP must not broadcast)."""
     import yaml
     cfg = {"model": {"pretrained_model_name_or_path": str(tiny_edit_dir),
                      "lora": {"rank": 4, "alpha": 4.0, "targets": "all"}},
@@ -166,14 +166,44 @@ def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tm
     path.write_text(yaml.safe_dump(cfg))
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([accelerate, "launch", "--num_processes", "2", "--num_machines", "1", "--cpu",
+    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qwen_edit_core.cli",
                            "train", str(path)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training on 2 processes (data parallel)" in proc.stderr, proc.stderr[-3000:]
     single = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "one",
                                                cache_dir=tmp_path / "cache",
                                                train={"max_steps": 3, "fp8_base": True})).fit()
     assert _max_diff(_lora(single.lora_path), _lora(tmp_path / "ddp" / "lora.safetensors")) < 1e-5
+
+
+def test_a_multi_process_launch_that_started_one_process_says_so(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
+                                                                 caplog):
+    """`accelerate launch --num_processes 2 --cpu` runs the script once: the process sees the launcher's
+    variables of a multi-process launch and no WORLD_SIZE, and the run warns before any weight loads, naming
+    the launch that works on the CPU."""
+    import logging
+    from qwen_edit_core.train.distributed import launch_mismatch
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    script = tmp_path / "env.py"
+    script.write_text("import json, os; print(json.dumps(dict(os.environ)))")
+    runs = {}
+    for flags in (["--cpu"], ["--multi_gpu"]):
+        proc = subprocess.run([accelerate, "launch", *flags, "--num_processes", "2", "--num_machines", "1",
+                               "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[flags[0]] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs["--cpu"]) == 1 and len(runs["--multi_gpu"]) == 2  # what accelerate really starts
+    assert "--multi_gpu --num_processes N" in launch_mismatch(runs["--cpu"][0])
+    assert all(launch_mismatch(env) is None for env in runs["--multi_gpu"])
+    assert launch_mismatch({}) is None  # not launched by accelerate
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key in ("ACCELERATE_MIXED_PRECISION", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, runs["--cpu"][0][key])
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
+        QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")).check_fit()
+    assert "started only this one" in caplog.text
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -208,7 +238,10 @@ def test_gradient_checkpointing_gives_the_same_training(tiny_edit_dir, pairs_dir
     assert _max_diff(_lora(plain.lora_path), _lora(ckpt_run.lora_path)) < 1e-6
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_path):
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_saves_a_checkpoint_and_exits_128_plus_its_number(tiny_edit_dir, pairs_dir, tmp_path, signame, code):
+    """Ctrl-C (SIGINT) and SIGTERM (docker stop, timeout, Slurm, systemd) both stop `qwen-edit train` at a step
+    boundary with a checkpoint, exit 128 + the signal's number and say how to continue."""
     import re
     import signal
 
@@ -223,18 +256,18 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_edit_dir, pairs_dir, tmp_p
     qwen_edit = os.path.join(os.path.dirname(sys.executable), "qwen-edit")
     proc = subprocess.Popen([qwen_edit, "train", str(path)], stderr=subprocess.PIPE,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    # Synchronise on the run's own progress output (blocking reads, no polling): SIGINT once step 3 is done.
+    # Synchronise on the run's own progress output (blocking reads, no polling): the signal once step 3 is done.
     seen = ""
     while not any(int(n) >= 3 for n in re.findall(r"(\d+)/100000", seen)):
         chunk = os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
         assert chunk, f"training ended before step 3: {seen[-2000:]}"
         seen += chunk
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     _, rest = proc.communicate(timeout=120)
     err = seen + rest.decode(errors="replace")
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err
+    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err and signame in err
 
 
 def _mixed_pairs(folder, controls=1):
