@@ -15,6 +15,7 @@ in-process in one namespace per block. Left out, each for a stated reason:
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shlex
@@ -161,3 +162,23 @@ def test_help_shows_defaults(capsys, command, shown):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     assert shown in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_readme_run_is_the_demo_run(tmp_path, monkeypatch):
+    """examples/tiny_train.yaml (the README's training) trains as `qwen-edit demo` does, so the README's picture
+    after training is the demo's: same LoRA, batch, steps, optimizer, schedule and number of pairs."""
+    from qwen_edit_core import demo
+    from qwen_edit_core.config import load_config
+
+    monkeypatch.setenv("WORK", str(tmp_path))
+    readme = load_config(ROOT / "examples" / "tiny_train.yaml")
+    ours = demo._config(tmp_path / "toy", tmp_path / "pairs", tmp_path / "demo", readme.train.max_steps)
+    for section, keys in (("model", ("lora",)), ("data", ("batch_size", "vae_area")),
+                          ("train", ("max_steps", "seed")), ("optimizer", ("type", "lr", "weight_decay")),
+                          ("lr_scheduler", ("type", "warmup_steps"))):
+        for key in keys:
+            assert getattr(getattr(readme, section), key) == getattr(getattr(ours, section), key), f"{section}.{key}"
+    assert readme.train.max_steps == inspect.signature(demo.run_demo).parameters["steps"].default
+    pairs = [args for language, code, _ in blocks(ROOT / "README.md") if language == "bash"
+             for args in shell_commands(code) if args[:2] == [PREFIX, "pairs"]]
+    assert pairs and pairs[0][pairs[0].index("--count") + 1] == str(demo.N_TRAIN)

@@ -1,0 +1,53 @@
+"""README's picture of the first workflow (`--only first_workflow`): ComfyUI's own frontend in headless Chromium
+opens workflows/qwen_edit_train_then_sample.json as shipped, queues it, waits until the edited picture is
+shown (the LoRA trained, the Training Status node's live view holding its loss curve),
+and saves the page as `first_workflow.png` in --out (copy it to docs/first_workflow.png)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from browser import Browser
+from comfy import PACK, ComfyServer, poll
+
+log = logging.getLogger("comfy_test")
+FIRST_WORKFLOW = PACK / "workflows" / "qwen_edit_train_then_sample.json"
+
+#: load the workflow, fit every node on the page (room below for the live view), hide the minimap, queue it
+LOAD_FIT_QUEUE = """(async () => {
+  await app.loadGraphData(%s, true, false, null, {showMissingNodesDialog: false, showMissingModelsDialog: false});
+  try { await app.extensionManager.setting.set('Comfy.Minimap.Visible', false); } catch (e) { /* older frontends: no minimap setting */ }
+  const nodes = app.graph._nodes, x0 = Math.min(...nodes.map(n => n.pos[0])) - 30;
+  const y0 = Math.min(...nodes.map(n => n.pos[1])) - 60;
+  const x1 = Math.max(...nodes.map(n => n.pos[0] + n.size[0])) + 30;
+  const y1 = Math.max(...nodes.map(n => n.pos[1] + n.size[1])) + 30;
+  const el = app.canvas.canvas, scale = Math.min(1, (el.clientWidth - 120) / (x1 - x0), (el.clientHeight - 60) / (y1 - y0));
+  app.canvas.ds.scale = scale; app.canvas.ds.offset = [90 / scale - x0, 50 / scale - y0];
+  app.graph.setDirtyCanvas(true, true);
+  await app.queuePrompt(0);
+  return true;
+})()"""
+SHOWN = """(() => { const save = app.graph._nodes.find(n => n.type === 'SaveImage');
+  const out = save && app.nodeOutputs && app.nodeOutputs[String(save.id)];
+  const live = [...document.querySelectorAll('.qwen-edit-live')];
+  return !!(((save && save.imgs && save.imgs.length) || (out && out.images && out.images.length))
+            && live.some(e => +e.dataset.points >= 2)); })()"""
+
+
+def first_workflow_shot(args) -> list[str]:
+    with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
+        browser = Browser(args.chromium, size=(1600, 900))
+        try:
+            server.post("/settings/Comfy.TutorialCompleted", True)  # no first-run template dialog
+            browser.open_comfy(server.url)
+            browser.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
+            browser.evaluate(LOAD_FIT_QUEUE % json.dumps(json.loads(FIRST_WORKFLOW.read_text())))
+            poll(lambda: browser._safe(SHOWN), 1200, "the edited picture and the loss curve", every=2)
+            browser.evaluate("app.graph.setDirtyCanvas(true, true); new Promise(r => setTimeout(() => r(true), 3000))")
+            shot = Path(args.out) / "first_workflow.png"
+            browser.screenshot(shot)
+        finally:
+            browser.close()
+    return [f"{FIRST_WORKFLOW.name} ran in the frontend; screenshot {shot}"]
