@@ -29,11 +29,13 @@ LOAD_FIT_QUEUE = """(async () => {
   await app.queuePrompt(0);
   return true;
 })()"""
-SHOWN = """(() => { const save = app.graph._nodes.find(n => n.type === 'SaveImage');
-  const out = save && app.nodeOutputs && app.nodeOutputs[String(save.id)];
-  const live = [...document.querySelectorAll('.qwen-edit-live')];
-  return !!(((save && save.imgs && save.imgs.length) || (out && out.images && out.images.length))
-            && live.some(e => +e.dataset.points >= 2)); })()"""
+LIVE = "[...document.querySelectorAll('.qwen-edit-live')].some(e => +e.dataset.points >= 2)"
+
+
+def _finished(server: ComfyServer) -> bool:
+    """The queued prompt ran to the end (ComfyUI's /history holds it with a success status)."""
+    history = server.get("/history")
+    return any(item.get("status", {}).get("status_str") == "success" for item in history.values())
 
 
 def first_workflow_shot(args) -> list[str]:
@@ -44,8 +46,9 @@ def first_workflow_shot(args) -> list[str]:
             browser.open_comfy(server.url)
             browser.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
             browser.evaluate(LOAD_FIT_QUEUE % json.dumps(json.loads(FIRST_WORKFLOW.read_text())))
-            poll(lambda: browser._safe(SHOWN), 1200, "the edited picture and the loss curve", every=2)
-            browser.evaluate("app.graph.setDirtyCanvas(true, true); new Promise(r => setTimeout(() => r(true), 3000))")
+            poll(lambda: _finished(server), 1800, "the workflow to finish", every=2)
+            poll(lambda: browser._safe(LIVE), 60, "the loss curve on the page")
+            browser.evaluate("app.graph.setDirtyCanvas(true, true); new Promise(r => setTimeout(() => r(true), 5000))")
             shot = Path(args.out) / "first_workflow.png"
             browser.screenshot(shot)
         finally:
