@@ -188,6 +188,24 @@ def test_memory_planner_picks_the_fastest_settings_that_fit():
         perf.plan_for_budget(2, **REAL)
 
 
+def test_memory_planner_counts_one_shard_of_the_frozen_weights_per_fsdp_process():
+    """Under FSDP2 over N processes each holds 1/N of the frozen weights plus the two blocks and the root's own
+    weights gathered in flight; only checkpointing is planned (fp8 and offload are refused under FSDP)."""
+    args = dict(fp8=False, n_checkpointed=-1, n_offloaded=0, **REAL)
+    whole = perf.estimate_memory(**args).weights
+    assert whole == REAL_WEIGHTS
+    gathered = (2 * REAL["block_params"] + REAL["other_params"]) * 2
+    for n in (2, 4, 8):
+        assert perf.estimate_memory(shards=n, **args).weights == pytest.approx(whole / n + gathered * (1 - 1 / n),
+                                                                               abs=1)
+    alone = perf.plan_for_budget(24, **REAL)
+    assert alone.fp8 and alone.offload_blocks > 0  # one process: 41 GiB of bf16 weights do not fit in 24
+    sharded = perf.plan_for_budget(24, shards=4, **REAL)
+    assert not sharded.fp8 and sharded.offload_blocks == 0 and sharded.estimate.total <= 24 * 2**30
+    with pytest.raises(ValueError, match="too small for FSDP over 2 processes.*add processes"):
+        perf.plan_for_budget(16, shards=2, **REAL)
+
+
 def test_model_sizes_reads_the_model():
     sizes = perf.model_sizes(_model())
     assert sizes["n_blocks"] == 4 and sizes["dim"] == 32 and sizes["trainable_params"] > 0
