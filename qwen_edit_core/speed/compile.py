@@ -20,6 +20,12 @@ compiler or Triton, a backend error) and the same call succeeds eagerly, every b
 runs eagerly from then on and one warning names the reason; the run goes on. If the eager call fails too,
 the error is the input's, and it is raised.
 
+Under FSDP2 (`hooks_outside=True`) only the block's own forward is compiled, set as the block's `forward`:
+FSDP2 puts its all-gather and reshard in forward hooks on each block, and marks them `torch._dynamo.disable`
+(torch/distributed/fsdp/_fully_shard/_fsdp_common.py `_dynamo_disable`), so a compiled call with the hooks
+inside fails under `fullgraph` (measured: every block fell back to eager). With the forward alone compiled,
+the hooks run eagerly around the same graph.
+
 diffusers' `compile_repeated_blocks` (regional compile by class name) is not used: it compiles every block
 of the class, so it cannot leave offloaded blocks eager (their forward hooks move weights in and out of the
 device on each call, which a compiled graph must not capture), and it offers no place for the eager
@@ -57,7 +63,8 @@ class CompileStats:
     def active(self) -> bool:
         """Whether the blocks are compiled now (not fallen back; a deep copy of the transformer drops compiled
         calls, as `nn.Module` pickling does)."""
-        return self.fallback is None and any(m._compiled_call_impl is not None for m in self._modules)
+        return self.fallback is None and any(m._compiled_call_impl is not None or "forward" in vars(m)
+                                             for m in self._modules)
 
     def summary(self) -> str:
         if self.fallback is not None:
@@ -74,6 +81,11 @@ def _call_block(block, *args, **kwargs):
     """What is compiled: one call of a block (module hooks and forward); the block is an input, so one graph
     serves every block of the same structure."""
     return block._call_impl(*args, **kwargs)
+
+
+def _call_forward(block, *args, **kwargs):
+    """What is compiled when other wrappers' hooks must stay outside: the block's own forward."""
+    return type(block).forward(block, *args, **kwargs)
 
 
 def _graph_count() -> int:
@@ -98,8 +110,8 @@ class _CompiledBlock:
     """A block's compiled call (set as the block's `_compiled_call_impl`, as `nn.Module.compile` does): counts
     the graphs it compiles and falls back to eager when compiling fails (see the module doc)."""
 
-    def __init__(self, compiled, block, stats: CompileStats):
-        self.compiled, self.block, self.stats = compiled, block, stats
+    def __init__(self, compiled, block, stats: CompileStats, eager):
+        self.compiled, self.block, self.stats, self.eager = compiled, block, stats, eager
 
     def __call__(self, *args, **kwargs):
         before = _graph_count()
@@ -107,7 +119,7 @@ class _CompiledBlock:
         try:
             out = self.compiled(self.block, *args, **kwargs)
         except _compile_errors() as err:  # not others: checkpointing stops its recompute with an exception
-            out = self.block._call_impl(*args, **kwargs)  # raises the input's own error if eager fails too
+            out = self.eager(self.block, *args, **kwargs)  # raises the input's own error if eager fails too
             _fall_back(self.stats, err)
             return out
         new = _graph_count() - before
@@ -144,27 +156,35 @@ def _fall_back(stats: CompileStats, err: Exception) -> None:
     stats.fallback = _reason(err)
     for block in stats._modules:
         block._compiled_call_impl = None
+        vars(block).pop("forward", None)
     log.warning("torch.compile failed on a transformer block (%s); the transformer's %d compiled blocks run "
                 "eagerly from now on (same numbers, slower)", stats.fallback, stats.blocks)
 
 
 def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = None,
-                   backend="inductor") -> int:
+                   backend="inductor", hooks_outside: bool = False) -> int:
     """Compile each transformer block (not the whole model: 60 identical blocks share one graph per input
     signature, ~30 s each), `fullgraph` with dynamic sequence lengths, falling back to eager on failure.
 
     `skip`: block indices left eager (offloaded blocks, whose forward hooks move weights). `mode`: torch.compile's
-    mode ("reduce-overhead" adds CUDA graphs). `backend`: torch.compile's backend. Returns the count compiled;
+    mode ("reduce-overhead" adds CUDA graphs). `backend`: torch.compile's backend. `hooks_outside`: compile only
+    each block's forward, so module hooks added later (FSDP2's) run eagerly around it. Returns the count compiled;
     `compile_stats(transformer)` counts the graphs.
     """
     skipped = set(skip)
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in _compile_parameters() else {}
-    compiled = torch.compile(_call_block, fullgraph=True, dynamic=True, mode=mode, backend=backend, **limit)
+    eager = _call_forward if hooks_outside else _call_block
+    compiled = torch.compile(eager, fullgraph=True, dynamic=True, mode=mode, backend=backend, **limit)
     stats = CompileStats()
     for i, block in enumerate(transformer.transformer_blocks):
-        if i not in skipped:
-            block._compiled_call_impl = _CompiledBlock(compiled, block, stats)
-            stats._modules.append(block)
+        if i in skipped:
+            continue
+        call = _CompiledBlock(compiled, block, stats, eager)
+        if hooks_outside:
+            block.forward = call  # an instance attribute: nn.Module's call runs the hooks
+        else:
+            block._compiled_call_impl = call
+        stats._modules.append(block)
     stats.blocks = len(stats._modules)
     transformer._qwen_edit_compile = stats
     return stats.blocks

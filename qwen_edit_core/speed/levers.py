@@ -27,22 +27,28 @@ class Levers:
     compiled: int
 
 
-def configure_training(transformer, train, device: torch.device, tokens: int) -> Levers:
+def configure_training(transformer, train, device: torch.device, tokens: int, shards: int = 1) -> Levers:
     """Apply `train.{memory_budget_gb, fp8_base, fp8_backward, gradient_checkpointing, checkpoint_blocks,
     offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence
-    of a step."""
+    of a step. `shards` > 1: the frozen base will be sharded over that many processes (FSDP2): the planner
+    counts each process's share, blocks compile without the hooks FSDP2 adds, and an fp8 base or offloaded
+    blocks are refused (train.sharding says why)."""
     device = torch.device(device)
     fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
         train.offload_blocks
     budget = train.memory_budget_gb or (auto_budget_gb(transformer, device) if train.memory_budget_auto else 0.0)
     if budget > 0:
-        plan = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, **model_sizes(transformer))
+        plan = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards,
+                               **model_sizes(transformer))
         fp8, ckpt, n_off = plan.fp8, plan.checkpoint_blocks, plan.offload_blocks
         log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,
                  "all" if ckpt < 0 else ckpt, n_off, plan.estimate.total / 2**30)
+    if shards > 1 and (fp8 or n_off or has_fp8(transformer)):
+        raise ValueError(f"FSDP cannot shard {'offloaded blocks' if n_off else 'an fp8 base'}: turn "
+                         f"{'train.offload_blocks' if n_off else 'train.fp8_base'} off")
     return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile,
-                  fp8_backward=train.fp8_backward)
+                  fp8_backward=train.fp8_backward, hooks_outside=shards > 1)
 
 
 def auto_budget_gb(transformer, device: torch.device) -> float:
@@ -110,7 +116,8 @@ def _fp8_works(transformer, device) -> bool:
 
 
 def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
-           compile: bool, compile_mode: str | None = None, fp8_backward: bool = False) -> Levers:
+           compile: bool, compile_mode: str | None = None, fp8_backward: bool = False,
+           hooks_outside: bool = False) -> Levers:
     n_blocks = len(transformer.transformer_blocks)
     if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
         raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
@@ -136,7 +143,8 @@ def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offl
         transformer._qwen_edit_offloader = None
     if offloaded:
         transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, offloaded, device)
-    compiled = compile_blocks(transformer, skip=offloaded, mode=compile_mode) if compile else 0
+    compiled = compile_blocks(transformer, skip=offloaded, mode=compile_mode, hooks_outside=hooks_outside) \
+        if compile else 0
     levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=tuple(offloaded),
                     compiled=compiled)
     log.info("transformer levers: fp8 base %s, %d/%d blocks checkpointed, %d offloaded, %d compiled",

@@ -13,6 +13,22 @@ Why not diffusers' `enable_group_offload(onload_device, offload_type="block_leve
   optimizer state stay on the device.
 - It offloads every block of the list (grouped `num_blocks_per_group` at a time); the planner offloads a
   chosen subset, spread out (`offload_indices`), so each copy overlaps the compute of resident blocks.
+
+When a block's device copies leave: a forward post-hook is not enough. Non-reentrant checkpointing stops the
+recompute of a block in the backward pass as soon as the last tensor it saves is recomputed (torch raises an
+internal error to end it), so the post-hook never runs for a recompute, and every offloaded block would end the
+step with its weights on the device. Neither are the block's backward hooks (`register_full_backward_hook`, the
+block swapper of musubi-tuner): they fire when the gradients of the block's inputs are ready, and for a block
+whose inputs need no gradient (the first block's come from the frozen input projections) they fire at the start
+of its backward, before its weights are last used. So the offloader does not try to detect the last use; it
+only drops its own references, and lets autograd free each copy after its last use:
+- the device copies are new Parameter objects (never `.data` swapped into the old ones), so a tensor autograd
+  saved during a recompute stays valid after the module lets go of it, and is freed when its backward node ran;
+- a block's references are dropped after its forward call (post-hook), when another block starts (pre-hook:
+  blocks run one at a time, so the previous one is done, its recompute included), and at the end of every
+  backward pass (a callback queued on the autograd engine, `Variable._execution_engine.queue_callback`, as
+  FSDP2 queues its post-backward work in torch/distributed/fsdp/_fully_shard/_fsdp_state.py), which ends the
+  last recompute of the step. After a step no offloaded weight is on the device (tests/speed/test_offload.py).
 """
 
 from __future__ import annotations
@@ -39,6 +55,11 @@ class BlockOffloader:
         self.slots: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
         self.ready: dict[int, tuple[list[torch.Tensor], object]] = {}
         self.last, self.forward_dir = None, True
+        self.live: set[int] = set()  # blocks whose device copies are set on their modules now
+        self.queued_for = None  # the backward pass (graph task) whose end releases every block
+        #: block calls whose copy was not prefetched (copied when the block started): the first offloaded block of
+        #: a forward pass and the first recompute of a backward pass; any more means a wrong prefetch guess
+        self.unprefetched = 0
         self.handles = []
         for i in self.indices:
             self.slots[i] = self._take(blocks[i])
@@ -60,10 +81,33 @@ class BlockOffloader:
 
     @staticmethod
     def _set(module, name, is_param, value):
+        """Point the module at `value`: a new Parameter, never the old one's data swapped (autograd may still
+        hold the old one as a saved tensor)."""
         if is_param:
-            module._parameters[name].data = value
+            module._parameters[name] = nn.Parameter(value, requires_grad=False)
         else:
             module._buffers[name] = value
+
+    def _release(self, i: int) -> None:
+        """Drop the module's references to block i's device copies; autograd keeps what a backward still
+        needs and frees it after its last use."""
+        for owner, name, is_param, host in self.slots[i]:
+            self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
+        self.live.discard(i)
+
+    def _release_all(self) -> None:
+        """End of a backward pass: no block runs any more, so no device copy stays (nor any prefetch)."""
+        for i in list(self.live):
+            self._release(i)
+        self.ready.clear()
+        self.queued_for = None
+
+    def _release_after_backward(self) -> None:
+        """Inside a backward pass (a checkpointed block's recompute), release every block when it ends."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and self.queued_for != task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._release_all)
+            self.queued_for = task
 
     def _fetch(self, i: int) -> None:
         if i in self.ready or i not in self.slots:
@@ -95,6 +139,10 @@ class BlockOffloader:
             if not torch.is_grad_enabled():
                 self.forward_dir = True
             self.last = i
+            for j in self.live - {i}:  # blocks run one at a time: the previous one is done
+                self._release(j)
+            self._release_after_backward()
+            self.unprefetched += i not in self.ready
             self._fetch(i)
             tensors, event = self.ready.pop(i)
             if self.cuda:
@@ -104,6 +152,7 @@ class BlockOffloader:
                     t.record_stream(current)  # freed copies must not be reused before compute is done
             for (owner, name, is_param, _), t in zip(self.slots[i], tensors):
                 self._set(owner, name, is_param, t)
+            self.live.add(i)
             nxt = self._next(i)
             if nxt is not None and nxt != i:
                 self._fetch(nxt)
@@ -111,9 +160,7 @@ class BlockOffloader:
 
     def _make_post(self, i: int):
         def post(module, args, output):
-            # Drop the references: autograd keeps what the backward pass still needs.
-            for owner, name, is_param, host in self.slots[i]:
-                self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
+            self._release(i)  # runs after a forward call, never after a recompute (see the module doc)
             return output
         return post
 
@@ -124,7 +171,7 @@ class BlockOffloader:
         for i, slots in self.slots.items():
             for owner, name, is_param, host in slots:
                 self._set(owner, name, is_param, host.to(self.device))
-        self.slots, self.ready = {}, {}
+        self.slots, self.ready, self.live = {}, {}, set()
 
 
 def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:

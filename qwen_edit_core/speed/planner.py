@@ -35,7 +35,7 @@ class SpeedPlan:
 
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
-                    activation_factor: float = 17.0) -> MemoryEstimate:
+                    activation_factor: float = 17.0, shards: int = 1) -> MemoryEstimate:
     """A step's device memory: resident weights, saved activations and a fixed working set.
 
     A non-checkpointed block saves about `activation_factor` x tokens x dim bf16 values: 17.1 measured by
@@ -43,12 +43,15 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     under bf16 autocast with a LoRA on the image attention, at 512 and 1,024 tokens, bf16 or fp8 base alike
     (fused attention saves its output and log-sum-exp, not the scores). A checkpointed block saves its two
     input streams; the block being recomputed needs one block's activations plus its gradients; two
-    offloaded blocks are in flight at a time. The fixed 1 GiB (CUDA context, allocator slack) is a guess
+    offloaded blocks are in flight at a time. Sharded over `shards` processes (FSDP2), each holds 1/shards of
+    the frozen weights, plus the whole of the two blocks in flight (the running one, the next one prefetched)
+    and of the root's own weights (gathered for the whole forward). The fixed 1 GiB (CUDA context, allocator slack) is a guess
     until the real-size bench runs on a GPU.
     """
     bytes_per_weight = 1 if fp8 else 2
     resident_blocks = n_blocks - n_offloaded + (min(2, n_offloaded))
-    weights = (resident_blocks * block_params + other_params) * bytes_per_weight
+    gathered = (min(2, n_blocks) * block_params + other_params) * (1 - 1 / shards)
+    weights = int(((resident_blocks * block_params + other_params) / shards + gathered) * bytes_per_weight)
     full = int(activation_factor * tokens * dim * 2)
     boundary = tokens * dim * 2
     checkpointed = n_blocks if n_checkpointed < 0 else min(n_checkpointed, n_blocks)
@@ -57,16 +60,27 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     return MemoryEstimate(weights=weights, activations=activations, fixed=fixed)
 
 
-def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, **model) -> SpeedPlan:
+def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, **model) -> SpeedPlan:
     """The fastest settings whose estimate fits `budget_gb`, trying in order of cost: the fewest checkpointed
     blocks with a bf16 base (skipped when `prefer_fp8`), then with an fp8 base, then fp8 with every block
     checkpointed and the fewest offloaded blocks. An fp8 base is faster but changes the numbers slightly, so
     it is taken only when asked for (`train.fp8_base`) or when bf16 does not fit.
 
+    `shards` > 1 (FSDP2 over that many processes): each process's share of the frozen weights; only
+    checkpointing is planned (an fp8 base and offloading are refused under FSDP2: train.sharding).
+
     `model`: the keyword arguments of `estimate_memory` other than fp8, n_checkpointed and n_offloaded.
     """
     budget = budget_gb * 2**30
     n = model["n_blocks"]
+    if shards > 1:
+        for n_ckpt in (*range(0, n), -1):
+            est = estimate_memory(fp8=False, n_checkpointed=n_ckpt, n_offloaded=0, shards=shards, **model)
+            if est.total <= budget:
+                return SpeedPlan(False, n_ckpt, 0, est)
+        raise ValueError(f"train.memory_budget_gb {budget_gb} is too small for FSDP over {shards} processes: "
+                         f"with every block checkpointed each needs about {est.total / 2**30:.1f} GiB (an fp8 base "
+                         "and offloading are not available under FSDP); add processes or raise the budget")
     for fp8 in ((True,) if prefer_fp8 else (False, True)):
         for n_ckpt in range(0, n + 1):
             est = estimate_memory(fp8=fp8, n_checkpointed=n_ckpt, n_offloaded=0, **model)

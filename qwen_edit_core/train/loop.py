@@ -132,7 +132,8 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
     autocast_dtype = _autocast_dtype(t.mixed_precision)
     multires.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
     # fp8 base, selective checkpointing, offloading, compile; `gradient_checkpointing` alone = every block.
-    speed.configure_training(transformer, t, device, tokens=max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS)
+    speed.configure_training(transformer, t, device, tokens=max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS,
+                             shards=dist.world if dist.fsdp else 1)
     # peft gives adapters the base layer's dtype (bf16 on a bf16 base, fp32 beside an fp8 one): the LoRA and
     # its AdamW state train in fp32 whatever the base, so no speed lever changes the optimizer's precision.
     cast_training_params(transformer, dtype=torch.float32)

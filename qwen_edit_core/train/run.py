@@ -20,6 +20,7 @@ from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_
                                                  encoder_identity, log_resizes)
 from qwen_edit_core.model import components as comp
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
+from qwen_edit_core.train import sharding
 from qwen_edit_core.train.distributed import local_device
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,9 @@ def model_files(config: Config) -> dict:
     files = {f"{name}_file": comp.resolve_model_file(getattr(m, f"{name}_file"), name, m.comfyui_models_dir)
              for name in ("transformer", "vae", "text_encoder")}
     comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comp.comfyui_dir_near(m.comfyui_models_dir)
-    return {**files, "comfyui_dir": comfyui, "transformer_fp8": m.transformer_fp8}
+    # Under FSDP an fp8 base cannot be sharded (train.sharding): a scaled-fp8 file is upcast, never kept.
+    fp8 = "upcast" if m.transformer_fp8 == "auto" and sharding.is_sharded() else m.transformer_fp8
+    return {**files, "comfyui_dir": comfyui, "transformer_fp8": fp8}
 
 
 def encode_settings(config: Config, variant: str) -> EncodeSettings:
@@ -60,7 +63,9 @@ def cache_identity(config: Config, model_dir: Path) -> str:
 
 
 def encoder_plan(config: Config) -> DevicePlan:
-    """Devices of the cache stage's encoders and of the trained transformer (this process's share)."""
+    """Devices of the cache stage's encoders and of the trained transformer (this process's share). Under FSDP
+    the levers it cannot take are refused here, before any weight loads (`sharding.check_levers`)."""
+    sharding.check_levers(config)
     c = config.cache
     return DevicePlan.from_mapping({"text_encoder": local_device(c.text_encoder_device),
                                     "vae": local_device(c.vae_encoder_device),
@@ -187,7 +192,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     model_dir, settings = _model(config)
     out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)
-    plan = encoder_plan(config)  # every device checked before any work
+    plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))

@@ -5,8 +5,17 @@ saves nothing, while keeping them whole means the optimizer state, the checkpoin
 tensors, exactly those of one process; resume works across process counts. Their gradients are averaged with one
 all-reduce per optimizer step (what DDP would do), so N processes equal one process with the same global batch.
 
-The fp8 base (`train.fp8_base`, scaled-fp8 files kept in fp8) holds its weights as buffers, which FSDP2 does not
-shard: such a run is refused rather than silently replicating the whole base on every process.
+The speed levers under FSDP2 (`check_levers`, called before any weight loads):
+- gradient checkpointing: supported (a recomputed block's weights are gathered again by FSDP2's hooks);
+- compile: supported; each block's own forward is compiled and FSDP2's gather/reshard hooks run around it
+  (`speed.compile_blocks(hooks_outside=True)`);
+- the memory planner (`train.memory_budget_gb`): supported, it plans each process's share of the frozen weights
+  and chooses only the checkpointed blocks;
+- fp8 base (`train.fp8_base`, `model.transformer_fp8: keep`): refused. Its weights are buffers, which FSDP2 does
+  not shard, so every process would hold all of them; under FSDP a scaled-fp8 file is upcast (`auto`);
+- block offload (`train.offload_blocks`): refused. FSDP2 owns each block's frozen weights (a sharded copy, the
+  whole gathered just before the block runs and freed after), so the offloader would move tensors FSDP2 replaces
+  on every call; sharding already divides the resident weights by the number of processes.
 """
 
 from __future__ import annotations
@@ -25,6 +34,26 @@ BLOCK_CLASS = "QwenImageTransformerBlock"
 def is_fsdp() -> bool:
     """True when `accelerate launch` was given an FSDP config (it exports ACCELERATE_USE_FSDP to each process)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def is_sharded() -> bool:
+    """True in a process of a multi-process FSDP run (`accelerate launch` with an FSDP config)."""
+    return is_fsdp() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def check_levers(config) -> None:
+    """Refuse, before any weight loads, the speed levers FSDP2 cannot take (module doc), naming the setting."""
+    if not is_sharded():
+        return
+    t, why = config.train, "; train with data parallel (an accelerate config without FSDP) to use it"
+    if t.offload_blocks:
+        raise ValueError(f"train.offload_blocks {t.offload_blocks} is not available under FSDP: FSDP2 owns each "
+                         "block's frozen weights (sharded, gathered just before the block runs), so they cannot "
+                         f"be offloaded; set it to 0 (each process already holds 1/N of the weights){why}")
+    if t.fp8_base or config.model.transformer_fp8 == "keep":
+        setting = "train.fp8_base" if t.fp8_base else "model.transformer_fp8: keep"
+        raise ValueError(f"{setting} is not available under FSDP: an fp8 base keeps its weights as buffers, which "
+                         f"FSDP2 does not shard, so every process would hold all of them; turn it off{why}")
 
 
 def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:

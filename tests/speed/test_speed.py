@@ -4,10 +4,12 @@ offloading exact, compiled blocks equal, the memory planner's choices, and a ful
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
+from safetensors.torch import load_file
 
 from qwen_edit_core.adapters import multires as batching
 from qwen_edit_core.adapters import lora
@@ -67,14 +69,35 @@ def test_fp8_linear_forward_and_backward_match_the_dequantized_weight():
     assert fp8.weight_fp8.dtype == torch.float8_e4m3fn and fp8.weight_fp8.element_size() == 1
 
 
-def test_fp8_base_keeps_a_fixed_batch_loss_within_1_percent_of_bf16():
+#: e4m3 keeps 3 mantissa bits: rounding moves a value by at most half a unit in the last place, 2^-4 of it
+E4M3_HALF_ULP = 2.0 ** -4
+
+
+def _prediction(model, dtype=torch.bfloat16) -> torch.Tensor:
+    hidden, text, _ = _batch(dtype)
+    with torch.no_grad():
+        return model(hidden_states=hidden, timestep=torch.tensor([0.6], dtype=dtype), encoder_hidden_states=text,
+                     img_shapes=[[(1, 6, 8), (1, 6, 8)]], return_dict=False)[0][:, :48].float()
+
+
+def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def test_fp8_base_predicts_within_e4m3_rounding_of_the_bf16_base():
+    """The transformer's prediction (not a loss against a random target, which hides it) with the fp8 base is
+    within e4m3's half-ulp (2^-4) of the bf16 base's, relative: each weight and activation is rounded by at most
+    that much, and bf16's own rounding (2^-9) is far below it. Measured: 0.7%. A wrong scale (x2) lands at 33%."""
     ref = _model(dtype=torch.bfloat16)
     fast = copy.deepcopy(ref)
     n = perf.quantize_fp8(fast)
     assert n == 4 * 14  # per block: 8 attention projections, 2 x 2 MLP linears, 2 modulations
-    base = _loss(ref, torch.bfloat16).item()
-    quantized = _loss(fast, torch.bfloat16).item()
-    assert abs(quantized - base) / base < 0.01, (quantized, base)
+    expected = _prediction(ref)
+    assert _relative_error(_prediction(fast), expected) < E4M3_HALF_ULP
+    broken = copy.deepcopy(fast)  # the same check fails on an fp8 base with wrong scales
+    for layer in (m for m in broken.modules() if isinstance(m, perf.Fp8Linear)):
+        layer.weight_scale.data *= 2
+    assert _relative_error(_prediction(broken), expected) > 2 * E4M3_HALF_ULP
     # the LoRA stays trainable and in its own dtype; gradients flow through the fp8 base to it
     _loss(ref, torch.bfloat16, grad=True)
     _loss(fast, torch.bfloat16, grad=True)
@@ -165,6 +188,24 @@ def test_memory_planner_picks_the_fastest_settings_that_fit():
         perf.plan_for_budget(2, **REAL)
 
 
+def test_memory_planner_counts_one_shard_of_the_frozen_weights_per_fsdp_process():
+    """Under FSDP2 over N processes each holds 1/N of the frozen weights plus the two blocks and the root's own
+    weights gathered in flight; only checkpointing is planned (fp8 and offload are refused under FSDP)."""
+    args = dict(fp8=False, n_checkpointed=-1, n_offloaded=0, **REAL)
+    whole = perf.estimate_memory(**args).weights
+    assert whole == REAL_WEIGHTS
+    gathered = (2 * REAL["block_params"] + REAL["other_params"]) * 2
+    for n in (2, 4, 8):
+        assert perf.estimate_memory(shards=n, **args).weights == pytest.approx(whole / n + gathered * (1 - 1 / n),
+                                                                               abs=1)
+    alone = perf.plan_for_budget(24, **REAL)
+    assert alone.fp8 and alone.offload_blocks > 0  # one process: 41 GiB of bf16 weights do not fit in 24
+    sharded = perf.plan_for_budget(24, shards=4, **REAL)
+    assert not sharded.fp8 and sharded.offload_blocks == 0 and sharded.estimate.total <= 24 * 2**30
+    with pytest.raises(ValueError, match="too small for FSDP over 2 processes.*add processes"):
+        perf.plan_for_budget(16, shards=2, **REAL)
+
+
 def test_model_sizes_reads_the_model():
     sizes = perf.model_sizes(_model())
     assert sizes["n_blocks"] == 4 and sizes["dim"] == 32 and sizes["trainable_params"] > 0
@@ -189,19 +230,36 @@ def test_compiled_blocks_give_the_same_loss():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4)
 
 
+#: Adam's first steps move each LoRA weight by about +-lr, the sign of its gradient. A gradient error of
+#: relative size e flips the sign of the elements whose gradient is smaller than the error: for Gaussian
+#: gradients a fraction ~0.8e is that small, half of them flip, and each flip differs by 2 lr, so the trained
+#: weights differ by ~2 sqrt(0.4 e) relative. With e = e4m3's half-ulp (2^-4): 0.32.
+LORA_UPDATE_BOUND = 2 * math.sqrt(0.4 * E4M3_HALF_ULP)
+
+
+def _lora_up_error(path, ref_path) -> float:
+    """Relative difference of the trained LoRA up-projections (they start at zero: all of them is training)."""
+    x, ref = load_file(path), load_file(ref_path)
+    ups = [k for k in ref if "lora_up" in k]
+    assert ups and x.keys() == ref.keys()
+    return _relative_error(torch.cat([x[k].float().flatten() for k in ups]),
+                           torch.cat([ref[k].float().flatten() for k in ups]))
+
+
 def test_training_with_fp8_selective_checkpointing_and_offload(tiny_edit_dir, pairs_dir, tmp_path):
+    """Three steps on an fp8 base with one block checkpointed and one offloaded (both exact) train the LoRA of
+    the bf16 run within LORA_UPDATE_BOUND. Measured: 0.13; with the fp8 weight scales doubled: 1.39."""
     from qwen_edit_core import QwenImageEditTrainer
 
     def run(out, **train):
         config = train_config(tiny_edit_dir, pairs_dir, tmp_path / out, cache_dir=tmp_path / "cache",
-                              train={"max_steps": 3, **train}, logging={"plot": False})
+                              model={"dtype": "bfloat16"}, train={"max_steps": 3, **train}, logging={"plot": False})
         return QwenImageEditTrainer(config).fit()
 
     plain = run("plain")
     fast = run("fast", fp8_base=True, gradient_checkpointing=True, checkpoint_blocks=1, offload_blocks=1)
     assert fast.state == "done" and fast.lora_path.is_file()
-    for (_, a), (_, b) in zip(plain.history, fast.history):
-        assert abs(a - b) / a < 0.01, (plain.history, fast.history)
+    assert _lora_up_error(fast.lora_path, plain.lora_path) < LORA_UPDATE_BOUND
     with pytest.raises(ValueError, match="offload_blocks needs train.gradient_checkpointing"):
         run("bad", offload_blocks=1)
 

@@ -1,0 +1,97 @@
+"""Block offloading keeps its promise through whole training steps: an offloaded block's frozen weights are on
+the device only while the block runs or is recomputed, so none are left there after a step's backward pass.
+
+The CPU stands in for the device: the offloader's host copies and its device copies are both CPU tensors, so
+every device copy is followed with a weak reference (taken by a forward pre-hook that runs after the
+offloader's) and counted while anything (the module, autograd's saved tensors, a prefetch) still holds it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from qwen_edit_core import speed
+from qwen_edit_core.adapters import lora
+from qwen_edit_core.model.tiny import transformer_config
+
+OFFLOADED = [1, 3]
+
+
+def _model() -> QwenImageTransformer2DModel:
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=4)).requires_grad_(False)
+    lora.inject_lora(model, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["attn"]))
+    return model
+
+
+class DeviceCopies:
+    """Weak references to every frozen tensor an offloaded block held while it ran (forward, recompute or
+    no-grad call): the device copies the offloader made."""
+
+    def __init__(self, model, indices):
+        self.refs: list[weakref.ref] = []
+        for i in indices:
+            model.transformer_blocks[i].register_forward_pre_hook(self._record)
+
+    def _record(self, block, args):
+        for module in block.modules():
+            for name, t in (*module._parameters.items(), *module._buffers.items()):
+                if t is not None and not t.requires_grad and t.numel():
+                    self.refs.append(weakref.ref(t))
+
+    def resident_bytes(self, offloader) -> int:
+        """Bytes of device copies still alive (held by anyone), prefetched copies included."""
+        gc.collect()
+        alive = [t for t in (r() for r in self.refs) if t is not None and t.numel()]
+        alive += [t for tensors, _ in offloader.ready.values() for t in tensors]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+        return sum(storages.values())
+
+
+def _step(model, optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, 96, 64, generator=g)
+    text = torch.randn(1, 20, 32, generator=g)
+    pred = model(hidden_states=hidden, timestep=torch.tensor([0.6]), encoder_hidden_states=text,
+                 img_shapes=[[(1, 6, 8), (1, 6, 8)]], return_dict=False)[0]
+    pred.square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_offloaded_weights_leave_the_device_after_every_full_training_step():
+    model = _model()
+    speed.checkpoint_blocks(model, -1)
+    offloader = speed.BlockOffloader(model.transformer_blocks, OFFLOADED, torch.device("cpu"))
+    copies = DeviceCopies(model, OFFLOADED)
+    block_bytes = sum(host.numel() * host.element_size() for _, _, _, host in offloader.slots[OFFLOADED[0]])
+    assert block_bytes > 0
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(3):
+        _step(model, optimizer, seed=step)
+        if step in (0, 2):  # after one and after three full steps
+            assert copies.resident_bytes(offloader) == 0, f"step {step + 1}: offloaded weights left on the device"
+    with torch.no_grad():  # a sampling call after training leaves nothing either
+        model(hidden_states=torch.randn(1, 96, 64), timestep=torch.tensor([0.6]),
+              encoder_hidden_states=torch.randn(1, 20, 32), img_shapes=[[(1, 6, 8), (1, 6, 8)]], return_dict=False)
+    assert copies.resident_bytes(offloader) == 0
+    assert len(copies.refs) >= 3 * 2 * len(OFFLOADED)  # every step ran each offloaded block twice (forward, recompute)
+
+
+def test_prefetch_follows_the_direction_blocks_run_in():
+    """Forward runs blocks upwards, the backward's recompute downwards: each step copies only the first
+    offloaded block of each direction when it starts (nothing ran before it to overlap with); every other
+    offloaded block was prefetched while the one before it ran."""
+    model = _model()
+    speed.checkpoint_blocks(model, -1)
+    offloader = speed.BlockOffloader(model.transformer_blocks, [0, 1, 2, 3], torch.device("cpu"))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(3):
+        _step(model, optimizer, seed=step)
+        assert offloader.unprefetched == 2 * (step + 1)  # of 8 block calls per step
