@@ -206,6 +206,7 @@ def test_ddp_broadcasts_no_buffers_and_waits_long_enough_for_validation(monkeypa
     distributed.Distributed(train_config(tiny_edit_dir, pairs_dir, tmp_path))
     handlers = {type(h): h for h in made["kwargs_handlers"]}
     assert handlers[DistributedDataParallelKwargs].broadcast_buffers is False
+    assert handlers[DistributedDataParallelKwargs].find_unused_parameters is True  # the last block's text outputs
     assert handlers[InitProcessGroupKwargs].timeout >= distributed.COLLECTIVE_TIMEOUT
 
 
