@@ -73,8 +73,8 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: a model/variants.py name ("edit", "edit-plus" = 2509, "edit-2511"); empty = detected from the model
-    variant: typing.Literal["", "edit", "edit-plus", "edit-2511"] = ""
+    #: a model/variants.py name ("edit", "edit-plus" = 2509, "edit-2511", "image-2.1"); empty = detected from the model
+    variant: typing.Literal["", "edit", "edit-plus", "edit-2511", "image-2.1"] = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import variants
+from qwen_edit_core.model.families import QWEN_IMAGE, Family
 from qwen_edit_core.model.devices import DeviceError
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,11 @@ def require_safetensors(folder: Path, component: str) -> None:
             "safetensors release of the model")
 
 
-def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none"):
-    """QwenImageTransformer2DModel from `model_dir/transformer`, frozen, on `device` in `dtype`."""
-    from diffusers import QwenImageTransformer2DModel
+def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
+                     family: Family = QWEN_IMAGE):
+    """The family's transformer (QwenImageTransformer2DModel, ...) from `model_dir/transformer`, frozen, on
+    `device` in `dtype`."""
+    QwenImageTransformer2DModel = family.class_of("transformer")
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
@@ -121,9 +124,9 @@ def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtyp
         return _finish(model, device, qconfig is not None)
 
 
-def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype):
-    """AutoencoderKLQwenImage from `model_dir/vae`, frozen, on `device` in `dtype`."""
-    from diffusers import AutoencoderKLQwenImage
+def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, family: Family = QWEN_IMAGE):
+    """The family's VAE (AutoencoderKLQwenImage, ...) from `model_dir/vae`, frozen, on `device` in `dtype`."""
+    AutoencoderKLQwenImage = family.class_of("vae")
     with torch.inference_mode(False):
         require_safetensors(Path(model_dir) / "vae", "vae")
         model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
@@ -159,15 +162,15 @@ def processor_source(model_dir: Path | None, comfyui_dir: str | Path | None = No
                              "model.comfyui_models_dir)")
 
 
-def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None):
-    """Qwen2VLProcessor (tokenizer + image processor) from `processor_source`."""
-    return read_processor(processor_source(model_dir, comfyui_dir))
+def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE):
+    """The family's processor (Qwen2VLProcessor, ...: tokenizer + image processor) from `processor_source`."""
+    return read_processor(processor_source(model_dir, comfyui_dir), family)
 
 
-def read_processor(source: Path):
+def read_processor(source: Path, family: Family = QWEN_IMAGE):
     """The processor of a folder: a saved processor (diffusers' processor/, with its image-processor settings), or
     bare Qwen2.5 tokenizer files (ComfyUI's qwen25_tokenizer/) given Qwen-Image's image-processor settings."""
-    from transformers import Qwen2VLProcessor
+    Qwen2VLProcessor = family.class_of("processor")
     if any((Path(source) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
         return Qwen2VLProcessor.from_pretrained(source)
     from qwen_edit_core.model.text_encoder_file import processor_from_tokenizer_files
@@ -176,15 +179,15 @@ def read_processor(source: Path):
 
 def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
                       text_encoder_file: str | Path | None = None,
-                      comfyui_dir: str | Path | None = None) -> TextEncoder:
+                      comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE) -> TextEncoder:
     """Qwen2.5-VL from `model_dir/text_encoder` (or from one `text_encoder_file`, ComfyUI's text_encoders layout)
     and its processor (`load_processor`: `model_dir/processor`, else ComfyUI's bundled tokenizer)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    Qwen2_5_VLForConditionalGeneration = family.class_of("text_encoder")
     if text_encoder_file and quantize != "none":
         raise ValueError(f"text_encoder: quantize={quantize!r} is not available for a single text encoder file "
                          f"({text_encoder_file}); use quantize none, or the model directory's text_encoder/")
     source = processor_source(model_dir, comfyui_dir)
-    processor = read_processor(source)
+    processor = read_processor(source, family)
     if text_encoder_file:
         from qwen_edit_core.model.text_encoder_file import load_text_encoder_file
         model = load_text_encoder_file(text_encoder_file, device=device, dtype=dtype, tokenizer=processor.tokenizer)
@@ -297,21 +300,23 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                        vae_file=Path(vae_file) if vae_file else None,
                        text_encoder_file=Path(text_encoder_file) if text_encoder_file else None,
                        comfyui_dir=Path(comfyui_dir) if comfyui_dir else None)
+    family = variants.get(comps.variant).family
+    log.info("%s: licence %s", family.title, family.licence)
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,
-                                               comfyui_dir=comfyui_dir)
+                                               comfyui_dir=comfyui_dir, family=family)
     if "vae" in which and vae_file:
         from qwen_edit_core.model.single_file import load_vae_file
         comps.vae = load_vae_file(vae_file, device=plan.vae, dtype=plan.dtype)
     elif "vae" in which:
-        comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype)
+        comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype, family=family)
     if "transformer" in which and transformer_file:
         from qwen_edit_core.model.single_file import load_transformer_file
         comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
                                                   fp8=transformer_fp8)
     elif "transformer" in which:
         comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
-                                             quantize=quantize_transformer)
+                                             quantize=quantize_transformer, family=family)
     log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
     return comps

@@ -39,3 +39,13 @@ MAX_SEQUENCE_LENGTH = 1024
 #: `predict`. A single space, as the model card's examples pass it (diffusers' pipelines turn true CFG off for
 #: `negative_prompt=None`); training drops captions to the same embeddings inference uses as its negative.
 EMPTY_PROMPT = " "
+
+#: Qwen-Image-2.1 (diffusers `QwenImage21Pipeline`): one template for text-to-image and editing; the user turn is
+#: "<image1><img> <image2><img> ...{prompt}" (no reference: just the prompt). Only the system turn is dropped, and
+#: its token count is the processor's (`QwenImage21Pipeline._drop_idx`: the tokenized system message), so it is
+#: not a constant here.
+QWEN21_SYSTEM = "Comprehend and analyze the provided prompt."
+QWEN21_TEMPLATE = (f"<|im_start|>system\n{QWEN21_SYSTEM}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+QWEN21_IMAGE_PREFIX = "<image{}><|vision_start|><|image_pad|><|vision_end|>"
+QWEN21_IMAGE_SEPARATOR = " "

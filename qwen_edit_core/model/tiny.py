@@ -86,9 +86,10 @@ def _text_config(size: str, vocab_size: int, token_ids: dict) -> dict:
 
 
 # -- tokenizer -----------------------------------------------------------------------------------------------
-def _train_tokenizer():
+def _train_tokenizer(texts: tuple[str, ...] | None = None):
     """Byte-level BPE trained on the templates until every template word is one token, as in Qwen's vocab
-    (so the template prefixes come out at the pipelines' drop counts: 64 and 34).
+    (so the template prefixes come out at the pipelines' drop counts: 64 and 34). `texts`: another family's
+    corpus (model/tiny21.py), default the 2025 templates.
 
     Deterministic: the trainer merges until no pair is left inside any pre-token (the Qwen2 regex splits
     the corpus into words), so each word of the corpus ends up whole; `vocab_size` is only a cap well above
@@ -98,8 +99,8 @@ def _train_tokenizer():
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-    texts = [templates.EDIT_TEMPLATE, templates.EDIT_PLUS_TEMPLATE, templates.T2I_TEMPLATE,
-             "".join(templates.EDIT_PLUS_IMAGE_PREFIX.format(i) for i in range(1, 4)), _EXTRA_WORDS]
+    texts = texts or (templates.EDIT_TEMPLATE, templates.EDIT_PLUS_TEMPLATE, templates.T2I_TEMPLATE,
+                      "".join(templates.EDIT_PLUS_IMAGE_PREFIX.format(i) for i in range(1, 4)), _EXTRA_WORDS)
     corpus = [piece for text in texts for piece in special.split(text.replace("{}", " ")) if piece]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -115,10 +116,10 @@ def _train_tokenizer():
     return vocab, merges
 
 
-def _build_tokenizer(out: Path):
+def _build_tokenizer(out: Path | None, texts: tuple[str, ...] | None = None):
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_tokenizer()
+    vocab, merges = _train_tokenizer(texts)
     # Special tokens right after the BPE vocabulary, in Qwen's order (<|endoftext|>, <|im_start|>, ...):
     # left to the tokenizer, their ids would follow the order in which the constructor registers them.
     vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)})
@@ -126,8 +127,10 @@ def _build_tokenizer(out: Path):
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
                                eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                additional_special_tokens=list(SPECIAL_TOKENS[1:]), model_max_length=32768)
-    _check_prefixes(tokenizer)
-    tokenizer.save_pretrained(out)
+    if texts is None:
+        _check_prefixes(tokenizer)
+    if out is not None:
+        tokenizer.save_pretrained(out)
     return tokenizer
 
 
@@ -136,6 +139,8 @@ def _prompt_encodings() -> dict[str, tuple[str, str, int]]:
     (model/variants.py), plus Qwen-Image's text-to-image template as "t2i"."""
     out = {}
     for variant in variants.VARIANTS.values():
+        if variant.drop is None:
+            continue  # counted by the processor (Qwen-Image-2.1, model/tiny21.py)
         text, drop = variant.format_prompt("make it blue", 1)
         out.setdefault(variant.encoding, (variant.template.split("{}")[0].split("<|vision_start|>")[0], text, drop))
     out["t2i"] = (templates.T2I_TEMPLATE.split("{}")[0], templates.T2I_TEMPLATE.format("make it blue"),
@@ -212,9 +217,13 @@ def build_tiny(out_dir, variant: str = variants.DEFAULT, seed: int = 0, size: st
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    overrides = {**({"zero_cond_t": True} if spec.zero_cond_t else {}), **(transformer_overrides or {})}
     try:
-        _write(tmp, spec, seed, size, {**({"zero_cond_t": True} if spec.zero_cond_t else {}),
-                                       **(transformer_overrides or {})})
+        if spec.family.references == "in-text":
+            from qwen_edit_core.model import tiny21
+            tiny21.write(tmp, spec, seed, size, overrides)
+        else:
+            _write(tmp, spec, seed, size, overrides)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / "dir")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from qwen_edit_core.model import templates
+from qwen_edit_core.model.families import QWEN_IMAGE, QWEN_IMAGE_21, Family
 
 #: The key ComfyUI's Qwen-Image model registers (an empty buffer) when its reference method is
 #: "index_timestep_zero": such a transformer file is an Edit-2511 model (`zero_cond_t=True` in diffusers).
@@ -44,8 +45,9 @@ class Variant:
     #: announced once per control image before the prompt ("Picture {}: <img>"); "" when the template holds the
     #: single image's tokens itself
     image_prefix: str
-    #: template tokens (system prompt and chat framing) dropped from the encoder's hidden states
-    drop: int
+    #: template tokens (system prompt and chat framing) dropped from the encoder's hidden states; None: the
+    #: processor's token count of the system message (Qwen-Image-2.1, whose pipeline counts it so)
+    drop: int | None
     #: the most control images a sample may have (None: any number; the pipelines suggest 1-3)
     max_controls: int | None
     #: True: the VL encoder sees each control image at its own `vl_area`; False: it sees the VAE-sized image
@@ -55,17 +57,23 @@ class Variant:
     #: the prompt/image encoding this variant shares with others; cache keys store it, so variants that encode
     #: alike share cache entries
     encoding: str
+    #: the architecture (model/families.py): classes, latent geometry, reference layout, LoRA targets, blocks
+    family: Family = QWEN_IMAGE
+    #: put between two images' prefixes (2.1: a space)
+    image_separator: str = ""
 
-    def format_prompt(self, prompt: str, num_images: int) -> tuple[str, int]:
+    def format_prompt(self, prompt: str, num_images: int) -> tuple[str, int | None]:
         """(text for the processor, number of leading tokens to drop) for one prompt with its control images."""
         self.check_controls(num_images, min_controls=0 if self.image_prefix else 1)
         if self.image_prefix:
-            images = "".join(self.image_prefix.format(i + 1) for i in range(num_images))
+            images = self.image_separator.join(self.image_prefix.format(i + 1) for i in range(num_images))
             return self.template.format(images + prompt), self.drop
         return self.template.format(prompt), self.drop
 
     def check_controls(self, count: int, min_controls: int = 1) -> None:
         """Refuse a number of control images this variant cannot take; the message names a variant that can."""
+        if self.max_controls is not None and count > self.max_controls > 1:
+            raise ValueError(f"variant {self.name!r} takes {self.controls_text()}, got {count}")
         if self.max_controls is not None and count > self.max_controls or count < min_controls:
             several = " or ".join(repr(v.name) for v in VARIANTS.values() if v.max_controls is None)
             exactly = "exactly " if min_controls == self.max_controls else ""
@@ -99,10 +107,15 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant(name="edit-plus", title="Qwen-Image-Edit-2509 (Edit Plus)", zero_cond_t=False, **_EDIT_PLUS_COMMON),
     Variant(name="edit-2511", title="Qwen-Image-Edit-2511 (Edit Plus, zero_cond_t)", zero_cond_t=True,
             **_EDIT_PLUS_COMMON),
+    Variant(name="image-2.1", title="Qwen-Image-2.1", pipeline_class="QwenImage21Pipeline",
+            template=templates.QWEN21_TEMPLATE, image_prefix=templates.QWEN21_IMAGE_PREFIX,
+            image_separator=templates.QWEN21_IMAGE_SEPARATOR, drop=None, max_controls=QWEN_IMAGE_21.max_references,
+            vl_own_area=False, zero_cond_t=False, encoding="qwen-image-2.1", family=QWEN_IMAGE_21),
 )}
 
 #: Each variant by its own name, for code that means one release (the toy model is an Edit model).
 EDIT, EDIT_PLUS, EDIT_2511 = VARIANTS["edit"], VARIANTS["edit-plus"], VARIANTS["edit-2511"]
+IMAGE_21 = VARIANTS["image-2.1"]
 #: The accepted names (config `model.variant`, CLI `--variant`).
 NAMES: tuple[str, ...] = tuple(VARIANTS)
 #: The variant a new tiny model or an unspecified CLI choice gets.

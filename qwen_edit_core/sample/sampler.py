@@ -30,7 +30,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model import encode, geometry
+from qwen_edit_core.model import encode, geometry, variants
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import schedules
@@ -68,10 +68,17 @@ class SampleSettings:
     #: "pipeline": controls at the VAE area, output at the last control's size (diffusers); "target": controls
     #: at the output size, the first control's own size when a multiple of 16 (else at the VAE area)
     control_size: str = "pipeline"
+    #: an explicit sigma list (descending, in (0, 1], without the final 0) replacing the schedule's spacing; its
+    #: length is the step count (schedules.check_sigmas, schedules.SIGMA_PRESETS)
+    sigmas: tuple[float, ...] | None = None
+    #: Qwen-Image-2.1: cache the text and reference tokens' keys/values after the first step (same numbers, faster)
+    kv_cache: bool = True
 
     def validate(self) -> None:
         speed.check_attention_kernel(self.attention)
         schedules.check_schedule(self.schedule, self.shift)
+        if self.sigmas is not None:
+            schedules.check_sigmas(self.sigmas)
         if self.cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode {self.cfg_mode!r} is not accepted; accepted: {', '.join(CFG_MODES)}")
         if self.control_size not in CONTROL_SIZES:
@@ -338,7 +345,11 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
 def sample(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
            uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
            cancel: CancelToken | None = None) -> torch.Tensor:
-    """Edit `images` (one control image, or 1-3 for Edit Plus) by `prompt`; returns (1, H, W, 3) in [0, 1]."""
+    """Edit `images` (one control image, or 1-3 for Edit Plus; 0-10 references for Qwen-Image-2.1) by `prompt`;
+    returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
+    if variants.get(components.variant).family.references == "in-text":
+        from qwen_edit_core.sample import sampler21
+        return sampler21.sample(components, prompt, images, settings, progress=progress, cancel=cancel)
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
                       progress=progress, cancel=cancel)

@@ -121,3 +121,38 @@ def steps_and_cfg(name: str, steps: int | None, cfg: float | None, fallback_step
     steps = steps if steps is not None else (preset.steps if preset.steps is not None else fallback_steps)
     cfg = cfg if cfg is not None else (preset.cfg if preset.cfg is not None else fallback_cfg)
     return int(steps), float(cfg)
+
+
+#: Published sigma lists of few-step adapters, by name: (sigmas without the final 0, CFG scale, source). Each
+#: adapter was distilled on its own list; they are not interchangeable. docs/MODEL.md gives the sources.
+SIGMA_PRESETS: dict[str, tuple[tuple[float, ...], float, str]] = {
+    "qwen21-dmd-6step": ((1.0, 0.9375, 0.875, 0.75, 0.5, 0.25), 1.0,
+                         "Qwen-Image-2.1 DMD 6-step LoRA: sigmas [1.0, 0.9375, 0.875, 0.75, 0.5, 0.25] at CFG 1"),
+}
+
+
+def check_sigmas(sigmas) -> tuple[float, ...]:
+    """An explicit sigma list as a tuple: at least one value, each in (0, 1], strictly decreasing (the final 0 is
+    the scheduler's own); a ValueError naming the first bad value otherwise."""
+    values = tuple(float(s) for s in sigmas)
+    if not values:
+        raise ValueError("sigmas: empty list; give at least one sigma in (0, 1], e.g. 1.0, 0.75, 0.5, 0.25")
+    for i, s in enumerate(values):
+        if not 0 < s <= 1:
+            raise ValueError(f"sigmas[{i}] = {s} is outside (0, 1]; the final 0 is added by the scheduler")
+        if i and s >= values[i - 1]:
+            raise ValueError(f"sigmas must decrease: sigmas[{i}] = {s} follows {values[i - 1]}")
+    return values
+
+
+def parse_sigmas(text: str) -> tuple[float, ...]:
+    """`--sigmas` / a node's text: a preset name (SIGMA_PRESETS) or comma/space-separated numbers."""
+    text = text.strip()
+    if text in SIGMA_PRESETS:
+        return SIGMA_PRESETS[text][0]
+    try:
+        values = [float(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"sigmas {text!r}: neither a preset ({', '.join(SIGMA_PRESETS)}) nor a list of numbers such "
+                         "as '1.0, 0.75, 0.5, 0.25'") from None
+    return check_sigmas(values)

@@ -43,6 +43,10 @@ def model_files(config: Config) -> dict:
 
 def encode_settings(config: Config, variant: str) -> EncodeSettings:
     """How examples are encoded (areas, dtype) for a model variant (model/variants.py name)."""
+    from qwen_edit_core.model import variants
+    if variants.get(variant).drop is None:  # the cache key and batches need a fixed template prefix length
+        raise ValueError(f"training a {variants.get(variant).title} model (variant {variant!r}) is not available yet; "
+                         "it samples (qwen-edit sample, the Sampler nodes); train on an Edit-2509/2511 model")
     d = config.data
     return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
                           dtype=resolve_dtype(config.model.dtype, component="model.dtype"),

@@ -1,0 +1,189 @@
+"""The Qwen-Image-2.1 sampler: diffusers' `QwenImage21Pipeline` loop in numbers, with the prefix K/V cache.
+
+What differs from the 2025 family's loop (sample/sampler.py), read from diffusers 0.42.1
+pipeline_qwenimage21.py and transformer_qwenimage21.py:
+- reference latents go first, the target's last ([ref 1 | ... | ref n | target]); `img_shapes` lists them in the
+  same order, and each reference's tokens replace its vision slots inside the text sequence (the transformer does
+  the splicing from `img_mask`: the prompt's vision slots plus one slot per 2x2 target tokens);
+- the timestep shift's mu comes from the scheduler config with the 2.1 pipeline's defaults (256/4096 tokens,
+  0.5/1.15), the sigmas are the call's explicit list, else the model's `sample_sigmas`, else linspace(1, 1/n, n);
+- true CFG is plain `neg + s * (cond - neg)` (no norm rescale), only with a negative prompt and s > 1;
+- with `kv_cache` (the default) the first step stores every block's keys/values of the text and reference tokens
+  (`QwenImage21KVCache`, "extract") and later steps compute only the target's tokens ("cached"): the transformer
+  runs those tokens at t = 0 (`causal_condition`), so they do not change between steps. Cond and uncond keep a
+  cache each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from qwen_edit_core import speed
+from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.model import encode, encode21
+from qwen_edit_core.model.encode21 import PromptWithSlots
+
+log = logging.getLogger(__name__)
+
+#: calculate_shift's defaults in the 2.1 pipeline, used where the scheduler config lacks a key
+SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+
+
+@dataclass(frozen=True)
+class Conditioning21:
+    """Everything the 2.1 loop needs, on the transformer's device."""
+
+    cond: PromptWithSlots
+    uncond: PromptWithSlots | None
+    #: (1, N_refs, 64) reference latent tokens in the user's order, or None without references
+    reference_tokens: torch.Tensor | None
+    #: [ref 1, ..., ref n, target] (frames, rows, cols) in latent tokens
+    img_shapes: list[tuple[int, int, int]]
+    width: int
+    height: int
+
+
+def check_settings(settings) -> None:
+    """Refuse what the 2.1 loop does not do, naming what to use instead."""
+    if settings.schedule != "diffusers":
+        raise ValueError(f"schedule {settings.schedule!r} is not available for Qwen-Image-2.1 (it has no Lightning "
+                         "LoRAs and ComfyUI's 2.1 sampling is not re-derived here); use schedule 'diffusers' with an "
+                         "explicit sigma list (sigmas) for few-step adapters")
+    if settings.do_cfg and settings.cfg_mode != "sequential":
+        raise ValueError(f"cfg_mode {settings.cfg_mode!r} is not available for Qwen-Image-2.1: its transformer reads "
+                         "one token layout per batch, and cond and uncond prompts differ in length; use "
+                         "cfg_mode 'sequential'")
+    if settings.control_size != "pipeline":
+        raise ValueError("control_size 'target' is not available for Qwen-Image-2.1 yet; use 'pipeline'")
+
+
+def build_conditioning(components, prompt: str, images: Sequence, settings) -> Conditioning21:
+    """References resized and encoded on the VAE's device, prompt(s) on the text encoder's, then moved to the
+    transformer's device once."""
+    components.require("transformer", "vae", "text_encoder")
+    settings.validate()
+    check_settings(settings)
+    refs = encode21.prepare_references(images, settings.vae_area)
+    width, height = encode21.output_size(refs.images, settings.vae_area, settings.width, settings.height)
+    te = components.text_encoder
+    param = next(components.transformer.parameters())
+    device, dtype = param.device, param.dtype
+    drop = encode21.system_tokens(te.processor)
+    target_slots = width * height // (encode21.SIZE_MULTIPLE ** 2)
+
+    def text(p: str) -> PromptWithSlots:
+        enc = encode21.encode_prompt(te.model, te.processor, p, refs.images, device=te.device, drop=drop)
+        slots = torch.cat([enc.slots.cpu(), torch.ones(1, target_slots, dtype=torch.bool)], dim=1)
+        return PromptWithSlots(enc.embeds.to(device, dtype), slots.to(device))
+
+    cond = text(prompt)
+    uncond = text(settings.negative_prompt) if settings.do_cfg else None
+    tokens = [encode21.pack(encode.encode_latents(components.vae, px)) for px in refs.pixels]
+    reference_tokens = torch.cat(tokens, dim=1).to(device, dtype) if tokens else None
+    shapes = [encode21.token_grid(w, h) for w, h in refs.sizes] + [encode21.token_grid(width, height)]
+    return Conditioning21(cond, uncond, reference_tokens, shapes, width, height)
+
+
+def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype) -> torch.Tensor:
+    """Unpatched Gaussian noise (1, h*w, C) drawn on the CPU from `seed` in `dtype`, as the pipeline's CPU
+    generator draws (1, 1, C, h, w) (the same numbers in the same order), then moved to `device`."""
+    scale = encode21.QWEN_IMAGE_21.vae_scale
+    generator = torch.Generator("cpu").manual_seed(seed)
+    noise = torch.randn((1, channels, 1, height // scale, width // scale), generator=generator, dtype=dtype)
+    return encode21.pack(noise).to(device)
+
+
+def model_sigmas(model_dir: Path | None) -> list[float] | None:
+    """The model's own default sigma list (`sample_sigmas` in model_index.json), or None."""
+    index = Path(model_dir) / "model_index.json" if model_dir else None
+    if index is None or not index.is_file():
+        return None
+    value = json.loads(index.read_text()).get("sample_sigmas")
+    return [float(s) for s in value] if value else None
+
+
+def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps: int, image_seq_len: int, device):
+    """A fresh FlowMatchEulerDiscreteScheduler set to `sigmas` (else linspace(1, 1/steps, steps)) with the 2.1
+    pipeline's mu; returns (scheduler, timesteps, mu)."""
+    c = {**SHIFT_DEFAULTS, **{k: v for k, v in scheduler_config.items() if k in SHIFT_DEFAULTS}}
+    slope = (c["max_shift"] - c["base_shift"]) / (c["max_image_seq_len"] - c["base_image_seq_len"])
+    mu = image_seq_len * slope + c["base_shift"] - slope * c["base_image_seq_len"]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    grid = list(sigmas) if sigmas else np.linspace(1.0, 1 / steps, steps)
+    scheduler.set_timesteps(sigmas=grid, mu=mu, device=device)
+    scheduler.set_begin_index(0)
+    return scheduler, scheduler.timesteps, mu
+
+
+class _Branch:
+    """One CFG branch (cond or uncond): its prompt, its vision-slot mask and its prefix K/V cache."""
+
+    def __init__(self, transformer, prompt: PromptWithSlots, cache: bool):
+        from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+        self.transformer, self.prompt = transformer, prompt
+        on = cache and bool(getattr(transformer.config, "causal_condition", False))
+        self.cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if on else None
+
+    def __call__(self, hidden, step: int, t, cond: Conditioning21, n_target: int) -> torch.Tensor:
+        mode = None if self.cache is None else ("extract" if step == 0 else "cached")
+        out = self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=self.prompt.embeds,
+                               encoder_hidden_states_mask=None, img_shapes=[cond.img_shapes], img_mask=self.prompt.slots,
+                               kv_cache=self.cache, kv_cache_mode=mode, return_dict=False)[0]
+        return out[:, -n_target:]
+
+
+@torch.no_grad()
+def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn | None = None,
+            cancel: CancelToken | None = None) -> torch.Tensor:
+    """The Euler loop; returns the target's unpatched latent tokens (1, h*w, 64) on the transformer's device."""
+    transformer = components.transformer
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+    latents = initial_noise(seed, cond.width, cond.height, transformer.config.in_channels, device, dtype)
+    sigmas = settings.sigmas or model_sigmas(components.model_dir)
+    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, sigmas, settings.num_inference_steps,
+                                              latents.shape[1], device)
+    log.info("sampling %dx%d (Qwen-Image-2.1), %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d", cond.width,
+             cond.height, len(timesteps), settings.true_cfg_scale if settings.do_cfg else 1.0, mu,
+             "on" if settings.kv_cache else "off", seed)
+    branches = [_Branch(transformer, cond.cond, settings.kv_cache)]
+    if settings.do_cfg:
+        branches.append(_Branch(transformer, cond.uncond, settings.kv_cache))
+    n = latents.shape[1]
+    with speed.attention_kernel(settings.attention):
+        for i, t in enumerate(timesteps):
+            if cancel is not None:
+                cancel.check()
+            hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
+            timestep = t.expand(1).to(dtype) / 1000
+            preds = [branch(hidden, i, timestep, cond, n) for branch in branches]
+            velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
+            latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+            if progress is not None:
+                progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+    return latents
+
+
+def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Latent tokens -> (1, H, W, C) float32 in [0, 1] on the CPU; C = 4 (RGBA) for 2.1's VAE."""
+    from qwen_edit_core.sample.sampler import check_finite
+    check_finite(latents, "the denoised latent")
+    pixels = encode.decode_latents(components.vae, encode21.unpack(latents, width, height))
+    return encode.postprocess(pixels).cpu()
+
+
+def sample(components, prompt: str, images: Sequence, settings, *, progress: ProgressFn | None = None,
+           cancel: CancelToken | None = None) -> torch.Tensor:
+    """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1]."""
+    cond = build_conditioning(components, prompt, images, settings)
+    latents = denoise(components, cond, settings, progress=progress, cancel=cancel)
+    return decode(components, latents, cond.width, cond.height)
