@@ -23,6 +23,12 @@ def tiny_plus_dir(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("tiny") / "edit-plus", variant="edit-plus", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_21_dir(tmp_path_factory):
+    from qwen_edit_core.model.tiny import build_tiny
+    return build_tiny(tmp_path_factory.mktemp("tiny") / "image-2.1", variant="image-2.1", seed=2)
+
+
 def make_pairs(folder, n=4, size=(64, 64), seed=0, caption="invert the colors"):
     """A flat-layout dataset of `n` pairs: target = inverted control."""
     import numpy as np

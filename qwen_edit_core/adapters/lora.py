@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from qwen_edit_core import speed
+from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
@@ -38,12 +39,8 @@ from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file format
 
 log = logging.getLogger(__name__)
 
-_ATTN = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-TARGET_PRESETS: dict[str, tuple[str, ...]] = {
-    "attn": _ATTN,
-    "attn-img": ("to_q", "to_k", "to_v", "to_out.0"),
-    "all": _ATTN + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
-}
+#: the 2025 family's presets (model/families.py holds each family's)
+TARGET_PRESETS: dict[str, tuple[str, ...]] = dict(QWEN_IMAGE.lora_targets)
 INITS = ("default", "gaussian")
 # Parts of module paths that peft adds inside a wrapped layer: never LoRA targets themselves.
 _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
