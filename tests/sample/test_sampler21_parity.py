@@ -19,7 +19,7 @@ from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, sampler21
 
 TOL = 1e-4
-STEPS = 3
+STEPS = 2
 SIDE = 64
 #: (w, h) of the references: aspect ratios that give different grids at 64*64 (incl. odd token counts)
 SIZES = [(64, 64), (96, 48), (40, 80), (80, 64), (48, 96), (64, 32), (128, 64), (70, 70), (50, 100), (100, 40)]
