@@ -92,12 +92,14 @@ class QwenImageEditTrainer:
     def predict(self, prompt_image, prompt: str, negative_prompt: str | None = EMPTY_PROMPT,
                 num_inference_steps: int | None = None, true_cfg_scale: float | None = None, seed: int | None = None,
                 height: int | None = None, width: int | None = None, output_type: str = "np", *,
-                schedule: str | None = None, shift: float | None = None, progress=None, cancel=None):
+                schedule: str | None = None, shift: float | None = None, progress=None, cancel=None,
+                sigmas=None):
         """Edit `prompt_image` (a PIL/array image, or a list of them for Edit Plus) by `prompt`.
 
         `schedule` / `shift`: a named schedule (sample/schedules.py) and shift override, default
         `predict.schedule` / `predict.shift`. Steps and CFG not given: the schedule's (lightning: 4 and 1.0),
-        else `predict.num_inference_steps` / `predict.true_cfg_scale`.
+        else `predict.num_inference_steps` / `predict.true_cfg_scale`. `sigmas`: an explicit sigma list or preset
+        name (sample/schedules.py SIGMA_PRESETS), default `predict.sigmas`; its length is the step count.
 
         Returns float32 (H, W, 3) in [0, 1] (`output_type="np"`), a PIL image (`"pil"`) or a torch tensor
         (`"pt"`, (1, H, W, 3)).
@@ -106,7 +108,8 @@ class QwenImageEditTrainer:
         comps = self._require()
         settings = predict_mod.settings(self.config.predict, schedule=schedule, shift=shift,
                                         num_inference_steps=num_inference_steps, true_cfg_scale=true_cfg_scale,
-                                        negative_prompt=negative_prompt, seed=seed, width=width, height=height)
+                                        negative_prompt=negative_prompt, seed=seed, width=width, height=height,
+                                        sigmas=sigmas)
         if not self._predict_ready:
             self.setup_predict(replica=settings.do_cfg)
         elif settings.do_cfg and settings.cfg_mode == "split" and self._uncond_transformer is None \

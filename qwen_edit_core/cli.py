@@ -82,6 +82,8 @@ def cmd_sample(args) -> None:
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
                              **({"schedule": args.schedule} if args.schedule else {}),
                              **({"shift": args.shift} if args.shift is not None else {}),
+                             **({"sigmas": args.sigmas} if args.sigmas else {}),
+                             **({"kv_cache": False} if args.no_kv_cache else {}),
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
@@ -96,7 +98,7 @@ def cmd_sample(args) -> None:
     config = load_config(args.config, overrides=overrides)
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.model.encode import open_image
-    images = [open_image(p) for p in args.image]
+    images = [open_image(p, keep_alpha=True) for p in args.image]  # the 2025 family drops alpha as before
     trainer = QwenImageEditTrainer(config)
     loras = [_lora_arg(spec) for spec in args.lora or []]
     trainer.check_predict(loras=[path for path, _ in loras], out_file=args.out, num_inference_steps=args.steps,
@@ -113,7 +115,7 @@ def cmd_sample(args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
-    log.info("wrote %s (%dx%d)", out, image.width, image.height)
+    log.info("wrote %s (%dx%d, %s)", out, image.width, image.height, image.mode)
 
 
 def _lora_arg(spec: str) -> tuple[str, float]:
@@ -277,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ComfyUI models folder: the --*-file options may then be file names of its subfolders")
     p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer serves "
                                          "--text-encoder-file when --model has no processor/")
-    p.add_argument("--image", required=True, action="append", help="control image (repeat for Edit Plus)")
+    p.add_argument("--image", required=True, action="append",
+                   help="control / reference image (repeat for Edit Plus, up to 10 in order for Qwen-Image-2.1)")
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
@@ -288,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
     p.add_argument("--shift", type=float,
                    help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
+    p.add_argument("--sigmas", help="explicit sigma list replacing the schedule's spacing (its length is the step "
+                   "count): numbers such as '1.0,0.9375,0.875,0.75,0.5,0.25', or a preset: qwen21-dmd-6step")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="Qwen-Image-2.1: recompute the text and reference tokens every step (no prefix K/V cache)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
     p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")

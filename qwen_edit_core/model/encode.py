@@ -238,8 +238,9 @@ def packed_shape(width: int, height: int) -> tuple[int, int, int]:
     return 1, height // LATENT_MULTIPLE, width // LATENT_MULTIPLE
 
 
-def open_image(path) -> Image.Image:
-    """Open an image file as RGB with its EXIF orientation applied; errors name the file."""
+def open_image(path, keep_alpha: bool = False) -> Image.Image:
+    """Open an image file as RGB (RGBA when it has transparency and `keep_alpha`: Qwen-Image-2.1 reads alpha) with
+    its EXIF orientation applied; errors name the file."""
     from pathlib import Path
 
     from PIL import ImageOps, UnidentifiedImageError
@@ -250,6 +251,8 @@ def open_image(path) -> Image.Image:
     try:
         with Image.open(path) as img:
             img.load()
-            return ImageOps.exif_transpose(img).convert("RGB")
+            img = ImageOps.exif_transpose(img)
+            alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
+            return img.convert("RGBA" if keep_alpha and alpha else "RGB")
     except (UnidentifiedImageError, OSError) as err:
         raise EncodeError(f"{str(path)!r} is not a readable image (png, jpg or webp expected): {err}") from None

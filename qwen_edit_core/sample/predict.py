@@ -39,18 +39,24 @@ def uncond_replica(components, device: torch.device, uncond_device: torch.device
 
 def settings(predict, *, schedule: str | None, shift: float | None, num_inference_steps: int | None,
              true_cfg_scale: float | None, negative_prompt: str | None, seed: int | None, width: int | None,
-             height: int | None) -> SampleSettings:
+             height: int | None, sigmas=None) -> SampleSettings:
     """The sampler's settings: the call's arguments over `predict.*`. Steps and CFG not given: the named
-    schedule's (sample/schedules.py), else `predict.num_inference_steps` / `predict.true_cfg_scale`."""
+    schedule's (sample/schedules.py), else `predict.num_inference_steps` / `predict.true_cfg_scale`. `sigmas`
+    (else `predict.sigmas`): an explicit sigma list or preset name; its length is the step count, and a preset's
+    CFG scale applies when none is given."""
     from qwen_edit_core.sample import schedules
     schedule = schedule or predict.schedule
-    steps, cfg = schedules.steps_and_cfg(schedule, num_inference_steps, true_cfg_scale,
+    grid, preset_cfg = schedules.resolve_sigmas(sigmas if sigmas else predict.sigmas)
+    if true_cfg_scale is None and preset_cfg is not None:
+        true_cfg_scale = preset_cfg
+    steps, cfg = schedules.steps_and_cfg(schedule, len(grid) if grid else num_inference_steps, true_cfg_scale,
                                          predict.num_inference_steps, predict.true_cfg_scale)
     return SampleSettings(
         num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative_prompt, seed=seed, width=width,
         height=height, cfg_mode=predict.cfg_mode, shift_mode=predict.shift_mode, fixed_mu=predict.fixed_mu,
         vae_area=predict.vae_area, vl_area=predict.vl_area, attention=predict.attention, schedule=schedule,
-        shift=shift if shift is not None else predict.shift, control_size=predict.control_size)
+        shift=shift if shift is not None else predict.shift, control_size=predict.control_size, sigmas=grid,
+        kv_cache=predict.kv_cache)
 
 
 def check_output_type(output_type: str) -> None:

@@ -190,9 +190,10 @@ def initial_noise(seed: int, width: int, height: int, channels: int, device, dty
 def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_len: int, device):
     """A fresh scheduler set to the run's schedule (schedules.PRESETS), sigmas and shift; returns (scheduler,
     timesteps, mu) (mu: the exponential shift's log, for the log line)."""
-    n = settings.num_inference_steps
+    n = len(settings.sigmas) if settings.sigmas else settings.num_inference_steps
     if settings.schedule == "comfyui":
-        scheduler = schedules.ComfyEuler(schedules.comfyui_sigmas(n, settings.shift), device)
+        grid = torch.tensor([*settings.sigmas, 0.0]) if settings.sigmas else schedules.comfyui_sigmas(n, settings.shift)
+        scheduler = schedules.ComfyEuler(grid, device)
         mu = math.log(settings.shift) if settings.shift else schedules.COMFYUI_QWEN_MU
         return scheduler, scheduler.timesteps, mu
     if settings.schedule == "lightning":
@@ -209,7 +210,8 @@ def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_l
         mu = mu_from_scheduler_config(scheduler_config, image_seq_len)
     else:
         mu = settings.fixed_mu
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu, device=device)
+    grid = list(settings.sigmas) if settings.sigmas else np.linspace(1.0, 1 / n, n)
+    scheduler.set_timesteps(sigmas=grid, mu=mu, device=device)
     scheduler.set_begin_index(0)
     return scheduler, scheduler.timesteps, mu
 

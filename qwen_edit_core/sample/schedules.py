@@ -145,6 +145,18 @@ def check_sigmas(sigmas) -> tuple[float, ...]:
     return values
 
 
+def resolve_sigmas(value) -> tuple[tuple[float, ...] | None, float | None]:
+    """(sigma list or None, the preset's CFG scale or None) of a config/call value: empty -> (None, None), a preset
+    name or a text list (`parse_sigmas`), or a sequence of numbers (`check_sigmas`)."""
+    if value is None or (not isinstance(value, str) and len(value) == 0) or (isinstance(value, str) and
+                                                                              not value.strip()):
+        return None, None
+    if isinstance(value, str):
+        preset = SIGMA_PRESETS.get(value.strip())
+        return parse_sigmas(value), (preset[1] if preset else None)
+    return check_sigmas(value), None
+
+
 def parse_sigmas(text: str) -> tuple[float, ...]:
     """`--sigmas` / a node's text: a preset name (SIGMA_PRESETS) or comma/space-separated numbers."""
     text = text.strip()
