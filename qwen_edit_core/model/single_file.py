@@ -70,7 +70,8 @@ def check_quant_formats(tensors: dict[str, torch.Tensor], source) -> None:
     if other:
         key, fmt = next(iter(other.items()))
         raise SingleFileError(f"{source}: {len(other)} layer(s) quantized as {fmt!r} ({key}); only bf16/fp16/fp32 and "
-                              "scaled fp8 (float8_e4m3fn / float8_e5m2 with per-tensor scales) are read")
+                              "scaled fp8 (float8_e4m3fn / float8_e5m2 with per-tensor scales) are read: use the "
+                              "model's bf16 file (ComfyUI's *_bf16.safetensors) or its diffusers directory instead")
 
 
 def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -142,6 +143,10 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
     """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
+    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (model/families.py)
+        raise SingleFileError(f"{source}: a Qwen-Image-2.1 transformer (ComfyUI's qwen_image_2.1_*.safetensors); 2.1 "
+                              "single files are not read yet: give the 2.1 diffusers directory (--model, "
+                              "model.pretrained_model_name_or_path) without a transformer file")
     needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
     missing = [k for k in needed if k not in tensors]
     if missing:
