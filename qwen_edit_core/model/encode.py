@@ -154,6 +154,9 @@ def encode_prompts(text_encoder, processor, prompts: Sequence[str], images: Sequ
     """
     if len(prompts) != len(images):
         raise EncodeError(f"{len(prompts)} prompts but {len(images)} image lists")
+    if variants.get(variant).drop is None:
+        raise EncodeError(f"{variants.get(variant).title} prompts are encoded with their reference images' vision "
+                          "slots (model/encode21.py, used by the sampler); this encoder is the 2025 family's")
     texts, drops = zip(*(variants.get(variant).format_prompt(p, len(imgs)) for p, imgs in zip(prompts, images)))
     flat = [img for imgs in images for img in imgs]
     inputs = processor(text=list(texts), images=flat or None, padding=True, return_tensors="pt").to(device)

@@ -1,4 +1,5 @@
-"""The model variants in one place: a frozen description per Qwen-Image-Edit release that every stage reads.
+"""The model variants in one place: a frozen description per release (Qwen-Image-Edit, 2509, 2511, Qwen-Image-2.1)
+that every stage reads; each names its architecture (`family`, model/families.py).
 
 A variant says how a model is prompted (template, prompt prefix tokens dropped after encoding), which image
 areas the VAE and the vision-language encoder see, how many control images it takes, whether its transformer
