@@ -72,10 +72,10 @@ def test_2025_sigma_list_matches_the_pipeline(tiny_edit_dir):
     pipe = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler_config),
                                  vae=comps.vae, text_encoder=te.model, tokenizer=te.processor.tokenizer,
                                  processor=te.processor, transformer=comps.transformer)
-    sigmas = [1.0, 0.75, 0.5]
+    sigmas = [1.0, 0.5]
     image = _image(64, 64)
     expected = pipe(image=image, prompt="p", negative_prompt=" ", true_cfg_scale=4.0, sigmas=sigmas,
-                    num_inference_steps=3, output_type="np", generator=torch.Generator("cpu").manual_seed(3)).images[0]
+                    num_inference_steps=2, output_type="np", generator=torch.Generator("cpu").manual_seed(3)).images[0]
     ours = sampler.sample(comps, "p", [image], sampler.SampleSettings(sigmas=tuple(sigmas), true_cfg_scale=4.0,
                                                                       seed=3, vae_area=1024 * 1024))[0].numpy()
     assert np.abs(ours - expected).max() <= 1e-4
