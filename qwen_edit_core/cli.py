@@ -82,8 +82,7 @@ def cmd_sample(args) -> None:
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
                              **({"schedule": args.schedule} if args.schedule else {}),
                              **({"shift": args.shift} if args.shift is not None else {}),
-                             **({"sigmas": args.sigmas} if args.sigmas else {}),
-                             **({"kv_cache": False} if args.no_kv_cache else {}),
+                             **({"sigmas": args.sigmas} if args.sigmas else {}), **({"kv_cache": False} if args.no_kv_cache else {}),
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
@@ -279,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ComfyUI models folder: the --*-file options may then be file names of its subfolders")
     p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer serves "
                                          "--text-encoder-file when --model has no processor/")
-    p.add_argument("--image", required=True, action="append",
-                   help="control / reference image (repeat for Edit Plus, up to 10 in order for Qwen-Image-2.1)")
+    p.add_argument("--image", required=True, action="append", help="control image (repeat: Edit Plus; 2.1: up to 10)")
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
@@ -291,10 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
     p.add_argument("--shift", type=float,
                    help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
-    p.add_argument("--sigmas", help="explicit sigma list replacing the schedule's spacing (its length is the step "
-                   "count): numbers such as '1.0,0.9375,0.875,0.75,0.5,0.25', or a preset: qwen21-dmd-6step")
-    p.add_argument("--no-kv-cache", action="store_true",
-                   help="Qwen-Image-2.1: recompute the text and reference tokens every step (no prefix K/V cache)")
+    p.add_argument("--sigmas", help="explicit sigmas (their count is the steps), e.g. '1,0.75,0.5', or qwen21-dmd-6step")
+    p.add_argument("--no-kv-cache", action="store_true", help="Qwen-Image-2.1: no prefix K/V cache (slower, same image)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
     p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")

@@ -256,8 +256,7 @@ class PredictConfig:
     schedule: Schedule = "diffusers"
     #: a fixed shift replacing the schedule's own (comfyui: ModelSamplingAuraFlow's shift); null: the schedule's
     shift: float | None = None
-    #: explicit sigmas (descending in (0, 1], no final 0; the step count) or a preset (schedules.SIGMA_PRESETS)
-    sigmas: tuple[float, ...] | str = ()
+    sigmas: tuple[float, ...] | str = ()  # explicit sigmas (descending, no final 0) or a schedules.SIGMA_PRESETS name
     kv_cache: bool = True  # Qwen-Image-2.1's prefix K/V cache (faster, same image)
     #: "sequential" (as diffusers), "batched" (cond+uncond in one call), "split" (two devices at once)
     cfg_mode: CfgMode = "sequential"
