@@ -26,7 +26,7 @@ LOAD_FIT_QUEUE = """(async () => {
   const el = app.canvas.canvas, scale = Math.min(1, (el.clientWidth - 120) / (x1 - x0), (el.clientHeight - 60) / (y1 - y0));
   app.canvas.ds.scale = scale; app.canvas.ds.offset = [90 / scale - x0, 50 / scale - y0];
   app.graph.setDirtyCanvas(true, true);
-  await app.queuePrompt(0);
+  if (%s) await app.queuePrompt(0);
   return true;
 })()"""
 LIVE = "[...document.querySelectorAll('.qwen-edit-live')].some(e => +e.dataset.points >= 2)"
@@ -40,12 +40,18 @@ def _finished(server: ComfyServer) -> bool:
 
 def first_workflow_shot(args) -> list[str]:
     with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
-        browser = Browser(args.chromium, size=(1600, 900))
+        browser = Browser(args.chromium, size=(1900, 1400))  # the whole graph at a zoom (>= 0.6) that draws text
         try:
             server.post("/settings/Comfy.TutorialCompleted", True)  # no first-run template dialog
             browser.open_comfy(server.url)
             browser.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
-            browser.evaluate(LOAD_FIT_QUEUE % json.dumps(json.loads(FIRST_WORKFLOW.read_text())))
+            queue = getattr(args, "queue", True)  # False: the workflow as it opens, before it runs
+            browser.evaluate(LOAD_FIT_QUEUE % (json.dumps(json.loads(FIRST_WORKFLOW.read_text())), json.dumps(queue)))
+            if not queue:
+                browser.evaluate("new Promise(r => setTimeout(() => r(true), 3000))")
+                shot = Path(args.out) / "first_workflow_loaded.png"
+                browser.screenshot(shot)
+                return [f"{FIRST_WORKFLOW.name} opened in the frontend; screenshot {shot}"]
             poll(lambda: _finished(server), 1800, "the workflow to finish", every=2)
             poll(lambda: browser._safe(LIVE), 60, "the loss curve on the page")
             browser.evaluate("app.graph.setDirtyCanvas(true, true); new Promise(r => setTimeout(() => r(true), 5000))")
