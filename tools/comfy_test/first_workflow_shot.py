@@ -1,7 +1,8 @@
-"""README's picture of the first workflow (`--only first_workflow`): ComfyUI's own frontend in headless Chromium
-opens workflows/qwen_edit_train_then_sample.json as shipped, queues it, waits until the edited picture is
-shown (the LoRA trained, the Training Status node's live view holding its loss curve),
-and saves the page as `first_workflow.png` in --out (copy it to docs/first_workflow.png)."""
+"""The README's picture of the first workflow (`--only first_workflow`): ComfyUI's own frontend in headless
+Chromium opens workflows/qwen_edit_train_then_sample.json as shipped and saves the page as
+`first_workflow_loaded.png` in --out (copied to docs/first_workflow.png), then queues it, waits until it has
+run (the LoRA trained, the Training Status node's live view holding its loss curve, the edited picture
+saved) and saves `first_workflow.png`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from comfy import PACK, ComfyServer, poll
 log = logging.getLogger("comfy_test")
 FIRST_WORKFLOW = PACK / "workflows" / "qwen_edit_train_then_sample.json"
 
-#: load the workflow, fit every node on the page (room below for the live view), hide the minimap, queue it
-LOAD_FIT_QUEUE = """(async () => {
+#: load the workflow, fit every node on the page, hide the minimap
+LOAD_FIT = """(async () => {
   await app.loadGraphData(%s, true, false, null, {showMissingNodesDialog: false, showMissingModelsDialog: false});
   try { await app.extensionManager.setting.set('Comfy.Minimap.Visible', false); } catch (e) { /* older frontends: no minimap setting */ }
   const nodes = app.graph._nodes, x0 = Math.min(...nodes.map(n => n.pos[0])) - 30;
@@ -26,7 +27,6 @@ LOAD_FIT_QUEUE = """(async () => {
   const el = app.canvas.canvas, scale = Math.min(1, (el.clientWidth - 120) / (x1 - x0), (el.clientHeight - 60) / (y1 - y0));
   app.canvas.ds.scale = scale; app.canvas.ds.offset = [90 / scale - x0, 50 / scale - y0];
   app.graph.setDirtyCanvas(true, true);
-  await app.queuePrompt(0);
   return true;
 })()"""
 LIVE = "[...document.querySelectorAll('.qwen-edit-live')].some(e => +e.dataset.points >= 2)"
@@ -40,12 +40,18 @@ def _finished(server: ComfyServer) -> bool:
 
 def first_workflow_shot(args) -> list[str]:
     with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
-        browser = Browser(args.chromium, size=(1600, 900))
+        browser = Browser(args.chromium, size=(1900, 1400))  # the whole graph at a zoom (>= 0.6) that draws text
         try:
             server.post("/settings/Comfy.TutorialCompleted", True)  # no first-run template dialog
             browser.open_comfy(server.url)
             browser.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
-            browser.evaluate(LOAD_FIT_QUEUE % json.dumps(json.loads(FIRST_WORKFLOW.read_text())))
+            browser.evaluate(LOAD_FIT % json.dumps(json.loads(FIRST_WORKFLOW.read_text())))
+            browser.evaluate("new Promise(r => setTimeout(() => r(true), 3000))")
+            loaded = Path(args.out) / "first_workflow_loaded.png"
+            browser.screenshot(loaded)  # the workflow as it opens (the README's picture)
+            if not getattr(args, "queue", True):
+                return [f"{FIRST_WORKFLOW.name} opened in the frontend; screenshot {loaded}"]
+            browser.evaluate("app.queuePrompt(0).then(() => true)")
             poll(lambda: _finished(server), 1800, "the workflow to finish", every=2)
             poll(lambda: browser._safe(LIVE), 60, "the loss curve on the page")
             browser.evaluate("app.graph.setDirtyCanvas(true, true); new Promise(r => setTimeout(() => r(true), 5000))")
