@@ -222,10 +222,23 @@ def cmd_bench(args) -> None:
     elif args.what == "batching":
         from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
+    elif args.what == "memory":
+        _bench_memory(args)
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
             variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
+
+
+def _bench_memory(args) -> None:
+    from qwen_edit_core.bench import memory
+    budgets = memory.BUDGETS if args.budget_gb is None else (args.budget_gb,)
+    results = memory.run(args.variant, args.size or 1024, args.controls, budgets)
+    if args.json:
+        for result in results:
+            print(result.to_json())  # noqa: T201 - the command's output
+    else:
+        print(memory.table(results))  # noqa: T201 - the command's output
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -361,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak"], help="which benchmark")
+    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak", "memory"],
+                   help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
@@ -369,6 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
                    "VARIANTS to run after the reference (default: all)")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
+                   help="memory: the pipeline variant whose real transformer is simulated")
+    p.add_argument("--size", type=int, default=None, help="memory: the square edit's side in pixels (default 1024)")
+    p.add_argument("--controls", type=int, default=None,
+                   help="memory: control images (default: 1 for Edit, 2 for Edit Plus and 2511)")
+    p.add_argument("--budget-gb", type=float, default=None,
+                   help="memory: one training budget in GiB (default: 16, 24, 40 and 80)")
+    p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.set_defaults(func=cmd_bench)
     return parser
 
