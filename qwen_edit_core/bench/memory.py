@@ -84,6 +84,12 @@ def _config(budget_gb: float, targets: str, fp8: bool = False):
                                         "memory_budget_gb": budget_gb, "fp8_base": fp8}})
 
 
+def lora_spec(targets: str):
+    """The simulated LoRA: rank 16 (the default `model.lora`) on `targets` (a preset or names)."""
+    from qwen_edit_core.adapters import lora as lora_mod
+    return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets))
+
+
 def _bucket(side: int, controls: int):
     return ((side, side), ((side, side),) * controls)
 
@@ -152,8 +158,7 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
     config, bucket, mode = _config(budget_gb, targets, fp8), _bucket(side, controls), fm.fake_mode()
-    spec = lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets))
-    model = fm.fake_transformer(variant, mode, lora=spec, num_layers=num_layers)
+    model = fm.fake_transformer(variant, mode, lora=lora_spec(targets), num_layers=num_layers)
     plan = _planned(config, model, bucket, budget_gb)
     with tempfile.TemporaryDirectory() as out, mode:
         run = loop.setup(config, model, [bucket], Path(out), None, dict(SCHEDULER_CONFIG))
@@ -214,14 +219,12 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
     `cfg_mode: split`: one branch), "context-parallel-N" (one process's share: a forward over 1/N of the
     tokens; approximated, see docs/MEMORY.md)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.adapters import lora as lora_mod
     from qwen_edit_core.sample import sampler
     if lever not in SAMPLE_LEVERS:
         raise ValueError(f"sampling lever {lever!r} is not accepted; accepted: {', '.join(SAMPLE_LEVERS)}")
     controls = fm.default_controls(variant) if controls is None else controls
     mode = fm.fake_mode()
-    spec = lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets("attn"))
-    model = fm.fake_transformer(variant, mode, lora=spec, num_layers=num_layers)
+    model = fm.fake_transformer(variant, mode, lora=lora_spec("attn"), num_layers=num_layers)
     if lever == "fp8":
         with mode:
             speed.configure_inference(model, fm.STAND_IN, fp8=True, compile=False)
@@ -255,18 +258,20 @@ def run(variant: str = "edit", side: int = 1024, controls: int | None = None, bu
 
 
 def _time_row(r: Simulated) -> str:
-    """The roofline bound and what the measured reference step and our target imply (MFU)."""
-    measured, target = (REFERENCE_STEP_S, TARGET_TRAIN_S) if r.kind == "train" else \
-        (2 * REFERENCE_FORWARD_S, TARGET_SAMPLE_S)
-    return f"{r.roofline_s:.2f} s | {r.roofline_s / measured:.0%} at {measured:g} s | {r.roofline_s / target:.0%} at " \
-           f"{target:g} s"
+    """The roofline bound, the MFU of the reference's measured time (for the rows that match its setting:
+    the no-budget attn-img step, the sequential CFG step) and the MFU our target time implies."""
+    reference = REFERENCE_STEP_S if r.plan.endswith("(attn-img)") else \
+        2 * REFERENCE_FORWARD_S if r.plan == "sample sequential" else None
+    target = TARGET_TRAIN_S if r.kind == "train" else TARGET_SAMPLE_S
+    measured = "-" if reference is None else f"{r.roofline_s / reference:.0%} at {reference:g} s"
+    return f"{r.roofline_s:.2f} s | {measured} | {r.roofline_s / target:.0%} at {target:g} s"
 
 
 def table(results: list[Simulated]) -> str:
     """The Markdown table BENCHMARKS.md and docs/MEMORY.md show."""
     lines = ["| plan | levers | tokens (image + text) | planner estimate | simulated peak (tracked + margin) | "
              "host (pinned) | offloaded weights left on the device | TFLOP/step | H100 roofline | MFU of the "
-             "reference's step | MFU of the target |", "|" + " --- |" * 11]
+             "measured reference | MFU of the target |", "|" + " --- |" * 11]
     for r in results:
         estimate = "-" if r.planner_estimate_gib is None else f"{r.planner_estimate_gib:.1f} GiB"
         lines.append(f"| {r.variant} {r.size}² x{r.controls}, {r.plan} | {r.levers} | {r.image_tokens} + "
