@@ -223,22 +223,12 @@ def cmd_bench(args) -> None:
         from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
     elif args.what == "memory":
-        _bench_memory(args)
+        from qwen_edit_core.bench.memory import report
+        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
             variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
-
-
-def _bench_memory(args) -> None:
-    from qwen_edit_core.bench import memory
-    budgets = memory.BUDGETS if args.budget_gb is None else (args.budget_gb,)
-    results = memory.run(args.variant, args.size or 1024, args.controls, budgets)
-    if args.json:
-        for result in results:
-            print(result.to_json())  # noqa: T201 - the command's output
-    else:
-        print(memory.table(results))  # noqa: T201 - the command's output
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -383,13 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
                    "VARIANTS to run after the reference (default: all)")
-    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
-                   help="memory: the pipeline variant whose real transformer is simulated")
-    p.add_argument("--size", type=int, default=None, help="memory: the square edit's side in pixels (default 1024)")
-    p.add_argument("--controls", type=int, default=None,
-                   help="memory: control images (default: 1 for Edit, 2 for Edit Plus and 2511)")
-    p.add_argument("--budget-gb", type=float, default=None,
-                   help="memory: one training budget in GiB (default: 16, 24, 40 and 80)")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT, help="memory: simulated variant")
+    p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
+    p.add_argument("--controls", type=int, default=None, help="memory: control images (default 1 Edit, 2 Plus)")
+    p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.set_defaults(func=cmd_bench)
     return parser

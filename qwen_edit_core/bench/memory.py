@@ -279,3 +279,10 @@ def table(results: list[Simulated]) -> str:
                      f"{r.peak_device_gib - r.tracked_device_gib:.1f}) | {r.peak_host_gib:.1f} GiB | "
                      f"{r.offloaded_resident_after_gib:.1f} GiB | {r.flops_per_step / 1e12:.0f} | {_time_row(r)} |")
     return "\n".join(lines)
+
+
+def report(variant: str = "edit", side: int = 1024, controls: int | None = None, budget_gb: float | None = None,
+           *, as_json: bool = False) -> str:
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
+    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+    return "\n".join(r.to_json() for r in results) if as_json else table(results)
