@@ -91,8 +91,7 @@ def cmd_sample(args) -> None:
         from qwen_edit_core.sample import context_parallel
         plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
         overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
-        context_parallel.init_process_group(args.context_parallel, plan["transformer"],
-                                            cfg_split=args.cfg_mode == "split")
+        context_parallel.init_process_group(args.context_parallel, plan["transformer"], cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.model.encode import open_image
@@ -148,8 +147,7 @@ def cmd_train(args) -> None:
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
         result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
-    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path,
-             result.loss_plot)
+    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         raise Interrupted(stop.received or signal.SIGINT)
 
@@ -284,13 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
-    p.add_argument("--cfg", type=float,
-                   help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
+    p.add_argument("--cfg", type=float, help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
     p.add_argument("--schedule", choices=["diffusers", "comfyui", "lightning"],
                    help="diffusers (default; dynamic shift), comfyui (what stock ComfyUI renders), lightning "
                         "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
-    p.add_argument("--shift", type=float,
-                   help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
+    p.add_argument("--shift", type=float, help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
     p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")
@@ -364,15 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak", "memory"],
-                   help="which benchmark")
+    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak", "memory"], help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
-    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
-                   "VARIANTS to run after the reference (default: all)")
+    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
     p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT, help="memory: simulated variant")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
     p.add_argument("--controls", type=int, default=None, help="memory: control images (default 1 Edit, 2 Plus)")
