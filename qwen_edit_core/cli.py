@@ -92,8 +92,7 @@ def cmd_sample(args) -> None:
         from qwen_edit_core.sample import context_parallel
         plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
         overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
-        context_parallel.init_process_group(args.context_parallel, plan["transformer"],
-                                            cfg_split=args.cfg_mode == "split")
+        context_parallel.init_process_group(args.context_parallel, plan["transformer"], cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.model.encode import open_image
@@ -149,8 +148,7 @@ def cmd_train(args) -> None:
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
         result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
-    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path,
-             result.loss_plot)
+    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         raise Interrupted(stop.received or signal.SIGINT)
 
@@ -209,24 +207,8 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    if args.what == "soak":
-        from qwen_edit_core.bench.soak import run
-        report = run(rounds=args.rounds)
-        if report.recovered < report.injected:
-            raise SystemExit(1)
-    elif args.what == "sample":
-        from qwen_edit_core.bench.sample import run
-        run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
-    elif args.what == "threads":
-        from qwen_edit_core.bench.threads import run
-        run(repeats=args.repeats)
-    elif args.what == "batching":
-        from qwen_edit_core.bench.batching import run
-        run(real_size=args.real_size, device=args.device, repeats=args.repeats)
-    else:
-        from qwen_edit_core.bench.train import run
-        run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
-            variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)
+    from qwen_edit_core.bench.command import run_bench
+    run_bench(args)
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -282,13 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
-    p.add_argument("--cfg", type=float,
-                   help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
+    p.add_argument("--cfg", type=float, help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
     p.add_argument("--schedule", choices=["diffusers", "comfyui", "lightning"],
                    help="diffusers (default; dynamic shift), comfyui (what stock ComfyUI renders), lightning "
                         "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
-    p.add_argument("--shift", type=float,
-                   help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
+    p.add_argument("--shift", type=float, help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
     p.add_argument("--sigmas", help="explicit sigmas (their count is the steps), e.g. '1,0.75,0.5', or qwen21-dmd-6step")
     p.add_argument("--no-kv-cache", action="store_true", help="Qwen-Image-2.1: no prefix K/V cache (slower, same image)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
@@ -364,14 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak"], help="which benchmark")
+    p.add_argument("what", choices=["sample", "train", "batching", "threads", "soak", "memory"], help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
-    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py "
-                   "VARIANTS to run after the reference (default: all)")
+    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT, help="memory: simulated variant")
+    p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
+    p.add_argument("--controls", type=int, default=None, help="memory: control images (default 1 Edit, 2 Plus)")
+    p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
+    p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: the share of a device's memory the planner plans for when it sizes itself to the free memory: its
-#: estimate is rough (a fixed 1 GiB for the CUDA context and the allocator's slack)
+#: the share of a device's memory the planner plans for when it sizes itself to the free memory (room for
+#: other processes and for what the estimate misses)
 FREE_MEMORY_HEADROOM = 0.9
 
 @dataclass(frozen=True)
@@ -33,31 +33,57 @@ class SpeedPlan:
     estimate: MemoryEstimate
 
 
+#: Activation constants in units of tokens x dim bf16 values, all measured by the real-size simulator
+#: (`qwen-edit bench memory`, bench/memory.py: the product's step under FakeTensorMode with MemTracker, LoRA r16
+#: on every attention projection, bf16 autocast) as the per-block slope and the intercept of 2- and 4-block
+#: models at 1024^2 and 512^2 Edit (9,601 and 2,412 tokens; the same within 2% at both sizes):
+#: what one block without checkpointing saves (fused attention saves its output and log-sum-exp, not scores)
+ACTIVATION_FACTOR = 20.2
+#: what one checkpointed block saves: its two input streams (measured 0.73-1.1)
+BOUNDARY_FACTOR = 1.0
+#: the working set on top of the saved activations, by (fp8 base, any block checkpointed): the block being
+#: recomputed and its backward, the loss in fp32; the fp8 base adds the fp32 copies `quantize_rows` makes of
+#: each linear's input
+WORKING_FACTOR = {(False, True): 29.4, (True, True): 40.8, (False, False): 7.7, (True, False): 20.5}
+#: offloaded blocks on the device at once: the one running and the one prefetched
+OFFLOAD_IN_FLIGHT = 2
+#: bytes per trainable parameter: the fp32 LoRA, its gradient and AdamW's two moments
+TRAINABLE_BYTES = 16
+#: what no tensor shows: the CUDA context (an empty PyTorch process shows 781 MB in nvidia-smi,
+#: github.com/pytorch/pytorch/issues/34323) and cuBLASLt workspaces (32 MiB per handle and stream on Hopper,
+#: github.com/pytorch/pytorch/pull/120925; two streams)
+MARGIN_FIXED = 800 * 2**20 + 2 * 32 * 2**20
+#: allocator fragmentation: an allowance of this share of the non-weight memory (the caching allocator keeps
+#: and splits freed blocks, so it reserves more than tensors hold) until a GPU run measures it
+MARGIN_FRAGMENTATION = 0.10
+
+
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
-                    activation_factor: float = 17.0, shards: int = 1) -> MemoryEstimate:
-    """A step's device memory: resident weights, saved activations and a fixed working set.
+                    activation_factor: float = ACTIVATION_FACTOR, shards: int = 1) -> MemoryEstimate:
+    """A step's device memory: resident weights, saved activations, and a fixed part (the working set, the
+    LoRA with its gradient and optimizer state, and the margin for the CUDA context, cuBLAS workspaces and
+    fragmentation).
 
-    A non-checkpointed block saves about `activation_factor` x tokens x dim bf16 values: 17.1 measured by
-    summing the tensors autograd saves (`torch.autograd.graph.saved_tensors_hooks`) in one real-width block
-    under bf16 autocast with a LoRA on the image attention, at 512 and 1,024 tokens, bf16 or fp8 base alike
-    (fused attention saves its output and log-sum-exp, not the scores). A checkpointed block saves its two
-    input streams; the block being recomputed needs one block's activations plus its gradients; two
-    offloaded blocks are in flight at a time. Sharded over `shards` processes (FSDP2), each holds 1/shards of
-    the frozen weights, plus the whole of the two blocks in flight (the running one, the next one prefetched)
-    and of the root's own weights (gathered for the whole forward). The fixed 1 GiB (CUDA context, allocator slack) is a guess
-    until the real-size bench runs on a GPU.
+    Every constant comes from the real-size simulator (`qwen-edit bench memory`, see the constants above);
+    its table is in BENCHMARKS.md. A non-checkpointed block saves `activation_factor` x tokens x dim bf16
+    values, a checkpointed one its two input streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device
+    only while they run, `OFFLOAD_IN_FLIGHT` at a time. Sharded over `shards` processes (FSDP2), each holds
+    1/shards of the frozen weights, plus the whole of the two blocks in flight (the running one, the next one
+    prefetched) and of the root's own weights (gathered for the whole forward).
     """
     bytes_per_weight = 1 if fp8 else 2
-    resident_blocks = n_blocks - n_offloaded + (min(2, n_offloaded))
+    in_flight = min(OFFLOAD_IN_FLIGHT, n_offloaded) * block_params * bytes_per_weight
     gathered = (min(2, n_blocks) * block_params + other_params) * (1 - 1 / shards)
-    weights = int(((resident_blocks * block_params + other_params) / shards + gathered) * bytes_per_weight)
-    full = int(activation_factor * tokens * dim * 2)
-    boundary = tokens * dim * 2
+    resident = (n_blocks - n_offloaded) * block_params + other_params
+    weights = int((resident / shards + gathered) * bytes_per_weight) + in_flight
+    unit = tokens * dim * 2
     checkpointed = n_blocks if n_checkpointed < 0 else min(n_checkpointed, n_blocks)
-    activations = checkpointed * boundary + (n_blocks - checkpointed) * full
-    fixed = 2 * full + trainable_params * 16 + (1 << 30)  # working block, LoRA+grads+AdamW fp32, CUDA context
-    return MemoryEstimate(weights=weights, activations=activations, fixed=fixed)
+    activations = int(checkpointed * BOUNDARY_FACTOR * unit + (n_blocks - checkpointed) * activation_factor * unit)
+    working = int(WORKING_FACTOR[(fp8, checkpointed > 0)] * unit) + trainable_params * TRAINABLE_BYTES
+    # The offloaded blocks' copies come and go every step: they fragment like activations.
+    margin = MARGIN_FIXED + int(MARGIN_FRAGMENTATION * (activations + working + in_flight))
+    return MemoryEstimate(weights=weights, activations=activations, fixed=working + margin)
 
 
 def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, **model) -> SpeedPlan:

@@ -35,8 +35,9 @@ from qwen_edit_core.train.optim import SCHEDULES, make_lr_scheduler, make_optimi
 
 log = logging.getLogger(__name__)
 
-#: text tokens assumed by the memory planner (a long caption plus the Edit template's prefix)
-TEXT_TOKENS = 512
+#: text tokens assumed by the memory planner: a 1024^2 Edit sample's prompt, the control image's 1,369 vision
+#: tokens plus a long caption (Edit Plus prompts are shorter: 196 vision tokens per control at 384^2)
+TEXT_TOKENS = 1409
 #: "equal": one bucket per batch (so one control count); "similar": neighbouring sizes and any control counts
 #: share a batch; "similar-count": neighbouring sizes, one control count per batch
 BUCKET_GROUPINGS = ("equal", "similar", "similar-count")

@@ -1,0 +1,28 @@
+"""`qwen-edit bench WHAT`: the dispatch from the parsed command line to each benchmark."""
+
+from __future__ import annotations
+
+
+def run_bench(args) -> None:
+    """Runs the benchmark `args.what` with the options `qwen-edit bench` parsed (each imported only when asked for)."""
+    if args.what == "soak":
+        from qwen_edit_core.bench.soak import run
+        report = run(rounds=args.rounds)
+        if report.recovered < report.injected:
+            raise SystemExit(1)
+    elif args.what == "sample":
+        from qwen_edit_core.bench.sample import run
+        run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
+    elif args.what == "threads":
+        from qwen_edit_core.bench.threads import run
+        run(repeats=args.repeats)
+    elif args.what == "batching":
+        from qwen_edit_core.bench.batching import run
+        run(real_size=args.real_size, device=args.device, repeats=args.repeats)
+    elif args.what == "memory":
+        from qwen_edit_core.bench.memory import report
+        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+    else:
+        from qwen_edit_core.bench.train import run
+        run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
+            variants=[v.strip() for v in args.variants.split(",")] if args.variants else None)

@@ -1,0 +1,202 @@
+"""The real-size transformer without memory: the product's model, LoRA and inputs as fake tensors.
+
+Everything runs under torch's `FakeTensorMode`: tensors carry shapes, dtypes and devices but no data, so a
+20 B-parameter step runs on a laptop CPU in about a minute and `MemTracker` counts every byte it would hold.
+
+Why the fake `cpu` device stands for the GPU (checked with torch 2.14): fake `cuda` tensors run the forward but
+the backward fails without a CUDA driver (`hasPrimaryContext expects a valid device index`), and fake `meta`
+tensors cannot run under autocast (`unsupported autocast device_type 'meta'`), while the training step needs
+bf16 autocast to hold what a GPU holds (the fp32 LoRA would otherwise save fp32 copies of its inputs). Fake
+`cpu` tensors run the forward, the backward and `torch.autocast("cpu")` exactly as a GPU step is traced, and
+the product's levers treat the device as a plain one (the offloader copies synchronously, with no side
+stream: the same bytes). Host copies made by the offloader are therefore on the same fake device: they are
+created before the step is tracked and counted from the offloader itself (`offloaded_host_bytes`).
+
+peft cannot inject adapters under FakeTensorMode (`_apply(): Couldn't swap Linear.weight`), so the model is
+built on the `meta` device, the LoRA is injected there by the product's own `adapters.lora.inject_lora`, and
+only then is every parameter and buffer replaced by a fake tensor of the same shape and dtype.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from qwen_edit_core.model import variants
+
+#: the fake device that stands for the GPU (see the module docstring)
+STAND_IN = torch.device("cpu")
+#: a long caption's own tokens, beside the vision tokens the template adds (an assumption: captions of
+#: 20-40 words; the Edit template's prefix is dropped)
+CAPTION_TOKENS = 40
+#: Qwen2.5-VL's vision tokens: one per 28x28 pixels (14 px patches merged 2x2), sides rounded to 28
+VL_PATCH = 28
+#: the vision-language model's area per control image for Edit Plus (the pipelines' 384x384)
+EDIT_PLUS_VL_AREA = 384 * 384
+
+
+class Tracker(MemTracker):
+    """`MemTracker` for a frozen base with a LoRA, fast enough for 60 blocks.
+
+    Two changes to the stock tracker, both measured here: it registers a gradient hook on every parameter
+    of a module it enters, which raises for frozen ones (`cannot register a hook on a tensor that doesn't
+    require gradient`), so hooks go on trainable parameters only; and after every operator it updates the
+    peak of every module seen so far, which made a 60-block step quadratic (6 blocks took 10x the time of
+    2), so only the per-device peak (all this bench reports) is kept, which also lets the root module run
+    twice in one tracked region (sampling's cond and uncond forwards).
+    """
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._grad_seen),
+                        param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)))
+        return out
+
+    def _grad_seen(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # A second top-level forward in one tracked region (cond then uncond) is refused by the stock tracker,
+        # whose per-module statistics assume one iteration; only the per-device peak is kept here.
+        name = self._mod_tracker.get_known_fqn(module)
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                set(self._mod_tracker.parents) - {name} == {"Global"}:
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = deepcopy(snap)
+
+    def peak_bytes(self, device: torch.device = STAND_IN) -> dict[str, int]:
+        """The peak snapshot of `device` by category (parameter, buffer, gradient, activation, temp,
+        optimizer state, other) plus "Total", in bytes."""
+        snap = self._peak_mem_snap.get(torch.device(device), {})
+        return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+
+
+class _NoModules:
+    """Stands for FlopCounterMode's module tracker: every FLOP is counted under "Global" only."""
+
+    parents = ("Global",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+def _cpu_attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_cpu_attention_flops._get_raw = _cpu_attention_backward_flops._get_raw = True  # called with tensors
+
+
+class GlobalFlops(FlopCounterMode):
+    """`FlopCounterMode` counting the whole step only. Its per-module tracker registers gradient hooks on
+    every module's outputs, which keeps a checkpointed block's activations alive (measured here: with it, a
+    4-block step held 1.11 GiB of activations, without it 0.45 GiB, as without checkpointing), so it would
+    change the memory it runs beside. The stand-in device's fused attention (`..._for_cpu`) is counted with
+    torch's own formulas for the GPU kernels (torch's table lacks the CPU names)."""
+
+    def __init__(self):
+        aten = torch.ops.aten
+        super().__init__(display=False, custom_mapping={
+            aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops})
+        self.mod_tracker = _NoModules()
+
+
+def fake_mode() -> FakeTensorMode:
+    """The fake mode every simulated tensor lives in; real CPU inputs are taken as constants."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def transformer_config(variant: str, num_layers: int | None = None) -> dict:
+    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511)."""
+    from qwen_edit_core.model.tiny import transformer_config as real_config
+    cfg = real_config("real", num_layers=num_layers)
+    if variants.get(variant).zero_cond_t:
+        cfg["zero_cond_t"] = True
+    return cfg
+
+
+def fake_transformer(variant: str, mode: FakeTensorMode, *, lora=None, num_layers: int | None = None,
+                     dtype: torch.dtype = torch.bfloat16):
+    """The real-size transformer of `variant` in `dtype` with fake weights on `STAND_IN` (what today's loaders
+    leave on the device: the whole model, before any lever), a LoRA injected first when `lora` (a
+    `adapters.lora.LoraSpec`) is given."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qwen_edit_core.adapters import lora as lora_mod
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**transformer_config(variant, num_layers))
+    model = model.to(dtype).eval().requires_grad_(False)
+    if lora is not None:
+        lora_mod.inject_lora(model, lora)
+    with mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=STAND_IN),
+                                                                   requires_grad=param.requires_grad)
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = torch.empty_like(buf, device=STAND_IN)
+    return model
+
+
+def offloaded_host_bytes(transformer) -> int:
+    """Bytes the block offloader keeps in (pinned) host memory for `transformer` (0 without offload)."""
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    if offloader is None:
+        return 0
+    return sum(host.numel() * host.element_size() for slots in offloader.slots.values() for *_, host in slots)
+
+
+def _vl_tokens(width: int, height: int) -> int:
+    return round(width / VL_PATCH) * round(height / VL_PATCH)
+
+
+def text_tokens(variant: str, side: int, controls: int) -> int:
+    """Prompt tokens of one sample: the vision tokens of the control images as the VL model sees them (Edit:
+    at the training size, 1,369 at 1024^2; Edit Plus: each control at 384x384, 196 each) plus a caption."""
+    if variants.get(variant).max_controls == 1:
+        return _vl_tokens(side, side) + CAPTION_TOKENS
+    side_vl = round(EDIT_PLUS_VL_AREA ** 0.5)
+    return controls * _vl_tokens(side_vl, side_vl) + CAPTION_TOKENS
+
+
+def cache_item(variant: str, side: int, controls: int) -> dict:
+    """A real (small: latents and embeddings, tens of MB) cache entry of one `side` x `side` pair with
+    `controls` control images of the same size, in the layout `train.batch.collate` reads."""
+    h = w = side // 8
+    n_text = text_tokens(variant, side, controls)
+    item = {"target_latents": torch.zeros(16, 1, h, w),
+            "prompt_embeds": torch.zeros(n_text, 3584, dtype=torch.bfloat16),
+            "empty_prompt_embeds": torch.zeros(n_text - CAPTION_TOKENS + 1, 3584, dtype=torch.bfloat16),
+            "img_shapes": torch.tensor([[1, h // 2, w // 2]] * (1 + controls))}
+    for i in range(controls):
+        item[f"control_latents_{i}"] = torch.zeros(16, 1, h, w)
+    return item
+
+
+def default_controls(variant: str) -> int:
+    """Control images of the variant's usual edit: one for Edit, two for Edit Plus and 2511."""
+    return 1 if variants.get(variant).max_controls == 1 else 2
