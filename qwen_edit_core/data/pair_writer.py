@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from qwen_edit_core.common.files import write_bytes
+from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
 from qwen_edit_core.data.masks import ASPECT_TOLERANCE
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
@@ -103,9 +104,7 @@ def pair_problems(pair: NewPair) -> list[str]:
 
 def check_prefix(prefix: str) -> str:
     """The stripped name prefix, or ValueError when files named by it would not read back as a target."""
-    prefix = prefix.strip()
-    if not prefix or prefix.startswith(".") or any(c in prefix for c in "/\\:"):
-        raise ValueError(f"name prefix {prefix!r}: give a plain file name (no folders, not starting with '.')")
+    prefix = check_file_name(prefix.strip(), "name prefix")
     if re.search(r"_(control|mask)$", prefix, re.IGNORECASE):
         raise ValueError(f"name prefix {prefix!r} ends like a control or mask file name; choose another")
     return prefix
