@@ -154,6 +154,8 @@ class QwenImageEditTrainer:
         """The cache stage (train.run.run_cache): encode every example missing from the cache, with the loaded
         encoders or ones loaded on `cache.text_encoder_device` / `cache.vae_encoder_device`, then free them."""
         examples = list(examples if examples is not None else self.dataset().examples)
+        folder, key = preflight.cache_dir(self.config)
+        preflight.check_output_dir(folder, 0, "the embedding cache", key)  # before the encoders load
         return run.run_cache(self.config, examples, self.components, progress=progress, cancel=cancel)
 
     def check_fit(self, resume=None) -> None:

@@ -41,6 +41,7 @@ def no_weights(monkeypatch):
 
 
 def _yaml(tmp_path, cfg):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -151,19 +152,89 @@ def test_cli_preview_problems_come_before_any_weight_loads(tiny_edit_dir, pairs_
     assert "validation_previews[1]: num_inference_steps must be >= 1" in err
 
 
-def test_unwritable_output_dir_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
-                                                         no_weights):
-    real = Path.write_bytes
+def _refuses_new_files(folder: Path) -> bool:
+    """True when `folder` is a folder in which even root cannot create a file (sysfs)."""
+    try:
+        (folder / "qwen-edit-probe").open("wb").close()
+    except OSError:
+        return folder.is_dir()
+    (folder / "qwen-edit-probe").unlink()
+    return False
 
-    def read_only(self, data):
-        if "write-probe" in self.name:
-            raise OSError(errno.EROFS, "Read-only file system", str(self))
-        return real(self, data)
-    monkeypatch.setattr(Path, "write_bytes", read_only)
+
+#: a real folder where nobody, root included, can create files or folders (Linux sysfs)
+SYSFS = Path("/sys/kernel")
+needs_sysfs = pytest.mark.skipif(not _refuses_new_files(SYSFS), reason="needs Linux sysfs (no new files, even for "
+                                                                       "root)")
+
+
+@needs_sysfs
+@pytest.mark.parametrize("command, key, place", [
+    ("train", "train.output_dir", SYSFS), ("train", "train.output_dir", SYSFS / "qwen-edit-new" / "out"),
+    ("train", "cache.dir", SYSFS), ("train", "cache.dir", SYSFS / "qwen-edit-new" / "cache"),
+    ("cache", "cache.dir", SYSFS / "qwen-edit-new" / "cache")])
+def test_an_unwritable_place_is_refused_naming_it_and_its_key_before_weights(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                             capsys, no_weights, command, key,
+                                                                             place):
+    out, cache = (place, tmp_path / "cache") if key == "train.output_dir" else (tmp_path / "o", place)
+    path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, pairs_dir, out, cache))
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "could not write " in err and f"to '{place}' ({key}): permission denied; choose a writable folder for " \
+           f"{key}" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_file_where_the_checkpoints_folder_goes_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                            no_weights):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "checkpoints").write_text("not a folder")
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
-    with pytest.raises(OutputWriteError, match=r"could not write training outputs to .*/o': the file system is "
-                                               r"read-only; choose a writable output directory"):
+    with pytest.raises(OutputWriteError, match=r"could not write checkpoints to '.*/o/checkpoints' "
+                                               r"\(train.output_dir \(its checkpoints/\)\): a file of that name is "
+                                               r"in the way \(not a folder\)"):
         QwenImageEditTrainer(config).fit()
+
+
+_READ_ONLY_MOUNT = """
+import sys
+from qwen_edit_core.cli import main
+code = main(["train", sys.argv[1]]), main(["train", sys.argv[2]]), main(["cache", sys.argv[3]])
+print("exit codes", *code)
+"""
+
+
+def test_a_read_only_mount_is_refused_with_a_message_not_a_traceback(tiny_edit_dir, pairs_dir, tmp_path):
+    """A tmpfs remounted read-only in a private mount namespace (EROFS, as a read-only volume gives)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root, or a kernel allowing private mount namespaces)")
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    configs = [_yaml(tmp_path / name, _cli_cfg(tiny_edit_dir, pairs_dir, out, cache)) for name, out, cache in (
+        ("a", mount / "existing", tmp_path / "cache"), ("b", mount / "new" / "out", tmp_path / "cache"),
+        ("c", tmp_path / "o", mount / "cache"))]
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mount} && mkdir {mount}/existing && mount -o remount,ro {mount} && "
+              f"{sys.executable} -c '{_READ_ONLY_MOUNT}' {' '.join(map(str, configs))}")
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if "mount:" in done.stderr and "exit codes" not in done.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    assert "exit codes 2 2 2" in done.stdout, done.stderr
+    for place, key in ((mount / "existing", "train.output_dir"), (mount / "new" / "out", "train.output_dir"),
+                       (mount / "cache", "cache.dir")):
+        assert f"to '{place}' ({key}): the file system is read-only; choose a writable folder for {key}" \
+               in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_missing_companion_lora_names_its_key_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys,
+                                                               no_weights):
+    cfg = _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache")
+    cfg["model"]["lora"]["stack"] = [{"path": str(tmp_path / "missing.safetensors"), "strength": 0.5}]
+    assert main(["train", str(_yaml(tmp_path, cfg))]) == 2
+    err = capsys.readouterr().err
+    assert f"model.lora.stack[0]: LoRA file '{tmp_path / 'missing.safetensors'}' does not exist; give the path of " \
+           "an existing LoRA file" in err
 
 
 def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
