@@ -134,10 +134,9 @@ class QwenImageEditTrainer:
 
     # -- training ------------------------------------------------------------------------------------------
     def dataset(self):
-        """The validated dataset of `data.folder` (all problems at once, or skipped with data.skip_invalid)."""
-        from qwen_edit_core.data.dataset import load_dataset
-        d = self.config.data
-        return load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes)
+        """The validated dataset of `data.folder` (all problems at once, or skipped with data.skip_invalid), the
+        captions' tokens counted by the model's tokenizer (train.run.load_examples)."""
+        return run.load_examples(self.config)
 
     def encode_settings(self, variant: str):
         """How examples are encoded for `variant` (train.run.encode_settings)."""

@@ -159,6 +159,19 @@ def processor_source(model_dir: Path | None, comfyui_dir: str | Path | None = No
                              "model.comfyui_models_dir)")
 
 
+def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None = None):
+    """`count(text) -> tokens` of the text encoder's tokenizer alone (`processor_source`; no image processor, no
+    weights: milliseconds to load), for checking captions while the dataset is validated; None when the model
+    has no tokenizer to read."""
+    try:
+        source = processor_source(model_dir, comfyui_dir)
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
 def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None):
     """Qwen2VLProcessor (tokenizer + image processor) from `processor_source`."""
     return read_processor(processor_source(model_dir, comfyui_dir))

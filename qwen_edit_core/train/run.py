@@ -79,6 +79,16 @@ def lora_spec(config: Config) -> lora_mod.LoraSpec:
                              dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
 
 
+def load_examples(config: Config):
+    """The validated dataset of `data.folder` (data.dataset.load_dataset), every caption's tokens counted by the
+    model's tokenizer alone, before any weight loads."""
+    from qwen_edit_core.data.dataset import load_dataset
+    d = config.data
+    count = comp.caption_token_counter(comp.resolve_model_dir(config.model.pretrained_model_name_or_path),
+                                       model_files(config)["comfyui_dir"])
+    return load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, count_tokens=count)
+
+
 def _model(config: Config) -> tuple[Path, EncodeSettings]:
     model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
     return model_dir, encode_settings(config, config.model.variant or comp.detect_variant(model_dir))
@@ -184,11 +194,9 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     components to train on instead of loading (the caller's, e.g. a ComfyUI graph's; `_release_shared` gives
     the transformer back when the run ends); `ready(components, spec)` as soon as the LoRA is injected;
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
-    from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
-    d = config.data
-    examples = list(load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
+    examples = list(load_examples(config).examples)
     model_dir, settings = _model(config)
     out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)

@@ -237,6 +237,26 @@ def test_a_missing_companion_lora_names_its_key_before_weights(tiny_edit_dir, pa
            "an existing LoRA file" in err
 
 
+def test_over_long_captions_are_named_by_file_before_any_model_loads(tiny_edit_dir, pairs_dir, tmp_path, capsys,
+                                                                     no_weights):
+    from qwen_edit_core.model.components import caption_token_counter
+    data = tmp_path / "data"
+    shutil.copytree(pairs_dir, data)
+    (data / "p1.txt").write_bytes(b"invert the colors " * 60_000)  # about 1 MB
+    count = caption_token_counter(tiny_edit_dir)
+    words = "invert the colors of the picture and "
+    long = (words * int(1100 * 100 / count(words * 100) + 1)).strip()
+    assert 1024 < count(long) < 1300
+    (data / "p2.txt").write_text(long, encoding="utf-8")
+    path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, data, tmp_path / "o", tmp_path / "cache"))
+    for command in ("train", "cache"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "2 problem(s) in dataset" in err and "Traceback" not in err
+        assert f"{data / 'p1.txt'}: caption is 1080000 bytes, more than the text encoder's 1024 tokens" in err
+        assert f"{data / 'p2.txt'}: caption is {count(long)} tokens; the text encoder takes at most 1024" in err
+
+
 def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
     args = ["sample", "--model", str(tiny_edit_dir), "--image", str(pairs_dir / "p0_control.png"), "--prompt", "x",
             "--out", str(tmp_path / "o.png")]
