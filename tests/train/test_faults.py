@@ -267,6 +267,33 @@ def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_d
     assert "not a readable safetensors" in capsys.readouterr().err
 
 
+def test_cli_sample_checks_the_control_images_before_loading(tiny_plus_dir, tiny_edit_dir, pairs_dir, tmp_path,
+                                                             capsys, no_weights):
+    from PIL import Image
+    control = str(pairs_dir / "p0_control.png")
+    args = ["sample", "--prompt", "x", "--out", str(tmp_path / "o.png")]
+    assert main(args + ["--model", str(tiny_plus_dir)] + ["--image", control] * 4) == 2
+    assert "a Qwen-Image-Edit-2509 (Edit Plus) model takes at most 3 control images, got 4; give at most 3" \
+        in capsys.readouterr().err
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    assert main(args + ["--model", str(tiny_edit_dir), "--image", str(tmp_path / "dot.png")]) == 2
+    assert "control image 1 is 1x1, too small; accepted: at least 64 px on each side" in capsys.readouterr().err
+
+
+def test_pairs_with_more_controls_than_the_model_takes_are_refused_before_weights(tiny_plus_dir, tmp_path,
+                                                                                  no_weights):
+    from conftest import make_pairs
+    from qwen_edit_core.data.dataset import DatasetError
+    data = make_pairs(tmp_path / "data", n=2)
+    for k in range(1, 5):
+        shutil.copy(data / "p0_control.png", data / f"p0_control_{k}.png")
+    (data / "p0_control.png").unlink()
+    config = train_config(tiny_plus_dir, data, tmp_path / "o")
+    with pytest.raises(DatasetError, match=r"p0.png: has 4 control images; a Qwen-Image-Edit-2509 \(Edit Plus\) "
+                                           r"model takes at most 3 control images"):
+        QwenImageEditTrainer(config).check_fit()
+
+
 def test_batch_larger_than_the_data_warns(tiny_edit_dir, pairs_dir, tmp_path, caplog):
     import logging
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", data={"batch_size": 8}, train={"max_steps": 1})
