@@ -182,7 +182,7 @@ class QwenImageEditTrainer:
             if not variant and model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
                 variant = detect_variant(model_dir)
             sampler.check_controls(images, variant)
-        preflight.sampling(model_dir, loras, out_file)
+        preflight.sampling(model_dir, loras, out_file, self.config)
 
     def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and

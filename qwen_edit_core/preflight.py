@@ -1,6 +1,7 @@
 """Preflight: what can be checked before any weight loads, checked before any weight loads.
 
-Loading the real model takes minutes; a setting that cannot work must fail before that. `training` checks the
+Loading the real model takes minutes; a setting that cannot work must fail before that. Both check every weight
+file's header (model/weight_files.py). `training` checks the
 output directory (created, writable, free space for what the run writes: `output_size`), every other folder the
 run writes (cache, checkpoints, validation), the LoRA to continue from and the LoRAs kept active (model.lora.stack,
 the previews'; readable, finite, matching the transformer's module names and shapes), the validation previews'
@@ -174,6 +175,16 @@ def _config_loras(config: Config) -> tuple[list[str], list[str]]:
     return [p for p, _ in found], [k for _, k in found]
 
 
+def check_weights(config: Config, model_dir: Path | None) -> None:
+    """Every weight file of the model (its directory's components, or the single files of `model.*_file`):
+    headers intact, every tensor present, the shapes of the config (model/weight_files.py)."""
+    from qwen_edit_core.model.weight_files import check_model_files
+    from qwen_edit_core.train.run import model_files
+    files = model_files(config)
+    check_model_files(model_dir, ("transformer", "vae", "text_encoder"),
+                      {name: files[f"{name}_file"] for name in ("transformer", "vae", "text_encoder")})
+
+
 def warn_about_data(config: Config, n_examples: int) -> None:
     """Warnings for a batch larger than the data and for more epochs than sensible."""
     d, t = config.data, config.train
@@ -195,6 +206,7 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
     if mismatch:
         log.warning(mismatch)
     warn_about_data(config, n_examples)
+    check_weights(config, model_dir)
     out_dir = Path(config.train.output_dir)
     tensors = trained_tensors(config, model_dir)
     need, detail = 0, ""
@@ -214,8 +226,12 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
         check_lora_files(paths, meta_transformer(model_dir), keys)
 
 
-def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None) -> None:
-    """Every sampling check that needs no weights: LoRA files and the output file's folder."""
+def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None,
+             config: Config | None = None) -> None:
+    """Every sampling check that needs no weights: the model's weight files (given its `config`), LoRA files
+    and the output file's folder."""
+    if config is not None:
+        check_weights(config, model_dir)
     if loras:
         check_lora_files(loras, meta_transformer(model_dir))
     if out_file is not None:

@@ -304,6 +304,9 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
     if unknown:
         raise ValueError(f"unknown component(s) {sorted(unknown)}; accepted: transformer, vae, text_encoder")
+    from qwen_edit_core.model.weight_files import check_model_files
+    check_model_files(model_dir, which, {"transformer": transformer_file, "vae": vae_file,
+                                         "text_encoder": text_encoder_file})  # headers only, before any weight
     comps = Components(model_dir=model_dir, variant=detect_variant(model_dir),
                        scheduler_config=load_scheduler_config(model_dir),
                        transformer_file=Path(transformer_file) if transformer_file else None,

@@ -4,6 +4,7 @@ directory, non-finite guards, safetensors-only model directories."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -441,6 +442,72 @@ def test_a_bin_only_model_directory_is_refused_with_a_conversion_hint(tiny_edit_
     with pytest.raises(ModelNotFoundError, match=r"transformer: .* holds only pickle-based weights "
                                                  r"\(diffusion_pytorch_model.bin\).*safe_serialization=True"):
         load_transformer(model, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage a safetensors file as downloads and disks do."""
+    from safetensors.torch import save_file
+    data = path.read_bytes()
+    if how == "huge header":
+        path.write_bytes((2**50).to_bytes(8, "little") + data[8:])
+    elif how == "no tensors":
+        save_file({}, path)
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) - 1000])
+    else:  # "missing tensor": a valid file lacking one tensor the model needs
+        tensors = load_file(path)
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, path)
+
+
+@pytest.mark.parametrize("component, how, problem", [
+    ("transformer", "huge header", r"its header claims 1125899906842624 bytes but the file has \d+"),
+    ("transformer", "no tensors", r"it holds no tensors"),
+    ("transformer", "truncated", r"it is truncated: its tensors need \d+ bytes, the file has \d+"),
+    ("vae", "truncated", r"it is truncated"),
+    ("text_encoder", "huge header", r"its header claims"),
+    ("vae", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
+    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing")])
+def test_a_damaged_model_file_is_named_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights,
+                                                      component, how, problem):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_dir, model)
+    weights = next((model / component).glob("*.safetensors"))
+    _damage(weights, how)
+    path = _yaml(tmp_path, _cli_cfg(model, pairs_dir, tmp_path / "o", tmp_path / "cache"))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(problem, err) and str(weights) in err and "download the file again" in err, err
+    assert "Traceback" not in err
+
+
+def test_damaged_single_files_and_shards_are_named_before_weights(tiny_edit_dir, tmp_path):
+    from qwen_edit_core import load_config
+    from qwen_edit_core.model.single_file import SingleFileError  # noqa: F401 (the loaders' own error)
+    from qwen_edit_core.model.weight_files import WeightFileError
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_dir, model)
+    single = tmp_path / "qwen_image_edit.safetensors"
+    shutil.copy(next((model / "transformer").glob("*.safetensors")), single)
+    _damage(single, "truncated")
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model),
+                                              "transformer_file": str(single)}})
+    with pytest.raises(WeightFileError, match=rf"transformer file '{re.escape(str(single))}' is damaged: it is "
+                                              "truncated"):
+        QwenImageEditTrainer(config).check_predict()
+    with pytest.raises(WeightFileError, match="is damaged: it is truncated"):
+        QwenImageEditTrainer(config).load_model(which=("transformer",))
+    # a sharded text encoder whose index lists a tensor its shard lacks
+    folder = model / "text_encoder"
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00001.safetensors" for k in tensors},
+                                            "lm_head.extra": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)}})
+    with pytest.raises(WeightFileError, match=r"text_encoder shard .* lacks 1 tensor\(s\) its index "
+                                              r"model.safetensors.index.json lists \(e.g. \['lm_head.extra'\]\)"):
+        QwenImageEditTrainer(config).check_predict()
 
 
 # --- damaged cache data ------------------------------------------------------------------------------------------
