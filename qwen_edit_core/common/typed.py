@@ -47,8 +47,10 @@ def _kind(hint: Any) -> str:
         return " or ".join(_kind(option) for option in typing.get_args(hint))
     if hint is tuple or origin is tuple:
         args = typing.get_args(hint)
-        return f"a list of {_kind(args[0]).removeprefix('a ').removeprefix('an ')}s" \
-            if len(args) == 2 and args[1] is Ellipsis else "a list"
+        if len(args) != 2 or args[1] is not Ellipsis:
+            return "a list"
+        item = "mapping" if dataclasses.is_dataclass(args[0]) else _kind(args[0]).split(" ", 1)[-1]
+        return f"a list of {item}s"
     if dataclasses.is_dataclass(hint):
         return "a mapping (section)"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
