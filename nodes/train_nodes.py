@@ -14,6 +14,7 @@ from qwen_edit_core import speed
 from qwen_edit_core.config import load_config
 from qwen_edit_core.data.dataset import load_dataset
 from qwen_edit_core.adapters.lora import TARGET_PRESETS
+from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
@@ -281,8 +282,7 @@ class QwenEditTrain:
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
               dora=False, gradient_checkpointing=True, mixed_precision="auto"):
         name = lora_name.strip().removesuffix(".safetensors")
-        if not name or any(c in name for c in "/\\:"):
-            raise ValueError(f"lora_name {lora_name!r}: give a plain file name (no folders)")
+        check_file_name(name, "lora_name")
         out = comfy_runtime.output_dir() / "qwen_edit_runs" / name
         cache_dir = str(dataset.cache_dir) if dataset.cache_dir else ""
         validation = {}

@@ -19,7 +19,7 @@ from qwen_edit_core import preflight
 from qwen_edit_core.adapters import lora as lora_mod
 from qwen_edit_core.common.files import OutputLock
 from qwen_edit_core.config import Config
-from qwen_edit_core.model.components import Components, load_components, resolve_model_dir
+from qwen_edit_core.model.components import Components, detect_variant, load_components, resolve_model_dir
 from qwen_edit_core.model.devices import DevicePlan, resolve_device
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import predict as predict_mod
@@ -137,10 +137,9 @@ class QwenImageEditTrainer:
 
     # -- training ------------------------------------------------------------------------------------------
     def dataset(self):
-        """The validated dataset of `data.folder` (all problems at once, or skipped with data.skip_invalid)."""
-        from qwen_edit_core.data.dataset import load_dataset
-        d = self.config.data
-        return load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes)
+        """The validated dataset of `data.folder` (all problems at once, or skipped with data.skip_invalid), the
+        captions' tokens counted by the model's tokenizer (train.run.load_examples)."""
+        return run.load_examples(self.config)
 
     def encode_settings(self, variant: str):
         """How examples are encoded for `variant` (train.run.encode_settings)."""
@@ -157,6 +156,8 @@ class QwenImageEditTrainer:
         """The cache stage (train.run.run_cache): encode every example missing from the cache, with the loaded
         encoders or ones loaded on `cache.text_encoder_device` / `cache.vae_encoder_device`, then free them."""
         examples = list(examples if examples is not None else self.dataset().examples)
+        folder, key = preflight.cache_dir(self.config)
+        preflight.check_output_dir(folder, 0, "the embedding cache", key)  # before the encoders load
         return run.run_cache(self.config, examples, self.components, progress=progress, cancel=cancel)
 
     def check_fit(self, resume=None) -> None:
@@ -171,13 +172,20 @@ class QwenImageEditTrainer:
 
     def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int | None = None,
                       true_cfg_scale: float | None = None,
-                      width: int | None = None, height: int | None = None) -> None:
-        """Preflight of sampling without loading any weight: the sampling settings, the LoRA files (readable,
-        finite, matching the transformer) and the output file's folder (writable)."""
+                      width: int | None = None, height: int | None = None, images=None) -> None:
+        """Preflight of sampling without loading any weight: the sampling settings, the control `images` (how
+        many the model takes, the image limits), the LoRA files (readable, finite, matching the transformer) and
+        the output file's folder (writable)."""
         predict_mod.settings(self.config.predict, schedule=None, shift=None, num_inference_steps=num_inference_steps,
                              true_cfg_scale=true_cfg_scale, negative_prompt="", seed=None, width=width,
                              height=height).validate()
-        preflight.sampling(resolve_model_dir(self.config.model.pretrained_model_name_or_path), loras, out_file)
+        model_dir = resolve_model_dir(self.config.model.pretrained_model_name_or_path)
+        if images is not None:
+            variant = self.config.model.variant
+            if not variant and model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
+                variant = detect_variant(model_dir)
+            sampler.check_controls(images, variant)
+        preflight.sampling(model_dir, loras, out_file, self.config)
 
     def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and

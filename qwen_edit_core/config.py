@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
-from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict  # noqa: F401 (ConfigError re-exported)
+from qwen_edit_core.common.names import file_name_problem, label_problem
+from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict, show  # noqa: F401 (re-exported)
+from qwen_edit_core.common.yaml_read import YamlTooLargeError, read_yaml
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ class LoraStackItem:
 class LoraConfig:
     rank: int = 16
     alpha: float = 16.0
-    #: a preset name ("attn", "attn-img", "all") or a list of module-name suffixes
-    targets: Any = "attn"
+    #: a preset name ("attn", "attn-img", "all"), a comma-separated string or a list of module-name suffixes
+    targets: str | tuple[str, ...] = "attn"
     dropout: float = 0.0
     init: LoraInit = "default"
     #: LoRA file(s) to start from (continue training); any layout lora.read_lora_file accepts
@@ -212,7 +213,7 @@ class OptimizerConfig:
     #: "adamw" or "adamw8bit" (bitsandbytes, CUDA)
     type: OptimizerType = "adamw"
     lr: float = 1e-4
-    betas: tuple = (0.9, 0.999)
+    betas: tuple[float, ...] = (0.9, 0.999)
     weight_decay: float = 0.01
     eps: float = 1e-8
 
@@ -291,23 +292,6 @@ class Config:
     predict: PredictConfig = field(default_factory=PredictConfig)
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's float rule: `1e-3`, `3E5`, `.5` are numbers (1.1 reads strings)."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-
-
-def read_yaml(text: str):
-    """Parse YAML text with the YAML 1.2 number rule (`lr: 1e-3` is a float)."""
-    return yaml.load(text, Loader=_Yaml12Loader)
-
-
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """Read a YAML config (seeds' sections); `overrides` is a nested dict applied on top of the file.
     Values are type-checked and range-checked (`check_ranges`) before anything else runs."""
@@ -318,6 +302,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
             data = read_yaml(path.read_text(encoding="utf-8")) or {}
+        except YamlTooLargeError as err:
+            raise ConfigError(f"config file {str(path)!r} is refused: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
@@ -325,8 +311,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         data = expand_env(data, source=f"config file {str(path)!r}: ")
     if overrides:
         data = _merge(data, overrides)
-    config = from_dict(Config, data)
-    check_ranges(config)
+    problems: list[str] = []
+    config = from_dict(Config, data, problems=problems)
+    check_ranges(config, problems)
     return config
 
 
@@ -365,16 +352,31 @@ _RANGES = [
 ]
 
 
-def check_ranges(config: Config) -> None:
-    """ConfigError naming every value out of its range by dotted path (`train.max_steps: -5 must be >= 1`);
-    a warning when the steps' warmup is longer than the run."""
+def name_problems(config: Config) -> list[str]:
+    """Names that become file names or picture labels, each checked by its rule (common/names.py)."""
     bad = []
+    problem = file_name_problem(config.train.lora_name)
+    if problem:
+        bad.append(f"train.lora_name: {show(config.train.lora_name)} {problem}")
+    for i, preview in enumerate(config.train.validation_previews):
+        problem = label_problem(preview.label)
+        if problem:
+            bad.append(f"train.validation_previews[{i}].label: {show(preview.label)} {problem}")
+    return bad
+
+
+def check_ranges(config: Config, problems: Sequence[str] = ()) -> None:
+    """ConfigError naming every value out of its range by dotted path (`train.max_steps: -5 must be >= 1`) and
+    every name unfit for a file (`name_problems`), after the `problems` already found (bad types and keys: all
+    are reported together); a warning when the steps' warmup is longer than the run."""
+    bad = list(problems)
     for path, test, rule in _RANGES:
         value = config
         for part in path.split("."):
             value = getattr(value, part)
         if not test(value):
-            bad.append(f"{path}: {value!r} must be {rule}")
+            bad.append(f"{path}: {show(value)} must be {rule}")
+    bad += name_problems(config)
     lora = config.model.lora
     if lora.dora and lora.type != "lora":
         bad.append(f"model.lora.dora: true works with model.lora.type lora only, not {lora.type!r}")

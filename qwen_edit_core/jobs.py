@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from qwen_edit_core.config import Config
+from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import CancelToken, Progress
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ class JobRegistry:
         """Start a job named `name` (default: the LoRA name), or return the job of that name when it runs,
         or finished training, with this very config (re-queuing the graph that started it attaches). `model`:
         loaded components the job trains on (TrainingJob)."""
-        name = name or config.train.lora_name
+        name = check_file_name(name or config.train.lora_name, "job name")  # it is part of the job's URL
         with self._lock:
             same = self._jobs.get(name)
             if same is not None and same.config == config and same.status().state not in ("cancelled", "failed"):

@@ -1,9 +1,11 @@
 """Preflight: what can be checked before any weight loads, checked before any weight loads.
 
-Loading the real model takes minutes; a setting that cannot work must fail before that. `training` checks the
-output directory (created, writable, free space for what the run writes: `output_size`), the LoRA to continue from
-(readable, finite, matching the transformer's module names and shapes), the validation previews
-(settings, LoRA files), the batch against the data, the process count `accelerate launch` gave; `sampling`
+Loading the real model takes minutes; a setting that cannot work must fail before that. Both check every weight
+file's header (model/weight_files.py). `training` checks the
+output directory (created, writable, free space for what the run writes: `output_size`), every other folder the
+run writes (cache, checkpoints, validation), the LoRA to continue from and the LoRAs kept active (model.lora.stack,
+the previews'; readable, finite, matching the transformer's module names and shapes), the validation previews'
+settings, the batch against the data, the process count `accelerate launch` gave; `sampling`
 checks the LoRA files to apply and the output file's folder. The transformer's module names come from a
 meta-device model built from its config.json (no weights, no memory).
 """
@@ -100,11 +102,16 @@ def output_size(config: Config, tensors: dict[str, tuple[int, ...]], existing: i
     return OutputSize(checkpoint, max(1, at_once - existing), final)
 
 
-def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training outputs", detail: str = "") -> None:
-    """Create `out_dir` and write a probe file there; OutputWriteError when it cannot be written or has less
-    than `need_bytes` free (`detail` says what they are)."""
+def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training outputs", key: str = "", *,
+                     create: bool = True, detail: str = "") -> None:
+    """Create `out_dir` (or, `create=False`, only look at it when it exists: a run's checkpoints/ folder tells
+    that checkpoints exist) and write a probe file there; OutputWriteError naming the folder and its config
+    `key` when it cannot be created or written (read-only, permission, a file in its way) or has less than
+    `need_bytes` free (`detail` says what they are)."""
     out_dir = Path(out_dir)
-    with writing(out_dir, what):
+    if not create and not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    with writing(out_dir, what, key=key):
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = temporary_name(out_dir / "write-probe")
         try:
@@ -113,22 +120,69 @@ def check_output_dir(out_dir: Path, need_bytes: int = 0, what: str = "training o
             probe.unlink(missing_ok=True)
     free = free_bytes(out_dir)
     if free is not None and free < need_bytes:
-        raise OutputWriteError(errno.ENOSPC, f"output directory {str(out_dir)!r} has {free / 2**20:.1f} MiB free; "
-                                             f"{what} need about {need_bytes / 2**20:.1f} MiB{detail}; free some "
-                                             "space or choose another output directory")
+        where = f" ({key})" if key else ""
+        raise OutputWriteError(errno.ENOSPC, f"output directory {str(out_dir)!r}{where} has {free / 2**20:.1f} MiB "
+                                             f"free; {what} need about {need_bytes / 2**20:.1f} MiB{detail}; free "
+                                             "some space or choose another output directory")
 
 
-def check_lora_files(paths: Sequence[str | Path], transformer) -> None:
-    """Each LoRA file readable, finite (read_lora_file refuses NaN/Inf) and, when `transformer` is given,
-    matching its module names and shapes."""
+def cache_dir(config: Config) -> tuple[Path, str]:
+    """The embedding cache's folder and the key that sets it (`cache.dir`, default `train.output_dir`/cache)."""
+    if config.cache.dir:
+        return Path(config.cache.dir), "cache.dir"
+    return Path(config.train.output_dir) / "cache", "train.output_dir (its cache/, as cache.dir is empty)"
+
+
+def written_places(config: Config) -> list[tuple[Path, str, str]]:
+    """(folder, config key, what goes there) for every folder a training run writes, the output directory
+    first: the output directory (LoRA, loss log), the embedding cache, the checkpoints and the validation
+    images (when validation is on)."""
+    out = Path(config.train.output_dir)
+    places = [(out, "train.output_dir", "training outputs")]
+    if config.cache.enabled:
+        places.append((*cache_dir(config), "the embedding cache"))
+    places.append((out / "checkpoints", "train.output_dir (its checkpoints/)", "checkpoints"))
+    if config.train.validation_every and config.train.validation_image:
+        places.append((out / "validation", "train.output_dir (its validation/)", "validation images"))
+    return places
+
+
+def check_lora_files(paths: Sequence[str | Path], transformer, keys: Sequence[str] = ()) -> None:
+    """Each LoRA file present, readable, finite (read_lora_file refuses NaN/Inf) and, when `transformer` is
+    given, matching its module names and shapes; `keys[i]` (the config key of `paths[i]`) opens its message."""
     from qwen_edit_core.adapters import lora
-    for path in paths:
-        weights = lora.read_lora_file(path)
+    for i, path in enumerate(paths):
+        key = f"{keys[i]}: " if i < len(keys) else ""
+        try:
+            weights = lora.read_lora_file(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{key}{err}; give the path of an existing LoRA file") from None
+        except ValueError as err:
+            raise ValueError(f"{key}{err}") from None
         if transformer is not None:
             try:
                 lora.check_against(transformer, weights)
             except ValueError as err:
-                raise ValueError(f"LoRA file {str(path)!r}: {err}") from None
+                raise ValueError(f"{key}LoRA file {str(path)!r}: {err}") from None
+
+
+def _config_loras(config: Config) -> tuple[list[str], list[str]]:
+    """(paths, config keys) of the LoRA files a training run keeps active: model.lora.init_from and
+    model.lora.stack (the previews' are checked with their settings, validation.previews_from_config)."""
+    lora = config.model.lora
+    found = [(lora.init_from, "model.lora.init_from")] if lora.init_from else []
+    found += [(item.path, f"model.lora.stack[{i}]") for i, item in enumerate(lora.stack)]
+    return [p for p, _ in found], [k for _, k in found]
+
+
+def check_weights(config: Config, model_dir: Path | None) -> None:
+    """Every weight file of the model (its directory's components, or the single files of `model.*_file`):
+    headers intact, every tensor present, the shapes of the config (model/weight_files.py)."""
+    from qwen_edit_core.model.weight_files import check_model_files
+    from qwen_edit_core.train.run import model_files
+    files = model_files(config)
+    check_model_files(model_dir, ("transformer", "vae", "text_encoder"),
+                      {name: files[f"{name}_file"] for name in ("transformer", "vae", "text_encoder")})
 
 
 def warn_about_data(config: Config, n_examples: int) -> None:
@@ -152,6 +206,7 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
     if mismatch:
         log.warning(mismatch)
     warn_about_data(config, n_examples)
+    check_weights(config, model_dir)
     out_dir = Path(config.train.output_dir)
     tensors = trained_tensors(config, model_dir)
     need, detail = 0, ""
@@ -159,16 +214,24 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
         size = output_size(config, tensors, existing=len(list_checkpoints(out_dir / "checkpoints")))
         need, detail = size.total, (f" ({size.checkpoints} checkpoint(s) of {size.checkpoint / 2**20:.2f} MiB at "
                                     f"once plus {size.final / 2**20:.2f} MiB of LoRA and logs)")
-    check_output_dir(out_dir, need, detail=detail)
-    if config.model.lora.init_from:
-        check_lora_files([config.model.lora.init_from], meta_transformer(model_dir))
+    for i, (folder, key, what) in enumerate(written_places(config)):
+        first = i == 0
+        check_output_dir(folder, need if first else 0, what, key, create=not key.endswith("/)"),
+                         detail=detail if first else "")
     if config.train.validation_every and config.train.validation_image:
         from qwen_edit_core.train.validation import previews_from_config
         previews_from_config(config)  # settings and LoRA files of every preview
+    paths, keys = _config_loras(config)
+    if paths:
+        check_lora_files(paths, meta_transformer(model_dir), keys)
 
 
-def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None) -> None:
-    """Every sampling check that needs no weights: LoRA files and the output file's folder."""
+def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None,
+             config: Config | None = None) -> None:
+    """Every sampling check that needs no weights: the model's weight files (given its `config`), LoRA files
+    and the output file's folder."""
+    if config is not None:
+        check_weights(config, model_dir)
     if loras:
         check_lora_files(loras, meta_transformer(model_dir))
     if out_file is not None:

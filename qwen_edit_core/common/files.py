@@ -74,21 +74,24 @@ class OutputWriteError(OSError):
 #: errno -> what the user reads and can do about it
 _IO_REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-               errno.EPERM: "permission denied"}
+               errno.EPERM: "permission denied", errno.EEXIST: "a file of that name is in the way (not a folder)",
+               errno.ENOTDIR: "part of the path is a file, not a folder"}
 
 
-def io_reason(err: OSError, path) -> str | None:
-    """A user-facing reason for an I/O error a user can fix (with the free space when the disk is full), or
-    None for other errors."""
+def io_reason(err: OSError, path, key: str = "") -> str | None:
+    """A user-facing reason for an I/O error a user can fix (with the free space when the disk is full) and
+    what to do, naming the config `key` that chose the place; None for other errors."""
     reason = _IO_REASONS.get(err.errno)
     if reason is None:
         return None
+    place = f"another folder for {key}" if key else "another output directory"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_bytes(path)
         if free is not None:
-            reason += f" ({free / 2**20:.1f} MiB free there); free some space or choose another output directory"
+            reason += f" ({free / 2**20:.1f} MiB free there)"
+        reason += f"; free some space or choose {place}"
     else:
-        reason += "; choose a writable output directory"
+        reason += f"; choose a writable folder for {key}" if key else "; choose a writable output directory"
     return reason
 
 
@@ -105,16 +108,18 @@ def free_bytes(path) -> int | None:
 
 
 @contextlib.contextmanager
-def writing(path, what: str, survived: str = ""):
+def writing(path, what: str, survived: str = "", key: str = ""):
     """Turn a disk-full, read-only or permission error inside the block into an OutputWriteError naming
-    `path`, `what` was being written and what `survived` (other errors pass unchanged)."""
+    `path`, the config `key` that chose it, `what` was being written and what `survived` (other errors pass
+    unchanged)."""
     try:
         yield
     except OSError as err:
-        reason = io_reason(err, path)
+        reason = io_reason(err, path, key)
         if reason is None or isinstance(err, OutputWriteError):
             raise
-        raise OutputWriteError(err.errno, f"could not write {what} to {str(path)!r}: {reason}."
+        where = f" ({key})" if key else ""
+        raise OutputWriteError(err.errno, f"could not write {what} to {str(path)!r}{where}: {reason}."
                                           + (f" {survived}" if survived else "")) from err
 
 
@@ -130,8 +135,9 @@ class OutputLock:
     Windows). The kernel releases it when the holder exits or is killed (SIGKILL included), so a crashed run
     never leaves a stale lock; the file keeps the holder's PID and start time for the refusal message."""
 
-    def __init__(self, directory, purpose: str = "training"):
+    def __init__(self, directory, purpose: str = "training", key: str = "train.output_dir"):
         self.directory = Path(directory)
+        self.key = key
         self.path = self.directory / LOCK_NAME
         self.purpose = purpose
         self._fh = None
@@ -143,8 +149,9 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         """Take the lock now or raise OutputDirBusyError naming the holder; never waits."""
         import datetime
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+", encoding="utf-8")
+        with writing(self.directory, "the run's lock file", key=self.key):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "a+", encoding="utf-8")
         try:
             _try_lock(fh)
         except OSError:

@@ -18,8 +18,10 @@ beside the image wins and a note says so. Hidden files (``.NAME``, e.g. macOS ``
 other image formats (gif, bmp, tiff, ...) are reported rather than silently ignored.
 
 Everything is validated before any work and every problem is reported at once, each naming its file and what
-would be accepted: unpaired images, missing/empty/non-UTF-8 captions, images that do not decode (truncated or
-damaged), modes other than RGB, images too small or too large, and invalid masks. Pairs may have different
+would be accepted: unpaired images, missing/empty/non-UTF-8 captions, captions holding control characters (NUL,
+...) or too long for the text encoder (data.captions), images that do not decode (truncated or
+damaged), modes other than RGB, images too small or too large, invalid masks, and files that are links to
+files outside the dataset folder. Pairs may have different
 numbers of controls (Edit Plus batches mix them); in the folders layout a pair with k controls has them in
 the first k control folders. Layout
 problems that make pairing impossible (``control/`` beside ``control_1/``, a gap in the control numbering)
@@ -41,12 +43,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACCEPTED_IMAGES, ImageCheck,  # noqa: F401
                                         _mode_name, check_image, inspect_image,
                                         load_rgb)
 from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
+from qwen_edit_core.data.captions import (CAPTION_EXTENSION, CAPTIONS_DIR, caption_length_problem,  # noqa: F401
+                                          read_caption)
 from qwen_edit_core.data.examples import (DatasetError, DatasetNotFoundError, DatasetReport,  # noqa: F401
                                           EditExample, Problem)  # (re-exported: the dataset's public values)
 from qwen_edit_core.data.masks import MASKS_DIR, check_mask, split_mask_stems
@@ -58,8 +62,6 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 #: image formats people drop into dataset folders that we do not accept: reported, never silently ignored
 OTHER_IMAGE_EXTENSIONS = (".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2", ".psd",
                           ".exr", ".ico", ".tga")
-CAPTION_EXTENSION = ".txt"
-CAPTIONS_DIR = "captions"
 LAYOUTS = ("images/ + control/ (or control_1/, control_2/, ...) matched by file name, captions as "
            "images/NAME.txt or captions/NAME.txt",
            "one folder with NAME.png, NAME_control.png (or NAME_control_1.png, NAME_control_2.png, ...) and "
@@ -254,27 +256,6 @@ def _discover(folder: Path) -> _Discovery:
     return _discover_flat(folder)
 
 
-def _read_caption(candidate: _Candidate) -> tuple[str | None, Problem | None]:
-    """The stripped caption text, or the problem with it."""
-    if not candidate.captions:
-        return None, Problem(candidate.default_caption, "caption file is missing; write the edit instruction as "
-                                                        f"UTF-8 text to {candidate.default_caption.name} beside "
-                                                        f"the image (or {CAPTIONS_DIR}/"
-                                                        f"{candidate.default_caption.name})")
-    path = candidate.captions[0]
-    try:
-        # A BOM (U+FEFF) is invisible: tolerated at the start and anywhere else (e.g. concatenated files).
-        text = path.read_bytes().decode("utf-8-sig").replace("\ufeff", "").strip()
-    except UnicodeDecodeError as err:
-        return None, Problem(path, f"caption is not UTF-8 text (invalid byte at offset {err.start}); save it as "
-                                   "UTF-8")
-    except OSError as err:
-        return None, Problem(path, f"caption cannot be read ({err})")
-    if not text:
-        return None, Problem(path, "caption is empty; write the edit instruction (UTF-8 text)")
-    return text, None
-
-
 def _image_notes(path: Path, check: ImageCheck) -> list[Problem]:
     """Informational notes about a valid image (logged, kept in DatasetReport.notes)."""
     notes = []
@@ -294,11 +275,28 @@ class _Limits:
     min_side: int
     max_pixels: int
     convert_modes: bool
+    root: Path  # the dataset folder, links resolved: no file of a pair may lie outside it
+    count_tokens: Optional[Callable[[str], int]] = None  # the text encoder's tokenizer (None: not counted)
+
+
+def _outside(path: Path, root: Path) -> Problem | None:
+    """A problem when `path` is (or lies in a folder that is) a link to a file outside the dataset folder
+    `root`: a dataset is what its folder holds, and a link to /etc/passwd must not become a caption."""
+    target = path.resolve()
+    if target == root or root in target.parents:
+        return None
+    return Problem(path, f"is a link to {str(target)!r}, outside the dataset folder {str(root)!r}; copy the file "
+                         "into the dataset folder instead of linking it")
 
 
 def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | None, list[Problem], list[Problem]]:
     """(the example or None, its problems, its notes): every image decoded, the caption read."""
     problems, notes, sizes = [], [], []
+    files = (candidate.target, *candidate.controls, *candidate.captions[:1],
+             *([candidate.mask] if candidate.mask is not None else []))
+    problems = [p for p in (_outside(path, limits.root) for path in files) if p]
+    if problems:
+        return None, problems, notes
     for path in (candidate.target, *candidate.controls):
         check = inspect_image(path, min_side=limits.min_side, max_pixels=limits.max_pixels,
                               convert_modes=limits.convert_modes)
@@ -311,7 +309,9 @@ def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | Non
         mask_problem = check_mask(candidate.mask, sizes[0], limits.max_pixels)
         if mask_problem:
             problems.append(Problem(candidate.mask, mask_problem))
-    caption, caption_problem = _read_caption(candidate)
+    caption, caption_problem = read_caption(candidate.captions, candidate.default_caption)
+    if caption is not None:
+        caption_problem = caption_length_problem(candidate.captions[0], caption, limits.count_tokens)
     if caption_problem:
         problems.append(caption_problem)
     if len(candidate.captions) > 1:
@@ -341,10 +341,11 @@ def _report_skipped(folder: Path, problems: Sequence[Problem], kept: int, droppe
 
 
 def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = MIN_SIDE, max_pixels: int = MAX_PIXELS,
-                 convert_modes: bool = False) -> DatasetReport:
+                 convert_modes: bool = False, count_tokens: Callable[[str], int] | None = None) -> DatasetReport:
     """Discover and validate a folder of edit pairs (see the module docstring for the layouts).
 
-    Every image is decoded and every caption read before anything is returned. Raises DatasetError listing
+    Every image is decoded and every caption read (and, given the text encoder's tokenizer as `count_tokens`,
+    its tokens counted) before anything is returned. Raises DatasetError listing
     every problem, unless `skip_invalid`, which drops the samples with a problem (logged, and the problems
     kept in `skipped`); an empty result is an error either way.
     """
@@ -354,7 +355,7 @@ def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = MIN_SIDE
     if not found.candidates and not found.issues:
         raise DatasetError([Problem(folder, "no images found")],
                            header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
-    limits = _Limits(min_side, max_pixels, convert_modes)
+    limits = _Limits(min_side, max_pixels, convert_modes, folder.resolve(), count_tokens)
     issues = list(found.issues)
     notes, checked = [], []
     for candidate in found.candidates:

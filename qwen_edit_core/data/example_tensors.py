@@ -117,9 +117,12 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
     vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
                                                            vl_area=settings.vl_area, sizes=sizes)
     te = components.text_encoder
-    prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],
-                                          [vl_images, vl_images],
-                                          settings.variant, device=te.device)
+    try:
+        prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],
+                                              [vl_images, vl_images], settings.variant, device=te.device)
+    except encode.EncodeError as err:
+        raise encode.EncodeError(f"pair {example.name!r} (target {str(example.target)!r}): "
+                                 f"{str(err).replace('prompt 0', 'its caption')}") from None
     tensors = {"target_latents": encode.encode_latents(components.vae, encode.pixels_for_vae(target,
                                                                                             *target_size))[0],
                "prompt_embeds": prompt, "empty_prompt_embeds": empty}

@@ -13,7 +13,9 @@ A mask is a float array (H, W) in [0, 1], 1 marking the edited region (ComfyUI's
 painted in the mask editor); it is written as an 8-bit greyscale PNG at its own size, white = edited, which
 is what `data.masks` reads. Its aspect must be the target's (the target's size or a scaled copy).
 
-Every pair is checked before anything is written and every problem is reported at once. Each file is written
+Every pair is checked before anything is written and every problem is reported at once: at most 3 controls (the
+most any variant takes), the image limits, the caption by the dataset reader's own rule (data/captions.py: not
+empty, no control characters but line breaks and tabs), the mask. Each file is written
 atomically (`common.files.write_bytes`), the target last; if a write fails, the pair's files written so far
 are removed, so a failed write never leaves half a pair.
 """
@@ -31,14 +33,19 @@ import numpy as np
 from PIL import Image
 
 from qwen_edit_core.common.files import write_bytes
+from qwen_edit_core.common.names import check_file_name
+from qwen_edit_core.data.captions import caption_text_problem
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
 from qwen_edit_core.data.masks import ASPECT_TOLERANCE
+from qwen_edit_core.model import variants
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
 
 log = logging.getLogger(__name__)
 
 #: digits of the running number in PREFIX_00001
 NUMBER_DIGITS = 5
+#: the most control images any model variant takes (Edit Plus: 3)
+MAX_CONTROLS = max(v.max_controls or 1 for v in variants.VARIANTS.values())
 
 
 @dataclass(frozen=True)
@@ -88,12 +95,16 @@ def mask_problem(mask: np.ndarray, target_size: tuple[int, int]) -> str | None:
 def pair_problems(pair: NewPair) -> list[str]:
     """Everything wrong with a pair before it is written (empty: fine)."""
     problems = [] if pair.controls else ["a pair needs at least one control (before) image"]
+    if len(pair.controls) > MAX_CONTROLS:
+        problems.append(f"a pair takes at most {MAX_CONTROLS} control (before) images (Edit Plus), got "
+                        f"{len(pair.controls)}")
     named = [(f"control image {i + 1}" if len(pair.controls) > 1 else "control (before) image", image)
              for i, image in enumerate(pair.controls)]
     problems += [p for p in (_size_problem(what, image) for what, image in named + [("target (after) image",
                                                                                        pair.target)]) if p]
-    if not pair.caption.strip():
-        problems.append("caption is empty; write the edit instruction, e.g. 'invert the colors'")
+    caption_problem = caption_text_problem(pair.caption.strip())
+    if caption_problem:
+        problems.append(caption_problem + ("; e.g. 'invert the colors'" if not pair.caption.strip() else ""))
     if pair.mask is not None:
         problem = mask_problem(np.asarray(pair.mask, dtype=np.float32), pair.target.size)
         if problem:
@@ -103,9 +114,7 @@ def pair_problems(pair: NewPair) -> list[str]:
 
 def check_prefix(prefix: str) -> str:
     """The stripped name prefix, or ValueError when files named by it would not read back as a target."""
-    prefix = prefix.strip()
-    if not prefix or prefix.startswith(".") or any(c in prefix for c in "/\\:"):
-        raise ValueError(f"name prefix {prefix!r}: give a plain file name (no folders, not starting with '.')")
+    prefix = check_file_name(prefix.strip(), "name prefix")
     if re.search(r"_(control|mask)$", prefix, re.IGNORECASE):
         raise ValueError(f"name prefix {prefix!r} ends like a control or mask file name; choose another")
     return prefix

@@ -162,6 +162,19 @@ def processor_source(model_dir: Path | None, comfyui_dir: str | Path | None = No
                              "model.comfyui_models_dir)")
 
 
+def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None = None):
+    """`count(text) -> tokens` of the text encoder's tokenizer alone (`processor_source`; no image processor, no
+    weights: milliseconds to load), for checking captions while the dataset is validated; None when the model
+    has no tokenizer to read."""
+    try:
+        source = processor_source(model_dir, comfyui_dir)
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
 def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE):
     """The family's processor (Qwen2VLProcessor, ...: tokenizer + image processor) from `processor_source`."""
     return read_processor(processor_source(model_dir, comfyui_dir), family)
@@ -294,6 +307,9 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
     if unknown:
         raise ValueError(f"unknown component(s) {sorted(unknown)}; accepted: transformer, vae, text_encoder")
+    from qwen_edit_core.model.weight_files import check_model_files
+    check_model_files(model_dir, which, {"transformer": transformer_file, "vae": vae_file,
+                                         "text_encoder": text_encoder_file})  # headers only, before any weight
     comps = Components(model_dir=model_dir, variant=detect_variant(model_dir),
                        scheduler_config=load_scheduler_config(model_dir),
                        transformer_file=Path(transformer_file) if transformer_file else None,

@@ -76,7 +76,8 @@ def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: i
     spec = variants.get(variant)
     if spec.max_controls is not None and len(images) > spec.max_controls:
         raise EncodeError(f"a {spec.title} model takes {spec.controls_text()}, got {len(images)}; "
-                          "use an Edit Plus (2509/2511) model for several")
+                          + ("use an Edit Plus (2509/2511) model for several" if spec.max_controls == 1
+                             else spec.more_controls_hint()))
     vae_sizes = [tuple(s) for s in sizes] if sizes is not None else [image_size_at_area(img, vae_area)
                                                                      for img in images]
     if not spec.vl_own_area:

@@ -49,7 +49,7 @@ class Variant:
     #: template tokens (system prompt and chat framing) dropped from the encoder's hidden states; None: the
     #: processor's token count of the system message (Qwen-Image-2.1, whose pipeline counts it so)
     drop: int | None
-    #: the most control images a sample may have (None: any number; the pipelines suggest 1-3)
+    #: the most control images a sample may have (Edit Plus: 3, the model card's range is 1 to 3; None: any)
     max_controls: int | None
     #: True: the VL encoder sees each control image at its own `vl_area`; False: it sees the VAE-sized image
     vl_own_area: bool
@@ -73,13 +73,17 @@ class Variant:
 
     def check_controls(self, count: int, min_controls: int = 1) -> None:
         """Refuse a number of control images this variant cannot take; the message names a variant that can."""
-        if self.max_controls is not None and count > self.max_controls > 1:
-            raise ValueError(f"variant {self.name!r} takes {self.controls_text()}, got {count}")
         if self.max_controls is not None and count > self.max_controls or count < min_controls:
-            several = " or ".join(repr(v.name) for v in VARIANTS.values() if v.max_controls is None)
             exactly = "exactly " if min_controls == self.max_controls else ""
             raise ValueError(f"variant {self.name!r} takes {exactly}{self.controls_text()}, got {count}; "
-                             f"use variant {several} for several")
+                             + self.more_controls_hint())
+
+    def more_controls_hint(self) -> str:
+        """What to do about too many control images for this variant."""
+        if self.max_controls is not None and self.max_controls > 1:
+            return f"give at most {self.max_controls}"
+        several = " or ".join(repr(v.name) for v in VARIANTS.values() if (v.max_controls or 2) > 1)
+        return f"use variant {several} for several"
 
     def controls_text(self) -> str:
         """"one control image", "at most 3 control images" or "any number of control images"."""
@@ -98,7 +102,7 @@ class Variant:
 
 _EDIT_PLUS_COMMON = dict(pipeline_class="QwenImageEditPlusPipeline", template=templates.EDIT_PLUS_TEMPLATE,
                          image_prefix=templates.EDIT_PLUS_IMAGE_PREFIX, drop=templates.EDIT_PLUS_DROP,
-                         max_controls=None, vl_own_area=True, encoding="edit-plus")
+                         max_controls=3, vl_own_area=True, encoding="edit-plus")
 
 #: Every variant by name, in the order the CLI and messages list them.
 VARIANTS: dict[str, Variant] = {v.name: v for v in (

@@ -113,11 +113,29 @@ class Conditioning:
     height: int
 
 
+def check_controls(images: Sequence, variant: str | None) -> list:
+    """The control images as PIL images, or EncodeError (a ValueError) naming each problem: how many the
+    variant takes (Edit: one, Edit Plus: 1 to 3) and the image limits (geometry.check_image_size). Needs no
+    model: sampling checks them before any weight loads."""
+    pils = [encode.to_pil(img) for img in images]
+    spec = variants.get(variant) if variant else None  # None: a model whose variant shows only once loaded
+    problems = ["at least one control image is required"] if not pils else []
+    if spec is not None and spec.max_controls is not None and len(pils) > spec.max_controls:
+        problems.append(f"a {spec.title} model takes {spec.controls_text()}, got {len(pils)}; "
+                        + spec.more_controls_hint())
+    for k, pil in enumerate(pils):
+        try:
+            geometry.check_image_size(pil.size, f"control image {k + 1}")
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise encode.EncodeError("; ".join(problems))
+    return pils
+
+
 def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
     """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
-    pils = [encode.to_pil(img) for img in images]
-    for k, pil in enumerate(pils):
-        geometry.check_image_size(pil.size, f"control image {k + 1}")
+    pils = check_controls(images, variant)
     if settings.control_size == "target":
         out = aligned_size(pils[0], settings)
         vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,

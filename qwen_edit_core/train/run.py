@@ -19,6 +19,7 @@ from qwen_edit_core.data.cache import EmbeddingCache
 from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_cache, cache_key, encode_example,
                                                  encoder_identity, log_resizes)
 from qwen_edit_core.model import components as comp
+from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.train import sharding
 from qwen_edit_core.train.distributed import local_device
@@ -81,6 +82,25 @@ def lora_spec(config: Config) -> lora_mod.LoraSpec:
     lora = config.model.lora
     return lora_mod.LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora_mod.resolve_targets(lora.targets),
                              dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
+
+
+def load_examples(config: Config):
+    """The validated dataset of `data.folder` (data.dataset.load_dataset), every caption's tokens counted by the
+    model's tokenizer alone, before any weight loads."""
+    from qwen_edit_core.data.dataset import DatasetError, Problem, load_dataset
+    d = config.data
+    model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
+    count = comp.caption_token_counter(model_dir, model_files(config)["comfyui_dir"])
+    report = load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, count_tokens=count)
+    spec = variants.get(config.model.variant or comp.detect_variant(model_dir))
+    if spec.max_controls is not None:
+        over = [Problem(e.target, f"has {len(e.controls)} control images; a {spec.title} model takes "
+                                  f"{spec.controls_text()}")
+                for e in report.examples if len(e.controls) > spec.max_controls]
+        if over:
+            raise DatasetError(over, header=f"{len(over)} pair(s) in dataset {str(d.folder)!r} have more control "
+                                            "images than the model takes:")
+    return report
 
 
 def _model(config: Config) -> tuple[Path, EncodeSettings]:
@@ -188,11 +208,9 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     components to train on instead of loading (the caller's, e.g. a ComfyUI graph's; `_release_shared` gives
     the transformer back when the run ends); `ready(components, spec)` as soon as the LoRA is injected;
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
-    from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
-    d = config.data
-    examples = list(load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
+    examples = list(load_examples(config).examples)
     model_dir, settings = _model(config)
     out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)

@@ -75,3 +75,63 @@ def test_warmup_longer_than_the_run_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="qwen_edit_core.config"):
         _load(tmp_path, "train:\n  max_steps: 10\nlr_scheduler:\n  warmup_steps: 50\n")
     assert "warmup_steps 50" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["../../escaped_lora", "/tmp/abs_lora", "sub/lora", "..", "a\\b", "c:lora",
+                                  ".hidden", "line\nbreak", ""])
+def test_a_lora_name_that_would_leave_the_output_folder_is_refused_at_load(tmp_path, name):
+    with pytest.raises(ConfigError, match=r"train\.lora_name: .* give a plain file name"):
+        load_config(overrides={"train": {"lora_name": name}})
+
+
+def test_one_file_name_rule_for_lora_names_job_names_and_pair_prefixes(tmp_path):
+    from qwen_edit_core.common.names import file_name_problem
+    from qwen_edit_core.data.pair_writer import check_prefix
+    from qwen_edit_core.jobs import JobRegistry
+    bad = "../escaped"
+    assert file_name_problem(bad)
+    with pytest.raises(ValueError, match=r"name prefix '../escaped' holds a folder separator"):
+        check_prefix(bad)
+    with pytest.raises(ValueError, match=r"job name '../escaped' holds a folder separator"):
+        JobRegistry().start(load_config(), name=bad)
+    assert file_name_problem("my_lora-v2 final") is None
+
+
+def test_a_preview_label_is_one_line_of_text(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.validation_previews\[0\]\.label: .* one line"):
+        load_config(overrides={"train": {"validation_previews": [{"label": "two\nlines"}]}})
+
+
+def _alias_bomb(levels: int) -> str:
+    """model.lora.targets holding `levels` nested lists of 9 aliases each (9**levels strings once expanded)."""
+    lines = ["model:", "  lora:", "    targets:", "      - &l0 [to_q, to_q, to_q, to_q, to_q, to_q, to_q, to_q, to_q]"]
+    for i in range(1, levels + 1):
+        lines.append(f"      - &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    with pytest.raises(ConfigError, match=r"is refused: the document expands to more than 100000 values through "
+                                          r"its aliases"):
+        _load(tmp_path, _alias_bomb(9))  # 9**9 = 387 million strings once expanded
+    with pytest.raises(ConfigError, match="an alias refers to its own anchor"):
+        _load(tmp_path, "model:\n  lora:\n    targets: &a [to_q, *a]\n")
+
+
+def test_lora_targets_are_a_string_or_a_list_of_strings(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, _alias_bomb(3))  # 6,561 strings: under the bound, but lists inside the list
+    message = str(err.value)
+    assert "model.lora.targets[0]: expected a string, got ['to_q'" in message and len(message) < 2000
+    assert _load(tmp_path, "model:\n  lora:\n    targets: [to_q, to_k]\n").model.lora.targets == ("to_q", "to_k")
+
+
+def test_an_unknown_enum_value_does_not_hide_the_other_bad_values(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, "optimizer:\n  type: adam\n  lr: 0\ntrain:\n  max_steps: -5\n  lerning_rate: 1\n"
+                        "  lora_name: ../x\ndata:\n  batch_size: two\n")
+    message = str(err.value)
+    for expected in ("optimizer.type: 'adam' is not accepted; accepted: adamw, adamw8bit", "optimizer.lr: 0.0 must "
+                     "be > 0", "train.max_steps: -5 must be >= 1", "unknown config key 'train.lerning_rate'",
+                     "train.lora_name", "data.batch_size: expected an integer, got 'two'"):
+        assert expected in message

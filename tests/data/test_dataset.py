@@ -200,6 +200,44 @@ def test_empty_after_skipping_is_an_error(tmp_path):
     assert str(tmp_path) in str(err.value) and len(err.value.problems) == 1
 
 
+def test_links_leaving_the_dataset_folder_are_refused_by_name(tmp_path):
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    for name in ("a", "b", "c", "d"):
+        _pair(data, name)
+    _caption(outside / "secret.txt", "root:x:0:0:root:/root:/bin/bash")
+    (data / "a.txt").unlink()
+    (data / "a.txt").symlink_to(outside / "secret.txt")
+    _rgb(outside / "picture.png")
+    (data / "b.png").unlink()
+    (data / "b.png").symlink_to(outside / "picture.png")
+    (data / "c.txt").unlink()
+    (data / "c.txt").symlink_to(data / "d.txt")  # a link inside the dataset is fine
+    with pytest.raises(DatasetError) as err:
+        load_dataset(data)
+    message = str(err.value)
+    assert "2 problem(s)" in message
+    assert f"is a link to '{outside / 'secret.txt'}', outside the dataset folder" in _line_for(message, "a.txt")
+    assert f"is a link to '{outside / 'picture.png'}', outside the dataset folder" in _line_for(message, "b.png")
+    report = load_dataset(data, skip_invalid=True)
+    assert [e.name for e in report.examples] == ["c", "d"] and "root:x" not in report.examples[0].caption
+
+
+def test_captions_with_control_characters_or_over_the_size_bound_are_refused(tmp_path):
+    from qwen_edit_core.data.captions import MAX_CAPTION_BYTES
+    for name in ("a", "b", "c"):
+        _pair(tmp_path, name)
+    _caption(tmp_path / "a.txt", "make it\x00 blue")
+    (tmp_path / "b.txt").write_bytes(b"x" * (1 << 20))
+    _caption(tmp_path / "c.txt", "make the sky\nblue\tnow")  # line breaks and tabs are text
+    with pytest.raises(DatasetError) as err:
+        load_dataset(tmp_path)
+    message = str(err.value)
+    assert "control character U+0000 at character 7" in _line_for(message, "a.txt")
+    assert f"caption is {1 << 20} bytes, more than the text encoder's 1024 tokens can hold (captions over " \
+           f"{MAX_CAPTION_BYTES} bytes are refused)" in _line_for(message, "b.txt")
+    assert _line_for(message, "c.txt") is None
+
+
 def test_truncated_image_fails_even_when_pillow_is_told_to_load_truncated(tmp_path, monkeypatch):
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(buf, format="JPEG")

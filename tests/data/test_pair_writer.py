@@ -83,6 +83,22 @@ def test_every_problem_is_reported_and_nothing_is_written(tmp_path):
     assert written[0].mask is not None
 
 
+def test_four_controls_and_captions_with_control_characters_are_refused(tmp_path):
+    folder = tmp_path / "pairs"
+    pairs = [NewPair(tuple(_pil(seed=k) for k in range(4)), _pil(), "x"),
+             NewPair((_pil(),), _pil(), "make it\x00 blue"), NewPair((_pil(),), _pil(), "make it \x1b[31mred")]
+    with pytest.raises(ValueError) as err:
+        add_pairs(folder, pairs)
+    message = str(err.value)
+    assert "pair 1: a pair takes at most 3 control (before) images (Edit Plus), got 4" in message
+    assert "pair 2: caption holds the control character U+0000 at character 7" in message
+    assert "pair 3: caption holds the control character U+001B" in message
+    assert not folder.exists()
+    # a caption with a line break is text for the writer as for the dataset reader: written and read back
+    written, report = add_pairs(folder, [NewPair((_pil(),), _pil(), "make the sky\nblue")])
+    assert report.examples[0].caption == "make the sky\nblue"
+
+
 def test_a_failed_write_leaves_no_half_pair(tmp_path, monkeypatch):
     folder = tmp_path / "pairs"
     add_pairs(folder, [NewPair((_pil(),), _pil(), "x")])

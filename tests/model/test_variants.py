@@ -26,9 +26,9 @@ def test_lookup_describes_each_release():
     assert (edit.pipeline_class, edit.max_controls, edit.vl_own_area, edit.zero_cond_t) == (
         "QwenImageEditPipeline", 1, False, False)
     assert (plus.pipeline_class, plus.max_controls, plus.vl_own_area, plus.zero_cond_t) == (
-        "QwenImageEditPlusPipeline", None, True, False)
+        "QwenImageEditPlusPipeline", 3, True, False)
     assert (z.pipeline_class, z.max_controls, z.vl_own_area, z.zero_cond_t) == (
-        "QwenImageEditPlusPipeline", None, True, True)
+        "QwenImageEditPlusPipeline", 3, True, True)
     assert (edit.drop, plus.drop, z.drop) == (64, 64, 64)
     # 2511 prompts and encodes exactly as 2509, so both share cache entries
     assert z.encoding == plus.encoding == "edit-plus" and edit.encoding == "edit"
@@ -55,6 +55,8 @@ def test_prompts_are_the_pipelines_templates():
     with pytest.raises(ValueError, match="variant 'edit' takes exactly one control image, got 2; use variant "
                                          "'edit-plus' or 'edit-2511' for several"):
         variants.get("edit").format_prompt("p", 2)
+    with pytest.raises(ValueError, match="variant 'edit-plus' takes at most 3 control images, got 4; give at most 3"):
+        variants.get("edit-plus").format_prompt("p", 4)
 
 
 def test_image_areas():

@@ -4,6 +4,7 @@ directory, non-finite guards, safetensors-only model directories."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ def no_weights(monkeypatch):
 
 
 def _yaml(tmp_path, cfg):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -151,19 +153,109 @@ def test_cli_preview_problems_come_before_any_weight_loads(tiny_edit_dir, pairs_
     assert "validation_previews[1]: num_inference_steps must be >= 1" in err
 
 
-def test_unwritable_output_dir_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
-                                                         no_weights):
-    real = Path.write_bytes
+def _refuses_new_files(folder: Path) -> bool:
+    """True when `folder` is a folder in which even root cannot create a file (sysfs)."""
+    try:
+        (folder / "qwen-edit-probe").open("wb").close()
+    except OSError:
+        return folder.is_dir()
+    (folder / "qwen-edit-probe").unlink()
+    return False
 
-    def read_only(self, data):
-        if "write-probe" in self.name:
-            raise OSError(errno.EROFS, "Read-only file system", str(self))
-        return real(self, data)
-    monkeypatch.setattr(Path, "write_bytes", read_only)
+
+#: a real folder where nobody, root included, can create files or folders (Linux sysfs)
+SYSFS = Path("/sys/kernel")
+needs_sysfs = pytest.mark.skipif(not _refuses_new_files(SYSFS), reason="needs Linux sysfs (no new files, even for "
+                                                                       "root)")
+
+
+@needs_sysfs
+@pytest.mark.parametrize("command, key, place", [
+    ("train", "train.output_dir", SYSFS), ("train", "train.output_dir", SYSFS / "qwen-edit-new" / "out"),
+    ("train", "cache.dir", SYSFS), ("train", "cache.dir", SYSFS / "qwen-edit-new" / "cache"),
+    ("cache", "cache.dir", SYSFS / "qwen-edit-new" / "cache")])
+def test_an_unwritable_place_is_refused_naming_it_and_its_key_before_weights(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                             capsys, no_weights, command, key,
+                                                                             place):
+    out, cache = (place, tmp_path / "cache") if key == "train.output_dir" else (tmp_path / "o", place)
+    path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, pairs_dir, out, cache))
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "could not write " in err and f"to '{place}' ({key}): permission denied; choose a writable folder for " \
+           f"{key}" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_file_where_the_checkpoints_folder_goes_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                            no_weights):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "checkpoints").write_text("not a folder")
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
-    with pytest.raises(OutputWriteError, match=r"could not write training outputs to .*/o': the file system is "
-                                               r"read-only; choose a writable output directory"):
+    with pytest.raises(OutputWriteError, match=r"could not write checkpoints to '.*/o/checkpoints' "
+                                               r"\(train.output_dir \(its checkpoints/\)\): a file of that name is "
+                                               r"in the way \(not a folder\)"):
         QwenImageEditTrainer(config).fit()
+
+
+_READ_ONLY_MOUNT = """
+import sys
+from qwen_edit_core.cli import main
+code = main(["train", sys.argv[1]]), main(["train", sys.argv[2]]), main(["cache", sys.argv[3]])
+print("exit codes", *code)
+"""
+
+
+def test_a_read_only_mount_is_refused_with_a_message_not_a_traceback(tiny_edit_dir, pairs_dir, tmp_path):
+    """A tmpfs remounted read-only in a private mount namespace (EROFS, as a read-only volume gives)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root, or a kernel allowing private mount namespaces)")
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    configs = [_yaml(tmp_path / name, _cli_cfg(tiny_edit_dir, pairs_dir, out, cache)) for name, out, cache in (
+        ("a", mount / "existing", tmp_path / "cache"), ("b", mount / "new" / "out", tmp_path / "cache"),
+        ("c", tmp_path / "o", mount / "cache"))]
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mount} && mkdir {mount}/existing && mount -o remount,ro {mount} && "
+              f"{sys.executable} -c '{_READ_ONLY_MOUNT}' {' '.join(map(str, configs))}")
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if "mount:" in done.stderr and "exit codes" not in done.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    assert "exit codes 2 2 2" in done.stdout, done.stderr
+    for place, key in ((mount / "existing", "train.output_dir"), (mount / "new" / "out", "train.output_dir"),
+                       (mount / "cache", "cache.dir")):
+        assert f"to '{place}' ({key}): the file system is read-only; choose a writable folder for {key}" \
+               in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_missing_companion_lora_names_its_key_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys,
+                                                               no_weights):
+    cfg = _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache")
+    cfg["model"]["lora"]["stack"] = [{"path": str(tmp_path / "missing.safetensors"), "strength": 0.5}]
+    assert main(["train", str(_yaml(tmp_path, cfg))]) == 2
+    err = capsys.readouterr().err
+    assert f"model.lora.stack[0]: LoRA file '{tmp_path / 'missing.safetensors'}' does not exist; give the path of " \
+           "an existing LoRA file" in err
+
+
+def test_over_long_captions_are_named_by_file_before_any_model_loads(tiny_edit_dir, pairs_dir, tmp_path, capsys,
+                                                                     no_weights):
+    from qwen_edit_core.model.components import caption_token_counter
+    data = tmp_path / "data"
+    shutil.copytree(pairs_dir, data)
+    (data / "p1.txt").write_bytes(b"invert the colors " * 60_000)  # about 1 MB
+    count = caption_token_counter(tiny_edit_dir)
+    words = "invert the colors of the picture and "
+    long = (words * int(1100 * 100 / count(words * 100) + 1)).strip()
+    assert 1024 < count(long) < 1300
+    (data / "p2.txt").write_text(long, encoding="utf-8")
+    path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, data, tmp_path / "o", tmp_path / "cache"))
+    for command in ("train", "cache"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "2 problem(s) in dataset" in err and "Traceback" not in err
+        assert f"{data / 'p1.txt'}: caption is 1080000 bytes, more than the text encoder's 1024 tokens" in err
+        assert f"{data / 'p2.txt'}: caption is {count(long)} tokens; the text encoder takes at most 1024" in err
 
 
 def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
@@ -174,6 +266,33 @@ def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_d
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert main(args + ["--lora", str(tmp_path / "junk.safetensors")]) == 2
     assert "not a readable safetensors" in capsys.readouterr().err
+
+
+def test_cli_sample_checks_the_control_images_before_loading(tiny_plus_dir, tiny_edit_dir, pairs_dir, tmp_path,
+                                                             capsys, no_weights):
+    from PIL import Image
+    control = str(pairs_dir / "p0_control.png")
+    args = ["sample", "--prompt", "x", "--out", str(tmp_path / "o.png")]
+    assert main(args + ["--model", str(tiny_plus_dir)] + ["--image", control] * 4) == 2
+    assert "a Qwen-Image-Edit-2509 (Edit Plus) model takes at most 3 control images, got 4; give at most 3" \
+        in capsys.readouterr().err
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    assert main(args + ["--model", str(tiny_edit_dir), "--image", str(tmp_path / "dot.png")]) == 2
+    assert "control image 1 is 1x1, too small; accepted: at least 64 px on each side" in capsys.readouterr().err
+
+
+def test_pairs_with_more_controls_than_the_model_takes_are_refused_before_weights(tiny_plus_dir, tmp_path,
+                                                                                  no_weights):
+    from conftest import make_pairs
+    from qwen_edit_core.data.dataset import DatasetError
+    data = make_pairs(tmp_path / "data", n=2)
+    for k in range(1, 5):
+        shutil.copy(data / "p0_control.png", data / f"p0_control_{k}.png")
+    (data / "p0_control.png").unlink()
+    config = train_config(tiny_plus_dir, data, tmp_path / "o")
+    with pytest.raises(DatasetError, match=r"p0.png: has 4 control images; a Qwen-Image-Edit-2509 \(Edit Plus\) "
+                                           r"model takes at most 3 control images"):
+        QwenImageEditTrainer(config).check_fit()
 
 
 def test_batch_larger_than_the_data_warns(tiny_edit_dir, pairs_dir, tmp_path, caplog):
@@ -323,6 +442,72 @@ def test_a_bin_only_model_directory_is_refused_with_a_conversion_hint(tiny_edit_
     with pytest.raises(ModelNotFoundError, match=r"transformer: .* holds only pickle-based weights "
                                                  r"\(diffusion_pytorch_model.bin\).*safe_serialization=True"):
         load_transformer(model, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage a safetensors file as downloads and disks do."""
+    from safetensors.torch import save_file
+    data = path.read_bytes()
+    if how == "huge header":
+        path.write_bytes((2**50).to_bytes(8, "little") + data[8:])
+    elif how == "no tensors":
+        save_file({}, path)
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) - 1000])
+    else:  # "missing tensor": a valid file lacking one tensor the model needs
+        tensors = load_file(path)
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, path)
+
+
+@pytest.mark.parametrize("component, how, problem", [
+    ("transformer", "huge header", r"its header claims 1125899906842624 bytes but the file has \d+"),
+    ("transformer", "no tensors", r"it holds no tensors"),
+    ("transformer", "truncated", r"it is truncated: its tensors need \d+ bytes, the file has \d+"),
+    ("vae", "truncated", r"it is truncated"),
+    ("text_encoder", "huge header", r"its header claims"),
+    ("vae", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
+    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing")])
+def test_a_damaged_model_file_is_named_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights,
+                                                      component, how, problem):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_dir, model)
+    weights = next((model / component).glob("*.safetensors"))
+    _damage(weights, how)
+    path = _yaml(tmp_path, _cli_cfg(model, pairs_dir, tmp_path / "o", tmp_path / "cache"))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(problem, err) and str(weights) in err and "download the file again" in err, err
+    assert "Traceback" not in err
+
+
+def test_damaged_single_files_and_shards_are_named_before_weights(tiny_edit_dir, tmp_path):
+    from qwen_edit_core import load_config
+    from qwen_edit_core.model.single_file import SingleFileError  # noqa: F401 (the loaders' own error)
+    from qwen_edit_core.model.weight_files import WeightFileError
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_dir, model)
+    single = tmp_path / "qwen_image_edit.safetensors"
+    shutil.copy(next((model / "transformer").glob("*.safetensors")), single)
+    _damage(single, "truncated")
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model),
+                                              "transformer_file": str(single)}})
+    with pytest.raises(WeightFileError, match=rf"transformer file '{re.escape(str(single))}' is damaged: it is "
+                                              "truncated"):
+        QwenImageEditTrainer(config).check_predict()
+    with pytest.raises(WeightFileError, match="is damaged: it is truncated"):
+        QwenImageEditTrainer(config).load_model(which=("transformer",))
+    # a sharded text encoder whose index lists a tensor its shard lacks
+    folder = model / "text_encoder"
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00001.safetensors" for k in tensors},
+                                            "lm_head.extra": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)}})
+    with pytest.raises(WeightFileError, match=r"text_encoder shard .* lacks 1 tensor\(s\) its index "
+                                              r"model.safetensors.index.json lists \(e.g. \['lm_head.extra'\]\)"):
+        QwenImageEditTrainer(config).check_predict()
 
 
 # --- damaged cache data ------------------------------------------------------------------------------------------
