@@ -38,14 +38,15 @@ from qwen_edit_core.data.captions import caption_text_problem
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
 from qwen_edit_core.data.masks import ASPECT_TOLERANCE
 from qwen_edit_core.model import variants
+from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
 
 log = logging.getLogger(__name__)
 
 #: digits of the running number in PREFIX_00001
 NUMBER_DIGITS = 5
-#: the most control images any model variant takes (Edit Plus: 3)
-MAX_CONTROLS = max(v.max_controls or 1 for v in variants.VARIANTS.values())
+#: the most control images a trainable variant takes (Edit Plus: 3; Qwen-Image-2.1 samples only, not trained yet)
+MAX_CONTROLS = max(v.max_controls or 1 for v in variants.VARIANTS.values() if v.family is QWEN_IMAGE)
 
 
 @dataclass(frozen=True)

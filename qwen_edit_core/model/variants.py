@@ -82,7 +82,8 @@ class Variant:
         """What to do about too many control images for this variant."""
         if self.max_controls is not None and self.max_controls > 1:
             return f"give at most {self.max_controls}"
-        several = " or ".join(repr(v.name) for v in VARIANTS.values() if (v.max_controls or 2) > 1)
+        several = " or ".join(repr(v.name) for v in VARIANTS.values()
+                              if (v.max_controls or 2) > 1 and v.family is self.family)
         return f"use variant {several} for several"
 
     def controls_text(self) -> str:

@@ -126,11 +126,14 @@ def check_complete(entries: Mapping[str, dict], expected: Mapping[str, tuple[int
 def meta_shapes(component: str, folder: Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} the diffusers model of `folder/config.json` needs (transformer or vae), built on the
     meta device: no weights, no memory."""
+    import diffusers
     from accelerate import init_empty_weights
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    cls = QwenImageTransformer2DModel if component == "transformer" else AutoencoderKLQwenImage
+    default = diffusers.QwenImageTransformer2DModel if component == "transformer" else diffusers.AutoencoderKLQwenImage
+    config = default.load_config(folder)
+    # the class config.json names (Qwen-Image-2.1 has its own transformer and VAE classes)
+    cls = getattr(diffusers, config.get("_class_name", ""), None) or default
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(folder))
+        model = cls.from_config(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
