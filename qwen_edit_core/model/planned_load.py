@@ -105,18 +105,22 @@ def _check(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool) -
                                  f"{source.name}: does not match the architecture of its config")
 
 
-def load_transformer_planned(source, plan: speed.WeightPlan) -> torch.nn.Module:
+def load_transformer_planned(source, plan: speed.WeightPlan, *,
+                             skeleton: torch.nn.Module | None = None) -> torch.nn.Module:
     """A frozen QwenImageTransformer2DModel from `source` (model/weight_source.py) in the form and place `plan`
     says: built on the meta device, then streamed module by module onto `plan.device` (resident blocks) or the
     host (offloaded blocks, handed to a `speed.BlockOffloader`), fp8 where planned. The model carries `plan`
     (`speed.loaded_plan`), so `speed.configure_training` applies it without planning again.
 
     Runs the same under torch's FakeTensorMode with a `ShapeOnlySource` and `plan.device` "meta" (a memory
-    simulation of the real-size load without weights)."""
+    simulation of the real-size load without weights). `skeleton`: the model to fill, from `build_skeleton(source,
+    fp8=plan.fp8 or source.keeps_fp8(plan.device))` (default: built here). accelerate's `init_empty_weights`
+    creates each parameter on the host and moves it to the meta device, so a count that lets "meta" stand in
+    for the GPU builds the skeleton before it starts counting."""
     device = torch.device(plan.device)
     with torch.inference_mode(False):  # ComfyUI calls loaders under inference mode; a LoRA must train on these
         keep = source.keeps_fp8(device)
-        model = build_skeleton(source, fp8=plan.fp8 or keep)
+        model = skeleton if skeleton is not None else build_skeleton(source, fp8=plan.fp8 or keep)
         _check(model, source, plan, keep)
         stream_weights(model, source, plan, keep)
         if plan.offloaded:

@@ -75,7 +75,11 @@ class BlockOffloader:
                         if tensor is None or (is_param and tensor.requires_grad):
                             continue
                         slots.append((module, name, is_param, self._host(tensor.detach())))
-                        self._set(module, name, is_param, torch.empty(0, dtype=tensor.dtype, device=self.device))
+                        placeholder = torch.empty(0, dtype=tensor.dtype, device=self.device)
+                        if is_param and tensor.device != self.device:  # a host Parameter: a device one in its place
+                            module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
+                        else:
+                            self._set(module, name, is_param, placeholder)
         return slots
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
