@@ -36,7 +36,7 @@ def build_skeleton(source, fp8: bool) -> torch.nn.Module:
     `speed.Fp8Linear` when `fp8`."""
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
-    with init_empty_weights():
+    with torch.inference_mode(False), init_empty_weights():  # ComfyUI runs nodes under inference mode
         model = QwenImageTransformer2DModel.from_config(source.config()).requires_grad_(False)
         if fp8:
             speed.quantize_fp8(model)

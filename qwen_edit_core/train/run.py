@@ -139,7 +139,7 @@ def planned_sizes(source, spec: lora_mod.LoraSpec) -> dict:
     from qwen_edit_core.adapters import multires
     from qwen_edit_core.model.planned_load import build_skeleton
     model = build_skeleton(source, fp8=False)
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # the real LoRA's seeded init is untouched
+    with torch.inference_mode(False), torch.device("meta"), torch.random.fork_rng(devices=[]):  # RNG untouched
         lora_mod.inject_lora(model, spec)
     multires.install(model)
     return speed.model_sizes(model)

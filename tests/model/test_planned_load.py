@@ -183,3 +183,17 @@ def test_the_loader_runs_without_weights_under_fake_tensors():
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = planned_load.load_transformer_planned(source, plan)
     assert speed.has_fp8(model) and sorted(model._qwen_edit_offloader.slots) == [1, 4]
+
+
+def test_training_loads_the_transformer_in_the_plan_it_made_before_loading(tiny_edit_dir, pairs_dir, tmp_path):
+    """`fit` plans first (fp8, offloaded block, checkpointing) and loads the transformer straight into that plan;
+    the training levers then apply that same plan."""
+    from qwen_edit_core import QwenImageEditTrainer
+    from conftest import train_config
+    trainer = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={
+        "max_steps": 1, "fp8_base": True, "gradient_checkpointing": True, "offload_blocks": 1}))
+    assert trainer.fit().state == "done"
+    transformer = trainer.components.transformer
+    plan = speed.loaded_plan(transformer)
+    assert plan is not None and plan.fp8 and plan.offloaded == (1,) and plan.checkpoint_blocks == -1
+    assert speed.has_fp8(transformer) and sorted(transformer._qwen_edit_offloader.slots) == [1]
