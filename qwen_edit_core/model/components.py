@@ -326,5 +326,6 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     elif "transformer" in which:
         comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
                                              quantize=quantize_transformer, family=family)
-    log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
+    if which:
+        log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
     return comps
