@@ -55,8 +55,11 @@ class QwenImageEditTrainer:
         """
         kept = self.components.transformer if keep_transformer and self.components is not None else None
         which = tuple(w for w in which if not (kept is not None and w == "transformer"))
+        weights = predict_mod.sampling_plan(self.plan.transformer, self.plan.dtype, self.config.predict) \
+            if "transformer" in which else None  # fp8 decided before the weights load
         self.components = load_components(self.config.model.pretrained_model_name_or_path, self.plan, which=which,
-                                          quantize_transformer=self.config.model.quantize, **self.model_files())
+                                          quantize_transformer=self.config.model.quantize, transformer_plan=weights,
+                                          **self.model_files())
         if kept is not None:
             self.components.transformer = kept
         self._uncond_transformer = None

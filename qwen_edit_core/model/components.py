@@ -296,13 +296,15 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                     quantize_transformer: str = "none", quantize_text_encoder: str = "none",
                     transformer_file: str | Path | None = None, vae_file: str | Path | None = None,
                     text_encoder_file: str | Path | None = None, comfyui_dir: str | Path | None = None,
-                    transformer_fp8: str = "auto") -> Components:
+                    transformer_fp8: str = "auto", transformer_plan=None) -> Components:
     """Load the named components on the plan's devices (the plan is already validated).
 
     `transformer_file` / `vae_file` / `text_encoder_file`: single files (ComfyUI's layouts) in place of the
     directory's subfolders; `comfyui_dir`: a ComfyUI installation whose bundled tokenizer serves the text
     encoder when the directory has no processor/; `transformer_fp8`: keep a scaled-fp8 transformer file's
-    weights in fp8 or upcast them (single_file.FP8_MODES)."""
+    weights in fp8 or upcast them (single_file.FP8_MODES); `transformer_plan`: a `speed.WeightPlan` made before
+    loading (its device and dtype are the transformer's, in place of `plan`'s): the transformer is streamed
+    straight into that form (model/planned_load.py) instead of being loaded whole on its device."""
     model_dir = resolve_model_dir(name_or_path)
     unknown = set(which) - {"transformer", "vae", "text_encoder"}
     if unknown:
@@ -327,12 +329,19 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
         comps.vae = load_vae_file(vae_file, device=plan.vae, dtype=plan.dtype)
     elif "vae" in which:
         comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype, family=family)
-    if "transformer" in which and transformer_file:
+    if "transformer" in which and transformer_plan is not None and quantize_transformer == "none" \
+            and family is QWEN_IMAGE:  # the planned loader builds QwenImageTransformer2DModel
+        from qwen_edit_core.model.planned_load import load_transformer_planned
+        from qwen_edit_core.model.weight_source import weight_source
+        comps.transformer = load_transformer_planned(weight_source(model_dir, transformer_file, transformer_fp8),
+                                                     transformer_plan)
+    elif "transformer" in which and transformer_file:
         from qwen_edit_core.model.single_file import load_transformer_file
         comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
                                                   fp8=transformer_fp8)
     elif "transformer" in which:
         comps.transformer = load_transformer(model_dir, device=plan.transformer, dtype=plan.dtype,
                                              quantize=quantize_transformer, family=family)
-    log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
+    if which:
+        log.info("loaded %s from %s (%s) on %s", ", ".join(which), model_dir, comps.variant, plan.as_dict())
     return comps

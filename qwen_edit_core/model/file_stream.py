@@ -116,3 +116,50 @@ def stream_into(model: torch.nn.Module, path: Path, names: Mapping[str, str],
                 by_module.setdefault(module, {})[leaf] = tensors.pop(key).to(device)
             for module, state in by_module.items():
                 model.get_submodule(module).load_state_dict(state, strict=False, assign=True)
+
+
+class TensorReader:
+    """Tensors spread over one or more safetensors files (a sharded checkpoint's pieces: `where` maps each tensor
+    name to its file), each read from its own byte range. Every file's header is read once and the files stay
+    open until `close` (or the end of a `with` block)."""
+
+    def __init__(self, where: Mapping[str, Path]):
+        self.where = {key: Path(path) for key, path in where.items()}
+        self._files: dict[Path, tuple[dict[str, dict], int]] = {}
+        self._handles: dict[Path, object] = {}
+        for path in sorted(set(self.where.values())):
+            entries, start = read_entries(path)
+            missing = [k for k, p in self.where.items() if p == path and k not in entries]
+            if missing:
+                raise ValueError(f"{str(path)!r} lacks tensor(s) {missing[:4]} that its index places there")
+            self._files[path] = (entries, start)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a meta tensor (shape and dtype; nothing read)."""
+        out = {}
+        for key, path in self.where.items():
+            entry = self._files[path][0][key]
+            out[key] = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]], device="meta")
+        return out
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, each a fresh host tensor read from its file."""
+        out = {}
+        for key in keys:
+            path = self.where[key]
+            if path not in self._handles:
+                self._handles[path] = open(path, "rb", buffering=0)
+            entries, start = self._files[path]
+            out[key] = _read_one(self._handles[path], entries[key], start, key, path)
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles = {}
+
+    def __enter__(self) -> "TensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -32,6 +32,16 @@ def prepare_transformer(components, device: torch.device, predict):
     return None
 
 
+def sampling_plan(device: torch.device, dtype: torch.dtype, predict):
+    """The transformer's memory plan for sampling, made before it loads: with `predict.fp8` its block linears are
+    streamed straight into fp8 (model/planned_load.py), so the bf16 weights never fill the device first; None
+    (loaded as stored) otherwise. Refused before loading where the device has no fp8 matmuls."""
+    if not predict.fp8:
+        return None
+    from qwen_edit_core import speed
+    return speed.checked_plan(device, dtype, 0, fp8=True, n_checkpointed=None, n_offloaded=0)
+
+
 def uncond_replica(components, device: torch.device, uncond_device: torch.device | None):
     """The transformer's replica for `predict.cfg_mode: split`, on `uncond_device` (default the transformer's)."""
     return replicate(components.transformer, uncond_device or device)

@@ -18,8 +18,9 @@ from qwen_edit_core.speed.compile import (TEXT_BUCKET, CompileStats, compile_blo
                                           text_multiple)
 from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
 from qwen_edit_core.speed.levers import (Levers, auto_budget_gb, configure_inference, configure_training, inference_copy,
-                                        release_training)
+                                        release_training, loaded_plan)
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
+from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
 from qwen_edit_core.speed.planner import (MemoryEstimate, SpeedPlan, estimate_memory, free_memory_budget_gb, model_sizes,
                                          plan_for_budget, resident_bytes)
 
@@ -28,4 +29,4 @@ __all__ = ["ATTENTION_KERNELS", "attention_kernel", "check_attention_kernel", "c
            "quantize_rows", "Levers", "configure_inference", "configure_training", "inference_copy", "auto_budget_gb",
            "release_training", "BlockOffloader", "offload_indices",
            "MemoryEstimate", "SpeedPlan", "estimate_memory", "model_sizes", "plan_for_budget",
-           "free_memory_budget_gb", "resident_bytes"]
+           "free_memory_budget_gb", "resident_bytes", "WeightPlan", "checked_plan", "plan_training", "loaded_plan"]

@@ -204,8 +204,9 @@ def has_fp8(module: nn.Module) -> bool:
 
 def fp8_matmul_supported(device: torch.device) -> bool:
     """fp8 tensor cores: CUDA compute capability 8.9 (Ada) or 9.0+ (Hopper). The CPU runs the same numerics
-    through PyTorch's reference kernel (slow; for tests)."""
+    through PyTorch's reference kernel (slow; for tests); the meta device (shapes only) stands for a GPU that
+    has them in memory simulations and counts."""
     device = torch.device(device)
     if device.type != "cuda":
-        return device.type == "cpu"
+        return device.type in ("cpu", "meta")
     return torch.cuda.get_device_capability(device) >= (8, 9)

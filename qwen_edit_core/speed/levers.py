@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
+from qwen_edit_core.speed.checkpointing import checkpoint_blocks
 from qwen_edit_core.speed.compile import compile_blocks
-from qwen_edit_core.speed.fp8 import (_set_fp8_backward, dequantize_fp8, fp8_matmul_supported, has_fp8, probe_fp8,
-                                      quantize_fp8)
-from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
-from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, plan_for_budget, resident_bytes
+from qwen_edit_core.speed.fp8 import _set_fp8_backward, dequantize_fp8, has_fp8, probe_fp8, quantize_fp8
+from qwen_edit_core.speed.offload import BlockOffloader
+from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, resident_bytes
+from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +32,31 @@ def configure_training(transformer, train, device: torch.device, tokens: int, sh
     offload_blocks, compile}` to a transformer whose LoRA is already injected. `tokens`: the longest sequence
     of a step. `shards` > 1: the frozen base will be sharded over that many processes (FSDP2): the planner
     counts each process's share, blocks compile without the hooks FSDP2 adds, and an fp8 base or offloaded
-    blocks are refused (train.sharding says why)."""
+    blocks are refused (train.sharding says why).
+
+    A transformer loaded by the planned loader (model/planned_load.py) carries the plan it was loaded with
+    (`loaded_plan`): its fp8 layers and offloaded blocks are already in place and that plan is applied as it is,
+    not made again; any other transformer is planned here, from the weights it holds."""
     device = torch.device(device)
-    fp8, ckpt, n_off = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None), \
-        train.offload_blocks
-    budget = train.memory_budget_gb or (auto_budget_gb(transformer, device) if train.memory_budget_auto else 0.0)
-    if budget > 0:
-        plan = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards,
-                               **model_sizes(transformer))
-        fp8, ckpt, n_off = plan.fp8, plan.checkpoint_blocks, plan.offload_blocks
-        log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
-                 "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,
-                 "all" if ckpt < 0 else ckpt, n_off, plan.estimate.total / 2**30)
-    if shards > 1 and (fp8 or n_off or has_fp8(transformer)):
-        raise ValueError(f"FSDP cannot shard {'offloaded blocks' if n_off else 'an fp8 base'}: turn "
-                         f"{'train.offload_blocks' if n_off else 'train.fp8_base'} off")
-    return _apply(transformer, device, fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off, compile=train.compile,
-                  fp8_backward=train.fp8_backward, hooks_outside=shards > 1)
+    plan = loaded_plan(transformer)
+    if plan is None:
+        available = None
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            available = free + resident_bytes(transformer, device)
+        plan = plan_training(train, device, transformer.img_in.weight.dtype, model_sizes(transformer), tokens,
+                             available=available, already_fp8=has_fp8(transformer), shards=shards)
+    if shards > 1 and (plan.fp8 or plan.offloaded or has_fp8(transformer)):
+        raise ValueError(f"FSDP cannot shard {'offloaded blocks' if plan.offloaded else 'an fp8 base'}: turn "
+                         f"{'train.offload_blocks' if plan.offloaded else 'train.fp8_base'} off")
+    return _apply(transformer, plan, compile=train.compile, hooks_outside=shards > 1)
+
+
+def loaded_plan(transformer) -> WeightPlan | None:
+    """The training plan a transformer was loaded with (model/planned_load.py), or None (loaded otherwise, or
+    with a sampling plan)."""
+    plan = getattr(transformer, "_qwen_edit_plan", None)
+    return plan if plan is not None and plan.training else None
 
 
 def auto_budget_gb(transformer, device: torch.device) -> float:
@@ -79,8 +87,10 @@ def configure_inference(transformer, device: torch.device, *, fp8: bool, compile
     still be loaded, switched and scaled afterwards). `compile_mode="reduce-overhead"` adds CUDA graphs.
     Idempotent: a transformer already in fp8 or compiled stays so."""
     already = getattr(transformer, "_qwen_edit_compiled", False)
-    levers = _apply(transformer, torch.device(device), fp8=fp8, n_checkpointed=None, n_offloaded=0,
-                    compile=compile and not already, compile_mode=compile_mode)
+    device = torch.device(device)
+    plan = checked_plan(device, transformer.img_in.weight.dtype, len(transformer.transformer_blocks), fp8=fp8,
+                        n_checkpointed=None, n_offloaded=0, already_fp8=has_fp8(transformer))
+    levers = _apply(transformer, plan, compile=compile and not already, compile_mode=compile_mode)
     transformer._qwen_edit_compiled = already or compile
     return levers
 
@@ -102,51 +112,30 @@ def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: boo
     return fresh
 
 
-def _fp8_works(transformer, device) -> bool:
-    """Probe the fp8 kernel once on `device`; when it raises, keep (or put back) a bf16 base and say so."""
-    error = probe_fp8(device)
-    if error is None:
-        return True
-    dtype = transformer.img_in.weight.dtype
-    dtype = dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
-    log.warning("the fp8 kernel fails on %s (%s): the base stays in %s (fp8 turned off)", device, error,
-                str(dtype).removeprefix("torch."))
-    dequantize_fp8(transformer, dtype)
-    return False
-
-
-def _apply(transformer, device, *, fp8: bool, n_checkpointed: int | None, n_offloaded: int,
-           compile: bool, compile_mode: str | None = None, fp8_backward: bool = False,
+def _apply(transformer, plan: WeightPlan, *, compile: bool, compile_mode: str | None = None,
            hooks_outside: bool = False) -> Levers:
-    n_blocks = len(transformer.transformer_blocks)
-    if fp8 and not has_fp8(transformer) and not fp8_matmul_supported(device):
-        raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
-                         "none: turn fp8 off")
-    if (fp8 or has_fp8(transformer)) and not _fp8_works(transformer, device):
-        fp8 = False
-    if fp8:
-        quantize_fp8(transformer, fp8_backward=fp8_backward)  # idempotent
+    """Put `plan` into effect on `transformer`: fp8 block linears (already there after a planned load), the
+    fp8 backward mode, checkpointing, the block offloader (kept when a planned load made it for these blocks),
+    compiled blocks."""
+    device, n_blocks = plan.device, len(transformer.transformer_blocks)
+    if has_fp8(transformer) and not plan.fp8 and probe_fp8(device) is not None:
+        dequantize_fp8(transformer, plan.dtype)  # the kernel fails here (checked_plan said so): back to plan.dtype
+    if plan.fp8:
+        quantize_fp8(transformer, fp8_backward=plan.fp8_backward)  # idempotent
     else:  # layers already in fp8 (a scaled-fp8 file kept in fp8) still take the backward mode
-        _set_fp8_backward(transformer, fp8_backward)
-    offloaded = offload_indices(n_blocks, n_offloaded)
-    if offloaded and n_checkpointed is not None and checkpointed_indices(n_blocks, n_checkpointed) != list(
-            range(n_blocks)):
-        log.info("offloaded blocks are always checkpointed: checkpointing every block")
-        n_checkpointed = -1
-    if offloaded and n_checkpointed is None:
-        raise ValueError("train.offload_blocks needs train.gradient_checkpointing: an offloaded block's weights "
-                         "must not stay on the device until the backward pass")
-    checkpointed = checkpoint_blocks(transformer, n_checkpointed) if n_checkpointed is not None else []
+        _set_fp8_backward(transformer, plan.fp8_backward)
+    checkpointed = checkpoint_blocks(transformer, plan.checkpoint_blocks) if plan.checkpoint_blocks is not None \
+        else []
     previous = getattr(transformer, "_qwen_edit_offloader", None)
-    if previous is not None:
+    if previous is not None and (tuple(previous.indices) != plan.offloaded or previous.device != device):
         previous.remove()
-        transformer._qwen_edit_offloader = None
-    if offloaded:
-        transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, offloaded, device)
-    compiled = compile_blocks(transformer, skip=offloaded, mode=compile_mode, hooks_outside=hooks_outside) \
-        if compile else 0
-    levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=tuple(offloaded),
+        transformer._qwen_edit_offloader = previous = None
+    if plan.offloaded and previous is None:
+        transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, plan.offloaded, device)
+    compiled = compile_blocks(transformer, skip=list(plan.offloaded), mode=compile_mode,
+                              hooks_outside=hooks_outside) if compile else 0
+    levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=plan.offloaded,
                     compiled=compiled)
     log.info("transformer levers: fp8 base %s, %d/%d blocks checkpointed, %d offloaded, %d compiled",
-             levers.fp8, len(checkpointed), n_blocks, len(offloaded), compiled)
+             levers.fp8, len(checkpointed), n_blocks, len(plan.offloaded), compiled)
     return levers

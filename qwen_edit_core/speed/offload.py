@@ -74,10 +74,21 @@ class BlockOffloader:
                     for name, tensor in table.items():
                         if tensor is None or (is_param and tensor.requires_grad):
                             continue
-                        host = tensor.detach().to("cpu", copy=True)
-                        slots.append((module, name, is_param, host.pin_memory() if self.cuda else host))
-                        self._set(module, name, is_param, torch.empty(0, dtype=tensor.dtype, device=self.device))
+                        slots.append((module, name, is_param, self._host(tensor.detach())))
+                        placeholder = torch.empty(0, dtype=tensor.dtype, device=self.device)
+                        if is_param and tensor.device != self.device:  # a host Parameter: a device one in its place
+                            module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
+                        else:
+                            self._set(module, name, is_param, placeholder)
         return slots
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The host copy of a block tensor: a tensor already in host memory (pinned where the device is CUDA),
+        as the planned loader leaves an offloaded block's weights, is taken as it is, never copied again."""
+        if tensor.device.type == "cpu" and (tensor.is_pinned() or not self.cuda):
+            return tensor
+        host = tensor.to("cpu", copy=True)
+        return host.pin_memory() if self.cuda else host
 
     @staticmethod
     def _set(module, name, is_param, value):

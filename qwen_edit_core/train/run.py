@@ -21,6 +21,7 @@ from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_
 from qwen_edit_core.model import components as comp
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
+from qwen_edit_core.model.weight_source import weight_source
 from qwen_edit_core.train import sharding
 from qwen_edit_core.train.distributed import local_device
 
@@ -126,6 +127,44 @@ def run_cache(config: Config, examples: Sequence, encoders=None, *, progress=Non
     return build_cache(encoders, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
 
 
+# -- the memory plan, before any weight loads ------------------------------------------------------------------
+def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_keys: Sequence,
+                  spec: lora_mod.LoraSpec) -> speed.WeightPlan | None:
+    """The transformer's memory plan for this run (speed.plan_training), made from the model's config, the LoRA,
+    the longest bucket and the device's free memory before any weight is read, so the transformer loads straight
+    into it (model/planned_load.py). None where the load-then-configure path stays: other model families,
+    FSDP2 (the base is sharded after loading), bitsandbytes `model.quantize`, and adapters that need the base
+    weights when they are created or an unquantized base (DoRA, LoKr, LoHa)."""
+    from qwen_edit_core.model import variants
+    from qwen_edit_core.model.families import QWEN_IMAGE
+    from qwen_edit_core.train.distributed import image_tokens
+    from qwen_edit_core.train.loop import TEXT_TOKENS
+    if sharding.is_fsdp() or config.model.quantize != "none" or spec.type != "lora" or spec.dora:
+        return None
+    if variants.get(config.model.variant or comp.detect_variant(model_dir)).family is not QWEN_IMAGE:
+        return None  # the planned loader builds Qwen-Image's transformer class
+    files = model_files(config)
+    source = weight_source(model_dir, files["transformer_file"], files["transformer_fp8"])
+    device = torch.device(device)
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    tokens = max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS
+    return speed.plan_training(config.train, device, resolve_dtype(config.model.dtype, component="model.dtype"),
+                               planned_sizes(source, spec), tokens, available=available,
+                               already_fp8=source.keeps_fp8(device))
+
+
+def planned_sizes(source, spec: lora_mod.LoraSpec) -> dict:
+    """`speed.model_sizes` of the transformer with its LoRA and the mixed-resolution adapter, counted on a
+    meta-device model (no weight read, no memory)."""
+    from qwen_edit_core.adapters import multires
+    from qwen_edit_core.model.planned_load import build_skeleton
+    model = build_skeleton(source, fp8=False)
+    with torch.inference_mode(False), torch.device("meta"), torch.random.fork_rng(devices=[]):  # RNG untouched
+        lora_mod.inject_lora(model, spec)
+    multires.install(model)
+    return speed.model_sizes(model)
+
+
 # -- fit -------------------------------------------------------------------------------------------------------
 @dataclass
 class FitInputs:
@@ -145,25 +184,31 @@ def _validation_example(config: Config, n_controls: int):
 
 
 def _loaded(config: Config, plan: DevicePlan, model_dir: Path, which: tuple[str, ...],
-            shared: comp.Components | None) -> comp.Components:
+            shared: comp.Components | None, plan_weights: Callable[[], speed.WeightPlan | None] = lambda: None,
+            ) -> comp.Components:
     """The components `which`: the `shared` ones where it holds them (nothing of those is loaded again), the
-    rest loaded on the plan's devices."""
-    if shared is None:
-        return comp.load_components(model_dir, plan, which=which, quantize_transformer=config.model.quantize,
-                                    **model_files(config))
-    missing = tuple(w for w in which if getattr(shared, w) is None)
-    if not missing:
-        return shared
-    loaded = comp.load_components(model_dir, plan, which=missing, quantize_transformer=config.model.quantize,
-                                  **model_files(config))
-    return replace(shared, **{w: getattr(loaded, w) for w in missing})
+    rest loaded on the plan's devices, the transformer last, in the form `plan_weights()` plans (asked once the
+    other components are loaded: the free memory it plans with is then what the transformer can have)."""
+    missing = tuple(w for w in which if shared is None or getattr(shared, w) is None)
+    others = tuple(w for w in missing if w != "transformer")
+    comps = shared
+    if others or comps is None:
+        loaded = comp.load_components(model_dir, plan, which=others, **model_files(config))
+        comps = loaded if comps is None else replace(comps, **{w: getattr(loaded, w) for w in others})
+    if "transformer" in missing:
+        loaded = comp.load_components(model_dir, plan, which=("transformer",),
+                                      quantize_transformer=config.model.quantize, transformer_plan=plan_weights(),
+                                      **model_files(config))
+        comps = replace(comps, transformer=loaded.transformer)
+    return comps
 
 
 def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
-                   settings: EncodeSettings, shared: comp.Components | None = None) -> FitInputs:
+                   settings: EncodeSettings, shared: comp.Components | None = None,
+                   plan_weights: Callable[[], speed.WeightPlan | None] = lambda: None) -> FitInputs:
     """Load only the transformer (or take the shared one); items and the validation sample come from the
     cache."""
-    comps = _loaded(config, plan, model_dir, ("transformer",), shared)
+    comps = _loaded(config, plan, model_dir, ("transformer",), shared, plan_weights)
     cache, identity = open_cache(config), cache_identity(config, model_dir)
     keys = [cache_key(ex, settings, identity) for ex in examples]
 
@@ -178,9 +223,10 @@ def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, mode
 
 
 def _realtime_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
-                     settings: EncodeSettings, shared: comp.Components | None = None) -> FitInputs:
+                     settings: EncodeSettings, shared: comp.Components | None = None,
+                     plan_weights: Callable[[], speed.WeightPlan | None] = lambda: None) -> FitInputs:
     """Load every component (or take the shared ones); items are encoded as the loop asks for them."""
-    comps = _loaded(config, plan, model_dir, ("transformer", "vae", "text_encoder"), shared)
+    comps = _loaded(config, plan, model_dir, ("transformer", "vae", "text_encoder"), shared, plan_weights)
     val = encode_example(comps, val_example, settings) if val_example is not None else None
     return FitInputs(comps, lambda i: encode_example(comps, examples[i], settings), val)
 
@@ -210,9 +256,9 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
+    out_dir = Path(config.train.output_dir)
     examples = list(load_examples(config).examples)
     model_dir, settings = _model(config)
-    out_dir = Path(config.train.output_dir)
     resume_path = resolve_resume(out_dir, resume)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
@@ -223,13 +269,14 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                   progress=progress, cancel=cancel)
         del encoders
         release()  # free the encoders before the transformer loads
-    inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(config, plan, examples, val_example,
-                                                                             model_dir, settings, shared)
+    spec, keys = lora_spec(config), [buckets(ex, settings) for ex in examples]
+    inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(
+        config, plan, examples, val_example, model_dir, settings, shared,
+        lambda: training_plan(config, plan.transformer, model_dir, keys, spec))  # before the transformer's weights
     comps, validator = inputs.components, None
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
         validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
-    spec = lora_spec(config)
     with torch.inference_mode(False):
         try:
             _inject(config, comps.transformer, spec)
@@ -242,8 +289,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                 lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
 
             log_resizes(examples, settings)
-            result = train(config, comps.transformer, inputs.load_item, examples,
-                           [buckets(ex, settings) for ex in examples], scheduler_config=comps.scheduler_config,
+            result = train(config, comps.transformer, inputs.load_item, examples, keys,
+                           scheduler_config=comps.scheduler_config,
                            write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
                            cancel=cancel, validate=validator)
         finally:

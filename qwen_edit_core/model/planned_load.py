@@ -1,0 +1,132 @@
+"""Plan first, then load: the transformer streamed block by block straight into its planned form and place.
+
+Loading the whole model on the device and applying fp8 or offloading afterwards needs the whole bf16 model on
+the device first (38 GiB for the real transformer, 19 GiB for a scaled-fp8 file), so no plan below that could
+ever be reached. Here the plan (`speed.WeightPlan`: device, dtype, fp8, offloaded blocks) is made before any weight
+is read, the model is built on the meta device (shapes only), and each module's tensors are read from the files
+(model/weight_source.py), converted and placed where the plan keeps them:
+- a module of a resident block (and the embedders, norms and output projection) goes to the device as stored
+  and is converted there (cast to the compute dtype; fp8 where planned, with `speed.quantize_rows`, the same
+  function `speed.quantize_fp8` uses, so the weights equal those of the load-then-quantize path);
+- a module of an offloaded block is converted on the host and stays there, pinned when the device is CUDA; the
+  `speed.BlockOffloader` made at the end takes those host tensors as they are (no device copy ever exists).
+So the device holds, at any moment, the resident weights placed so far plus one module's tensors being
+converted (at most about 0.4 GiB for the real model's largest linear: bf16 in, fp32 temporaries, fp8 out).
+
+Under FSDP2 (several processes sharding the base) the training run keeps the load-then-shard path:
+train/run.py `training_plan` returns no plan and the transformer is loaded whole before it is sharded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from qwen_edit_core import speed
+from qwen_edit_core.model import single_file
+
+log = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+
+
+def build_skeleton(source, fp8: bool) -> torch.nn.Module:
+    """The transformer of `source`'s config on the meta device (no memory), frozen; its block linears
+    `speed.Fp8Linear` when `fp8`."""
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+    with torch.inference_mode(False), init_empty_weights():  # ComfyUI runs nodes under inference mode
+        model = QwenImageTransformer2DModel.from_config(source.config()).requires_grad_(False)
+        if fp8:
+            speed.quantize_fp8(model)
+    return model
+
+
+def fp8_modules(model: torch.nn.Module) -> set[str]:
+    """Paths of the model's `speed.Fp8Linear` layers."""
+    return {name for name, module in model.named_modules() if isinstance(module, speed.Fp8Linear)}
+
+
+def planned_state(state: dict[str, torch.Tensor], fp8: set[str]) -> dict[str, torch.Tensor]:
+    """Converted entries with the weights of `fp8` modules quantized per output channel where they are not in
+    fp8 yet (`weight` -> `weight_fp8` + `weight_scale`, as `speed.Fp8Linear.__init__` does); bias and the
+    rest as they are."""
+    out = {}
+    for key, value in state.items():
+        module, _, leaf = key.rpartition(".")
+        if module in fp8 and leaf == "weight":
+            out[f"{module}.weight_fp8"], out[f"{module}.weight_scale"] = speed.quantize_rows(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _home(module: str, offloaded: set[str], device: torch.device) -> torch.device:
+    """Where a module's weights live: the host for a module inside an offloaded block, else the device."""
+    parts = module.split(".")
+    return HOST if len(parts) > 1 and ".".join(parts[:2]) in offloaded else device
+
+
+def _assign(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put each converted tensor in place of its meta tensor (`load_state_dict(assign=True)` per module)."""
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        module, _, leaf = key.rpartition(".")
+        by_module.setdefault(module, {})[leaf] = value
+    for module, tensors in by_module.items():
+        model.get_submodule(module).load_state_dict(tensors, strict=False, assign=True)
+
+
+def stream_weights(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool = False) -> None:
+    """Fill `model` (from `build_skeleton`) from `source` one module at a time, each tensor read, converted and
+    placed where `plan` keeps it (module doc); `keep`: the source's fp8 weights stay in fp8."""
+    device = torch.device(plan.device)
+    offloaded = {f"transformer_blocks.{i}" for i in plan.offloaded}
+    fp8 = fp8_modules(model)
+    for tensors in source.modules():
+        home = _home(next(iter(tensors)).rpartition(".")[0], offloaded, device)
+        state = planned_state(source.convert({k: v.to(home) for k, v in tensors.items()}, fp8, plan.dtype, keep), fp8)
+        if home == HOST and plan.pin:
+            state = {k: v.pin_memory() for k, v in state.items()}
+        del tensors
+        _assign(model, state)
+    for name, buffer in model.named_buffers():  # buffers the skeleton made for real (on the host)
+        owner, _, leaf = name.rpartition(".")
+        if buffer.device != device and _home(owner, offloaded, device) != HOST:
+            model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
+
+
+def _check(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool) -> None:
+    """Refuse, before any weight is read, a source whose tensors do not match the architecture it declares."""
+    fp8 = fp8_modules(model)
+    converted = planned_state(source.convert(source.header(), fp8, plan.dtype, keep), fp8)
+    single_file.check_state_dict(converted, model.state_dict(),
+                                 f"{source.name}: does not match the architecture of its config")
+
+
+def load_transformer_planned(source, plan: speed.WeightPlan, *,
+                             skeleton: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A frozen QwenImageTransformer2DModel from `source` (model/weight_source.py) in the form and place `plan`
+    says: built on the meta device, then streamed module by module onto `plan.device` (resident blocks) or the
+    host (offloaded blocks, handed to a `speed.BlockOffloader`), fp8 where planned. The model carries `plan`
+    (`speed.loaded_plan`), so `speed.configure_training` applies it without planning again.
+
+    Runs the same under torch's FakeTensorMode with a `ShapeOnlySource` and `plan.device` "meta" (a memory
+    simulation of the real-size load without weights). `skeleton`: the model to fill, from `build_skeleton(source,
+    fp8=plan.fp8 or source.keeps_fp8(plan.device))` (default: built here). accelerate's `init_empty_weights`
+    creates each parameter on the host and moves it to the meta device, so a count that lets "meta" stand in
+    for the GPU builds the skeleton before it starts counting."""
+    device = torch.device(plan.device)
+    with torch.inference_mode(False):  # ComfyUI calls loaders under inference mode; a LoRA must train on these
+        keep = source.keeps_fp8(device)
+        model = skeleton if skeleton is not None else build_skeleton(source, fp8=plan.fp8 or keep)
+        _check(model, source, plan, keep)
+        stream_weights(model, source, plan, keep)
+        if plan.offloaded:
+            model._qwen_edit_offloader = speed.BlockOffloader(model.transformer_blocks, plan.offloaded, device)
+        model._qwen_edit_plan = plan
+        log.info("transformer from %s: %.2f GiB on %s%s%s", source.name, speed.resident_bytes(model, device) / 2**30,
+                 device, ", block linears in fp8" if speed.has_fp8(model) else "",
+                 f", {len(plan.offloaded)} blocks in host memory" if plan.offloaded else "")
+        return model.eval().requires_grad_(False)

@@ -1,0 +1,102 @@
+"""The transformer's memory plan, decided before any weight is read: which form and place each weight takes.
+
+A `WeightPlan` says on which device and in which dtype the transformer computes, whether its block linears are
+kept in fp8, which blocks stay in host memory (offloaded, copied in as they run) and how many blocks recompute
+their activations. `plan_training` makes it from the training config, the model's parameter counts (read off a
+meta-device model: no weight needed), the longest sequence and the memory the device has free; the planned
+loader (model/planned_load.py) then puts every weight straight into that form and place, and `configure_training`
+applies the rest (checkpointing, compile) without planning again. Loading first and planning afterwards would
+put the whole bf16 transformer on the device before the plan could shrink it (38 GiB for the real model).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from qwen_edit_core.speed.checkpointing import checkpointed_indices
+from qwen_edit_core.speed.fp8 import fp8_matmul_supported, probe_fp8
+from qwen_edit_core.speed.offload import offload_indices
+from qwen_edit_core.speed.planner import free_memory_budget_gb, plan_for_budget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Where and in which form the transformer's weights live.
+
+    `device` / `dtype`: where it computes and the dtype of every weight not in fp8; `fp8`: the block linears
+    are `speed.Fp8Linear` (e4m3, per-channel scales); `offloaded`: block indices whose frozen weights stay in
+    host memory (pinned on CUDA) and are copied in just before each block runs; `checkpoint_blocks`: blocks that
+    recompute in the backward pass (-1 all, None no checkpointing: sampling); `fp8_backward`: fp8 input
+    gradients too; `training`: a training run's plan (`configure_training` applies it as it is), not a sampling
+    one."""
+
+    device: torch.device
+    dtype: torch.dtype
+    fp8: bool = False
+    offloaded: tuple[int, ...] = ()
+    checkpoint_blocks: int | None = None
+    fp8_backward: bool = False
+    training: bool = False
+
+    @property
+    def pin(self) -> bool:
+        """Host copies of offloaded blocks are pinned (page-locked) only for a CUDA device: asynchronous copies."""
+        return torch.device(self.device).type == "cuda"
+
+
+def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, tokens: int, *,
+                  available: int | None = None, already_fp8: bool = False, shards: int = 1) -> WeightPlan:
+    """The plan of a training run from `train.{memory_budget_gb, memory_budget_auto, fp8_base, fp8_backward,
+    gradient_checkpointing, checkpoint_blocks, offload_blocks}`.
+
+    `sizes`: `planner.model_sizes` of the transformer with its LoRA (a meta-device model will do); `tokens`: the
+    longest sequence of a step; `available`: bytes the transformer may use on a CUDA device (its free memory, plus
+    the transformer's own weights when they are already there), None elsewhere (`memory_budget_auto` then plans
+    nothing); `already_fp8`: the block linears are fp8 already (a scaled-fp8 file kept in fp8); `shards`: the
+    processes the frozen base is sharded over (FSDP2; the planner counts one share)."""
+    device = torch.device(device)
+    fp8, ckpt = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None)
+    n_off = train.offload_blocks
+    budget = train.memory_budget_gb
+    if not budget and train.memory_budget_auto and device.type == "cuda" and available is not None:
+        budget = free_memory_budget_gb(available, 0)
+    if budget > 0:
+        chosen = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards, **sizes)
+        fp8, ckpt, n_off = chosen.fp8, chosen.checkpoint_blocks, chosen.offload_blocks
+        log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
+                 "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,
+                 "all" if ckpt < 0 else ckpt, n_off, chosen.estimate.total / 2**30)
+    return checked_plan(device, dtype, sizes["n_blocks"], fp8=fp8, n_checkpointed=ckpt, n_offloaded=n_off,
+                        fp8_backward=train.fp8_backward, already_fp8=already_fp8, training=True)
+
+
+def checked_plan(device: torch.device, dtype: torch.dtype, n_blocks: int, *, fp8: bool,
+                 n_checkpointed: int | None, n_offloaded: int, fp8_backward: bool = False,
+                 already_fp8: bool = False, training: bool = False) -> WeightPlan:
+    """A consistent plan: fp8 only where the fp8 kernel runs (refused where the device has no fp8 matmuls,
+    dropped with a warning where the kernel fails), offloaded blocks always checkpointed (their weights must
+    not stay on the device until the backward pass), offloading refused without checkpointing."""
+    device = torch.device(device)
+    if fp8 and not already_fp8 and not fp8_matmul_supported(device):
+        raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
+                         "none: turn fp8 off")
+    if fp8 or already_fp8:
+        error = probe_fp8(device)
+        if error is not None:
+            log.warning("the fp8 kernel fails on %s (%s): the base stays in %s (fp8 turned off)", device, error,
+                        str(dtype).removeprefix("torch."))
+            fp8 = False
+    offloaded = tuple(offload_indices(n_blocks, n_offloaded))
+    if offloaded and n_checkpointed is None:
+        raise ValueError("train.offload_blocks needs train.gradient_checkpointing: an offloaded block's weights "
+                         "must not stay on the device until the backward pass")
+    if offloaded and checkpointed_indices(n_blocks, n_checkpointed) != list(range(n_blocks)):
+        log.info("offloaded blocks are always checkpointed: checkpointing every block")
+        n_checkpointed = -1
+    return WeightPlan(device=device, dtype=dtype, fp8=fp8, offloaded=offloaded, checkpoint_blocks=n_checkpointed,
+                      fp8_backward=fp8_backward, training=training)
