@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import torch
 
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
 from qwen_edit_core.speed.compile import compile_blocks
+from qwen_edit_core.speed.lending import shared_copy
 from qwen_edit_core.speed.fp8 import (_set_fp8_backward, dequantize_fp8, fp8_matmul_supported, has_fp8, probe_fp8,
                                       quantize_fp8)
 from qwen_edit_core.speed.offload import BlockOffloader, offload_indices
@@ -92,12 +92,7 @@ def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: boo
     are new tensors beside the shared bf16 ones; blocks the original had compiled are compiled again in the
     copy (a compiled call is bound to its own module)."""
     was_compiled = getattr(transformer, "_qwen_edit_compiled", False)
-    shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
-    fresh = copy.deepcopy(transformer, memo=shared)
-    for module in fresh.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
-    fresh._qwen_edit_compiled = False
+    fresh = shared_copy(transformer)
     configure_inference(fresh, device, fp8=fp8, compile=compile or was_compiled, compile_mode=compile_mode)
     return fresh
 

@@ -181,8 +181,9 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
 
     `encoders`: loaded components the cache stage may use; `release()` once the cache stage is done with them
     (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
-    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's; `_release_shared` gives
-    the transformer back when the run ends); `ready(components, spec)` as soon as the LoRA is injected;
+    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: the run trains on
+    `speed.lend(transformer)`, and `speed.give_back` leaves the caller's transformer exactly as it was, whether
+    the run finished, stopped or failed); `ready(components, spec)` as soon as the LoRA is injected;
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.train.checkpoint import lora_stack
@@ -204,6 +205,10 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(config, plan, examples, val_example,
                                                                              model_dir, settings, shared)
     comps, validator = inputs.components, None
+    if shared is not None:
+        # The caller keeps using its transformer: train on a copy over the same weights (speed.lending).
+        with torch.inference_mode(False):  # tensors the copy makes (plain attributes) must serve autograd
+            comps = replace(comps, transformer=speed.lend(comps.transformer))
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
         validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
@@ -226,22 +231,13 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                            cancel=cancel, validate=validator)
         finally:
             if shared is not None:
-                _release_shared(comps.transformer)
+                speed.give_back(comps.transformer)
+                log.info("training over: the shared transformer is given back as it was lent")
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
-
-
-def _release_shared(transformer) -> None:
-    """Give a shared transformer back as it was lent: the trained adapter deleted (its LoRA is in its file),
-    every adapter off, the training levers off (speed.release_training), eval mode, frozen."""
-    from qwen_edit_core import speed
-    lora_mod.remove_adapter(transformer, "default")
-    speed.release_training(transformer)
-    transformer.eval().requires_grad_(False)
-    log.info("training done: the shared transformer is back to sampling (trained adapter removed)")
 
 
 # -- one batch -------------------------------------------------------------------------------------------------
