@@ -117,6 +117,9 @@ class TrainingJob:
         self._lock = threading.Lock()
         self._state, self._step, self._loss, self._error = "starting", 0, None, None
         self._history: list[tuple[int, float]] = []
+        # The files this run wrote, as it reports them (the folder may hold an earlier run's of the same name).
+        self._checkpoint: Path | None = None
+        self._validations: list[Path] = []
         self._result, self._delivered = None, None
         self._on_finish, self._fit, self._preflight = on_finish, fit, preflight
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
@@ -128,6 +131,7 @@ class TrainingJob:
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
             self._preflight(self.config, self._resume)
+            self._checkpoint = _resumed_checkpoint(self.output_dir, self._resume)
             self._thread.start()
         except BaseException:
             self._output_lock.release()
@@ -150,6 +154,10 @@ class TrainingJob:
                     self._history.append((event.step, event.loss))
             elif event.stage == "cache":
                 self._state = "caching"
+            elif event.stage == "checkpoint":
+                self._checkpoint = event.path
+            elif event.stage == "validation":
+                self._validations.append(event.path)
         self._notify("progress")
 
     def _run(self) -> None:
@@ -200,19 +208,23 @@ class TrainingJob:
             return list(self._history)
 
     def status(self) -> JobStatus:
-        from qwen_edit_core.train.checkpoint import latest_checkpoint
-        found = latest_checkpoint(self.output_dir / "checkpoints")
-        pngs = sorted((self.output_dir / "validation").glob("step-*.png"), key=_step_of)
+        """A snapshot; cheap enough for every step's event (no folder is listed, no checkpoint read): the last
+        checkpoint and validation image are the ones this run reported writing (a resumed run starts from the
+        checkpoint it resumed), never an earlier run's files in the same folder."""
         with self._lock:
-            result = self._result
+            result, checkpoint, latents = self._result, self._checkpoint, list(self._validations)
+        pngs = list(result.validation_images) if result else []
+        latest = pngs[-1] if pngs else next((p.with_suffix(".png") for p in reversed(latents)
+                                             if p.with_suffix(".png").is_file()), None)
+        with self._lock:
             return JobStatus(name=self.name, state=self._state, step=self._step,
                              total=self.config.train.max_steps, loss=self._loss,
                              lora_path=result.lora_path if result else None,
                              loss_plot=result.loss_plot if result else None,
                              validation_images=tuple(result.validation_images) if result else (),
-                             last_checkpoint=found.path if found else None, error=self._error,
+                             last_checkpoint=checkpoint, error=self._error,
                              output_dir=self.output_dir, delivered=self._delivered,
-                             latest_validation=pngs[-1] if pngs else None, device=self.device)
+                             latest_validation=latest, device=self.device)
 
 
 def device_key(name: str) -> str:
@@ -225,9 +237,15 @@ def device_key(name: str) -> str:
     return str(device)
 
 
-def _step_of(path: Path) -> int:
-    digits = path.stem.removeprefix("step-")
-    return int(digits) if digits.isdigit() else -1
+def _resumed_checkpoint(output_dir: Path, resume) -> Path | None:
+    """The checkpoint a run resumes from (read once, when the job starts), None for a fresh run."""
+    if not resume:
+        return None
+    from qwen_edit_core.train.loop import resolve_resume
+    try:
+        return resolve_resume(output_dir, resume)
+    except (OSError, ValueError):
+        return None  # the run itself reports what is wrong with it
 
 
 class JobRegistry:
