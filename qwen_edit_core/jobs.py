@@ -9,7 +9,8 @@ cleanly. A finished job hands its LoRA to the registry's delivery function (Comf
 already runs with the same config returns the running job (attach); with another config, or on a device that
 runs another job, it refuses with a message saying what to do. Listeners get an event on every step and on
 state changes (the ComfyUI nodes turn them into websocket messages). `install_shutdown_checkpoints` makes
-SIGINT, SIGTERM and interpreter exit stop every running job with a checkpoint first.
+SIGINT, SIGTERM and interpreter exit stop every running job with a checkpoint first (waiting a bounded time; a
+second signal quits at once).
 """
 
 from __future__ import annotations
@@ -343,40 +344,74 @@ class JobRegistry:
         return job.wait() if wait else job.status()
 
     def checkpoint_all(self, timeout: float | None = None) -> list[JobStatus]:
-        """Stop every running job and wait until each has saved its checkpoint (server shutdown)."""
+        """Stop every running job and wait until each has saved its checkpoint (server shutdown), for at most
+        `timeout` seconds in all (None: no limit); a job still running then is named in the log."""
         running = self.running()
         for job in running:
             log.warning("stopping training job %r with a checkpoint (shutdown)", job.name)
             job.stop()
-        return [job.wait(timeout) for job in running]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        statuses = [job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for job in running]
+        for status in statuses:
+            if not status.finished:
+                log.error("training job %r did not finish its checkpoint within %.0f s; its last checkpoint is "
+                          "%s (resume from it)", status.name, timeout, status.last_checkpoint or "none")
+        return statuses
 
 
 #: The process-wide registry the ComfyUI nodes use.
 REGISTRY = JobRegistry()
 
+#: How long a shutdown (signal or interpreter exit) waits for running jobs to save their checkpoints: the
+#: current step, its validation (if due) and the checkpoint write; a second signal ends the wait at once.
+SHUTDOWN_WAIT_S = 300.0
+
 _installed: set[int] = set()
 
 
-def install_shutdown_checkpoints(registry: JobRegistry = REGISTRY, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
+def install_shutdown_checkpoints(registry: JobRegistry = REGISTRY, signals=(signal.SIGINT, signal.SIGTERM),
+                                 wait: float = SHUTDOWN_WAIT_S) -> None:
     """Checkpoint every running job of `registry` before the process goes away: on interpreter exit
-    (atexit) and on `signals`, whose previous handlers run afterwards (a default one is re-raised).
-    Signal handlers can only be set from the main thread; elsewhere only the exit hook is installed."""
+    (atexit) and on `signals`, waiting at most `wait` seconds; then the previous handlers run (a default one
+    is re-raised). The first signal puts the previous handlers back, so a second signal (a second Ctrl-C)
+    does at once what it did before the pack loaded. Signal handlers can only be set from the main thread;
+    elsewhere only the exit hook is installed."""
     if id(registry) in _installed:
         return
     _installed.add(id(registry))
-    atexit.register(registry.checkpoint_all)
-    for signum in signals:
-        try:
-            previous = signal.getsignal(signum)
-            signal.signal(signum, _chained(registry, signum, previous))
-        except ValueError:
-            log.warning("not in the main thread: %s will not checkpoint running training jobs", signum)
+    atexit.register(_at_exit, registry, wait)
+    try:
+        previous = {signum: signal.getsignal(signum) for signum in signals}
+        for signum in signals:
+            signal.signal(signum, _chained(registry, signum, previous[signum], wait=wait, restore=previous))
+    except ValueError:
+        log.warning("not in the main thread: %s will not checkpoint running training jobs", signals)
 
 
-def _chained(registry: JobRegistry, signum: int, previous):
+#: set by the first shutdown signal: the exit that follows does not wait for the jobs a second time
+_signalled = threading.Event()
+
+
+def _at_exit(registry: JobRegistry, wait: float) -> None:
+    """Interpreter exit: checkpoint running jobs, unless a shutdown signal already did (or the user sent a
+    second one to quit now)."""
+    if not _signalled.is_set():
+        registry.checkpoint_all(wait)
+
+
+def _chained(registry: JobRegistry, signum: int, previous, *, wait: float = SHUTDOWN_WAIT_S,
+             restore: dict | None = None):
+    """The handler for `signum`: put the `restore` handlers back (a second signal falls through to them, even
+    while this one waits), checkpoint running jobs for at most `wait` seconds, then run `previous`."""
     def handler(sig, frame):
+        _signalled.set()
+        for number, old in (restore or {}).items():
+            signal.signal(number, old)
         if registry.running():
-            registry.checkpoint_all()
+            log.warning("%s: waiting up to %.0f s for running training jobs to save a checkpoint; send it again "
+                        "(Ctrl-C) to quit now", signal.Signals(sig).name, wait)
+            registry.checkpoint_all(wait)
         if callable(previous):
             previous(sig, frame)
         elif previous == signal.SIG_DFL:

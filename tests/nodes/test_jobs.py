@@ -331,3 +331,59 @@ def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
         assert f'"{node_id}"' in script and node_id in nodes.NODE_CLASS_MAPPINGS
     # The view is a DOM widget that is never saved into a workflow's widget values (they go by position).
     assert "serialize: false" in script and "widget.serialize = false" in script
+
+
+STUCK_CHILD = """
+import sys, threading
+sys.path.insert(0, {root!r})
+from qwen_edit_core import jobs
+from qwen_edit_core.config import load_config
+
+def fit(config, *, resume, progress, cancel, lock=None, model=None):
+    print("running", flush=True)
+    while not cancel.cancelled:
+        cancel._event.wait()
+    print("stopping", flush=True)  # asked for its checkpoint, which never completes (a hung write)
+    threading.Event().wait()
+
+registry = jobs.JobRegistry(fit=fit, preflight=lambda config, resume: None)
+jobs.install_shutdown_checkpoints(registry, wait={wait})
+registry.start(load_config(overrides={{"train": {{"output_dir": {out!r}, "lora_name": "stuck", "device": "cpu"}}}}))
+try:
+    threading.Event().wait()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def _stuck_child(tmp_path, wait: float) -> subprocess.Popen:
+    code = STUCK_CHILD.format(root=str(ROOT), out=str(tmp_path / "stuck"), wait=wait)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "running\n"  # the job runs and the handlers are installed
+    return child
+
+
+@pytest.mark.slow  # a child process
+def test_a_second_ctrl_c_quits_while_the_first_waits_for_a_checkpoint(tmp_path):
+    child = _stuck_child(tmp_path, wait=3600)
+    try:
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline() == "stopping\n"  # the first Ctrl-C waits for the job's checkpoint
+        child.send_signal(signal.SIGINT)  # the second one falls through to Python's own handler
+        assert child.wait(timeout=60) == 3 and child.stdout.read() == "interrupted\n"
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+@pytest.mark.slow  # a child process
+def test_the_shutdown_wait_for_a_checkpoint_is_bounded(tmp_path):
+    child = _stuck_child(tmp_path, wait=0.5)
+    try:
+        child.send_signal(signal.SIGINT)  # the job never finishes its checkpoint: the wait gives up
+        assert child.wait(timeout=60) == 3 and child.stdout.read() == "stopping\ninterrupted\n"
+        assert "did not finish its checkpoint within 0 s" in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
