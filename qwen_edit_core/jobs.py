@@ -328,8 +328,9 @@ class JobRegistry:
             status = job.status()
             raise JobBusyError(f"training job {job.name!r} trains on this model (step {status.step}/{status.total}, "
                                f"output {job.output_dir}); cannot {use} with it until the job is done: wait for "
-                               "it (Training Status) or stop it (Stop Training), or load the model again in a "
-                               "second loader for this")
+                               "it (Training Status) or stop it (Stop Training), or load a second copy for this "
+                               "(a second Load Model node with another `instance` number: a loader with the same "
+                               "settings gives back the same model; the copy takes the model's memory again)")
 
     def running(self) -> list[TrainingJob]:
         return [job for job in self.jobs() if not job.finished]

@@ -5,6 +5,7 @@ the job runs; ComfyUI is asked to unload its own models from the training device
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -15,6 +16,7 @@ from nodes import comfy_runtime, train_nodes
 from nodes.common import TINY_MODEL
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.model import components as comp
+from qwen_edit_core.train.loop import TrainResult
 
 
 @pytest.fixture
@@ -60,7 +62,7 @@ def test_the_job_trains_the_graphs_transformer_without_a_second_copy(env, monkey
     handle, lent, real_lend = model, [], speed.lend
     monkeypatch.setattr(speed, "lend", lambda module: lent.append(real_lend(module)) or lent[-1])
     monkeypatch.setattr(comp, "load_components", load_components)
-    monkeypatch.setattr(comfy_runtime, "free_device_memory", freed.append)
+    monkeypatch.setattr(comfy_runtime, "free_device_memory", lambda device, **kept: freed.append(device))
     monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=spy_fit))
     with torch.inference_mode():
         (job,) = nodes.QwenEditTrain().start(model, data, "shared_lora", 2, 1e-3, 4, 4.0, "attn", 1, 64, 0, False,
@@ -151,7 +153,7 @@ def test_after_a_job_the_graphs_model_samples_bit_identically(env, monkeypatch, 
                     raise RuntimeError("a failure inside training")
         return jobs.fit_with_trainer(config, resume=resume, progress=ends, cancel=cancel, lock=lock, model=model)
 
-    monkeypatch.setattr(comfy_runtime, "free_device_memory", lambda device: False)
+    monkeypatch.setattr(comfy_runtime, "free_device_memory", lambda device, **kept: False)
     monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=ending_fit))
     with torch.inference_mode():
         (job,) = nodes.QwenEditTrain().start(model, data, f"ends_{ending}", 4, 1e-2, 4, 4.0, "all", 2, 64, 0, False,
@@ -160,3 +162,34 @@ def test_after_a_job_the_graphs_model_samples_bit_identically(env, monkeypatch, 
     assert status.state == ending and status.step >= 2, status
     assert _tree(transformer) == tree
     assert torch.equal(_sampled(model), before)
+
+
+def test_a_second_loader_instance_is_a_separate_model_the_sampler_may_use_while_a_job_trains(env, monkeypatch):
+    """ComfyUI gives loaders with equal inputs one cached model; the refusal's advice (another `instance`) makes
+    the second loader's inputs differ, and its model is a separate copy that samples while the job trains."""
+    for loader in (nodes.QwenEditModelLoader, nodes.QwenEditTransformerLoader):
+        assert list(loader.INPUT_TYPES()["optional"])[-1] == "instance"  # added last
+    with torch.inference_mode():
+        (first,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+        (second,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32", instance=1)
+        (data, _) = nodes.QwenEditSyntheticDataset().make("pairs", 2, 0)
+    assert second.components.transformer is not first.components.transformer
+    started, finish = threading.Event(), threading.Event()
+
+    def held_fit(config, *, resume, progress, cancel, lock=None, model=None):
+        started.set()
+        finish.wait()
+        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(comfy_runtime, "free_device_memory", lambda device, **kept: False)
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held_fit))
+    with torch.inference_mode():
+        (job,) = nodes.QwenEditTrain().start(first, data, "held", 2, 1e-3, 4, 4.0, "attn", 1, 64, 0, False, 0, False)
+    try:
+        assert started.wait(60)
+        with pytest.raises(jobs.JobBusyError, match="another `instance` number"):
+            _sampled(first)
+        assert _sampled(second).isfinite().all()  # the second copy is free
+    finally:
+        finish.set()
+        job.wait()
