@@ -62,9 +62,9 @@ def auto_budget_gb(transformer, device: torch.device) -> float:
 
 
 def release_training(transformer) -> None:
-    """Take the training levers off a transformer that stays in use (a shared model after a run): blocks no
-    longer recompute, offloaded blocks are back on their device. fp8 base layers stay fp8 (their original
-    weights are gone) and compiled blocks stay compiled."""
+    """Take checkpointing and offload off a transformer trained in place (offloaded blocks back on their
+    device). fp8 base layers stay fp8 and compiled blocks stay compiled: a model someone else keeps using is
+    trained as a copy instead (`speed.lend` / `give_back`), which leaves it exactly as it was."""
     offloader = getattr(transformer, "_qwen_edit_offloader", None)
     if offloader is not None:
         offloader.remove()

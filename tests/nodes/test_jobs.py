@@ -17,7 +17,7 @@ import pytest
 
 import nodes
 from nodes import comfy_runtime, job_service
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, shutdown
 from qwen_edit_core.common.progress import Progress
 from qwen_edit_core.config import load_config
 from qwen_edit_core.train.loop import TrainResult
@@ -275,7 +275,7 @@ def test_shutdown_handler_checkpoints_running_jobs_then_runs_the_previous_handle
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.release(1)
     seen = []
-    handler = jobs._chained(fake.registry, signal.SIGTERM, lambda sig, frame: seen.append(job.status().state))
+    handler = shutdown._chained(fake.registry, signal.SIGTERM, lambda sig, frame: seen.append(job.status().state))
     handler(signal.SIGTERM, None)
     assert seen == ["cancelled"] and job.status().delivered is not None
 
@@ -294,7 +294,8 @@ config = load_config(overrides={{
     "data": {{"folder": {data!r}, "vae_area": 64 * 64}}, "cache": {{"enabled": False}},
     "train": {{"output_dir": {out!r}, "max_steps": 100000, "checkpoint_every": 0,
                                   "lora_name": "shutdown", "device": "cpu"}}}})
-jobs.install_shutdown_checkpoints()
+from qwen_edit_core import shutdown
+shutdown.install_shutdown_checkpoints()
 jobs.REGISTRY.subscribe(lambda job, event: print("step", job.status().step, flush=True))
 job = jobs.REGISTRY.start(config)
 job.wait()
@@ -336,7 +337,7 @@ def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
 STUCK_CHILD = """
 import sys, threading
 sys.path.insert(0, {root!r})
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, shutdown
 from qwen_edit_core.config import load_config
 
 def fit(config, *, resume, progress, cancel, lock=None, model=None):
@@ -347,7 +348,7 @@ def fit(config, *, resume, progress, cancel, lock=None, model=None):
     threading.Event().wait()
 
 registry = jobs.JobRegistry(fit=fit, preflight=lambda config, resume: None)
-jobs.install_shutdown_checkpoints(registry, wait={wait})
+shutdown.install_shutdown_checkpoints(registry, wait={wait})
 registry.start(load_config(overrides={{"train": {{"output_dir": {out!r}, "lora_name": "stuck", "device": "cpu"}}}}))
 try:
     threading.Event().wait()
