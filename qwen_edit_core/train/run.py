@@ -181,9 +181,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
 
     `encoders`: loaded components the cache stage may use; `release()` once the cache stage is done with them
     (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
-    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: the run trains on
-    `speed.lend(transformer)`, and `speed.give_back` leaves the caller's transformer exactly as it was, whether
-    the run finished, stopped or failed); `ready(components, spec)` as soon as the LoRA is injected;
+    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: trained as `speed.lend`'s
+    copy, given back exactly as it was however the run ends); `ready(components, spec)` as soon as the LoRA is injected;
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.train.checkpoint import lora_stack
@@ -204,11 +203,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         release()  # free the encoders before the transformer loads
     inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(config, plan, examples, val_example,
                                                                              model_dir, settings, shared)
-    comps, validator = inputs.components, None
-    if shared is not None:
-        # The caller keeps using its transformer: train on a copy over the same weights (speed.lending).
-        with torch.inference_mode(False):  # tensors the copy makes (plain attributes) must serve autograd
-            comps = replace(comps, transformer=speed.lend(comps.transformer))
+    comps, validator = _lent(inputs.components) if shared is not None else inputs.components, None
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
         validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
@@ -231,13 +226,23 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                            cancel=cancel, validate=validator)
         finally:
             if shared is not None:
-                speed.give_back(comps.transformer)
-                log.info("training over: the shared transformer is given back as it was lent")
+                _give_back(comps.transformer)
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
+
+
+def _lent(comps: comp.Components) -> comp.Components:
+    """The caller keeps using its transformer: the run trains on a copy over the same weights (speed.lending)."""
+    with torch.inference_mode(False):  # tensors the copy makes (plain attributes) must serve autograd
+        return replace(comps, transformer=speed.lend(comps.transformer))
+
+
+def _give_back(transformer) -> None:
+    speed.give_back(transformer)
+    log.info("training over: the shared transformer is given back as it was lent")
 
 
 # -- one batch -------------------------------------------------------------------------------------------------
