@@ -6,8 +6,8 @@ changes only that tree: peft's LoRA layers, fp8 module replacement, compiled blo
 multi-resolution RoPE module and attention processors, train/eval mode. `give_back(copy)` then restores the two
 things that act on the shared tensors themselves:
 
-- the block offloader moves frozen weights to host memory in place (`Parameter.data`); removing it moves them
-  back (a copy to the host and back is exact);
+- the block offloader gives the copy's offloaded blocks new Parameters (the lender's stay as they are:
+  exact, but their device memory is not freed while the run lasts; `give_back` removes the offloader);
 - fp8: a layer the copy quantizes no longer uses the original bf16 weight, which would stay on the device beside
   the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in (pinned) host memory as it
   replaces the layer (`park`), and `give_back` moves it back. Cost: host memory for those weights while the run
