@@ -132,12 +132,12 @@ def raise_if_interrupted() -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
 
-def free_device_memory(device: str) -> bool:
+def free_device_memory(device: str, keep=(), busy=lambda module: None) -> bool:
     """Ask ComfyUI to unload every model it loaded on `device` (a torch device name; "cuda" is "cuda:0") and
     empty the CUDA cache, before a training job needs the memory: `comfy.model_management.free_memory` with
     more bytes than any device has (what its own `unload_all_models` does for its default device), then
-    `soft_empty_cache`. Our pack's components are not ComfyUI models and stay. Returns whether ComfyUI was
-    asked (not outside ComfyUI, not for the CPU)."""
+    `soft_empty_cache`. Our modules in `keep` (the job's) stay loaded. Returns whether ComfyUI was asked (not
+    outside ComfyUI, not for the CPU)."""
     import torch
     target = torch.device(device)
     if not in_comfy() or target.type == "cpu":
@@ -145,7 +145,9 @@ def free_device_memory(device: str) -> bool:
     if target.index is None:
         target = torch.device(target.type, 0)
     import comfy.model_management
-    unloaded = comfy.model_management.free_memory(1e30, target)
+    patchers = [p for p in (managed_patcher(m, busy) for m in keep) if p is not None]
+    kept = [comfy.model_management.LoadedModel(p) for p in patchers]
+    unloaded = comfy.model_management.free_memory(1e30, target, keep_loaded=kept)
     comfy.model_management.soft_empty_cache()
     log.info("asked ComfyUI to free %s: %d of its models unloaded", target, len(unloaded or ()))
     return True
@@ -180,3 +182,143 @@ def other_prompts_queued() -> bool:
     if server is None:
         return False
     return server.prompt_queue.get_tasks_remaining() > 1
+
+
+# -- the pack's models in ComfyUI's memory manager --------------------------------------------------------------
+# ComfyUI (comfy/model_management.py) keeps `current_loaded_models`, a list of `LoadedModel`s, each holding a weak
+# reference to a ModelPatcher; `load_models_gpu([patcher])` puts a model on its device and into that list (after
+# `free_memory` made room by offloading others), and `free_memory` offloads listed models when another one needs
+# the room (`LoadedModel.model_unload`: `patcher.partially_unload`, else `patcher.detach`). A pack whose models are
+# not ModelPatchers registers them with a ModelPatcher subclass whose load and detach move the whole module, as
+# nunchaku's and other wrapper packs do. Ours is `_patcher_class()`.
+
+PATCHER = "_qwen_edit_patcher"
+_patcher_type = None
+
+
+def _nbytes(module, device=None) -> int:
+    """Bytes of a module's parameters and buffers (those on `device` only, when given)."""
+    import torch
+    seen = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values()
+               if device is None or t.device == torch.device(device))
+
+
+class _Anchor:
+    """What the patcher's `model` is: a stand-in that refers to our module weakly, so that the module (which holds
+    its patcher) and the patcher form no reference cycle: dropping the module frees it at once, and ComfyUI's
+    finalizer on the anchor then removes the entry from its list."""
+
+    def __init__(self, module):
+        import weakref
+        self.target = weakref.ref(module)  # ComfyUI's ModelPatcher also sets a few plain attributes here
+
+    @property
+    def device(self):
+        module = self.target()
+        first = next(module.parameters(), None) if module is not None else None
+        return first.device if first is not None else None
+
+    @device.setter
+    def device(self, value):
+        pass  # the device is wherever the module's weights are
+
+
+def _patcher_class():
+    """A `comfy.model_patcher.ModelPatcher` for one of the pack's components (defined on first use: ComfyUI is
+    imported only inside ComfyUI). Loading moves the whole module to its device, offloading moves it to the CPU;
+    while `busy(module)` names a running training job, ComfyUI cannot offload it (detach keeps it)."""
+    global _patcher_type
+    if _patcher_type is not None:
+        return _patcher_type
+    import torch
+    import comfy.model_patcher
+
+    class PackModelPatcher(comfy.model_patcher.ModelPatcher):
+        def __init__(self, module, load_device, busy):
+            super().__init__(_Anchor(module), load_device=load_device, offload_device=torch.device("cpu"),
+                             size=max(1, _nbytes(module)))
+            self.busy = busy
+
+        @property
+        def module(self):
+            return self.model.target()
+
+        def __deepcopy__(self, memo):
+            return None  # a copy of our module (a lent or Sampling Speed copy) gets its own patcher
+
+        def loaded_size(self):
+            module = self.module
+            return 0 if module is None else _nbytes(module, self.load_device)
+
+        def current_loaded_device(self):
+            return self.model.device
+
+        def model_dtype(self):
+            module = self.module
+            first = next((p for p in module.parameters() if p.is_floating_point()), None) if module else None
+            return first.dtype if first is not None else torch.float32
+
+        def model_patches_to(self, device):
+            pass
+
+        def lowvram_patch_counter(self):
+            return 0
+
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            module, before = self.module, self.loaded_size()
+            # a training job's levers move its weights themselves (offloaded blocks, parked fp8 originals)
+            if module is not None and before < _nbytes(module) and not self.busy(module):
+                module.to(device_to)
+            return self.loaded_size() - before
+
+        def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+            return 0  # whole modules only: ComfyUI then calls detach
+
+        def detach(self, unpatch_all=True):
+            module = self.module
+            job = self.busy(module) if module is not None else None
+            if job:
+                log.warning("ComfyUI asked to offload a model that training job %r trains on: it stays", job)
+            elif module is not None and self.offload_device != self.load_device:
+                module.to(self.offload_device)
+                log.info("ComfyUI offloaded %s to %s", type(module).__name__, self.offload_device)
+            return self.model
+
+    _patcher_type = PackModelPatcher
+    return _patcher_type
+
+
+def managed_patcher(module, busy):
+    """The ComfyUI patcher of one of our modules (made once per module, kept on it), or None outside ComfyUI."""
+    if not in_comfy() or module is None:
+        return None
+    patcher = module.__dict__.get(PATCHER)
+    if patcher is None:
+        first = next(module.parameters(), None)
+        if first is None:
+            return None
+        patcher = _patcher_class()(module, first.device, busy)
+        module.__dict__[PATCHER] = patcher
+    return patcher
+
+
+def load_models(modules, busy) -> list:
+    """Make our modules known to ComfyUI's memory manager and put them on their devices (ComfyUI may have
+    offloaded them to the CPU for another model): `comfy.model_management.load_models_gpu`, which first frees
+    room by offloading ComfyUI's least needed models. Returns the patchers (none outside ComfyUI)."""
+    patchers = [p for p in (managed_patcher(m, busy) for m in modules) if p is not None]
+    if patchers:
+        import comfy.model_management
+        comfy.model_management.load_models_gpu(patchers)
+    return patchers
+
+
+def forget_models(modules) -> None:
+    """Take our modules out of ComfyUI's list of loaded models (they are being freed)."""
+    if not in_comfy():
+        return
+    import comfy.model_management
+    patchers = {id(m.__dict__.get(PATCHER)) for m in modules if m is not None and m.__dict__.get(PATCHER)}
+    loaded = comfy.model_management.current_loaded_models
+    loaded[:] = [entry for entry in loaded if id(entry.model) not in patchers]

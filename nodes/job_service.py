@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import quote
 
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, shutdown
 
 from . import comfy_runtime
 
@@ -97,4 +97,4 @@ def setup(registry: jobs.JobRegistry = jobs.REGISTRY) -> None:
         return
     from aiohttp import web
     register_routes(server.routes, web, registry)
-    jobs.install_shutdown_checkpoints(registry)
+    shutdown.install_shutdown_checkpoints(registry)

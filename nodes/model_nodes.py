@@ -11,6 +11,7 @@ from qwen_edit_core.adapters import lora
 from qwen_edit_core.model.devices import resolve_device, resolve_dtype
 
 from . import comfy_runtime
+from .loaded_models import TracksLoads, hidden_id
 from .common import (CATEGORY, DTYPES, MODEL, SCHEDULER, TEXT_ENCODER, TIPS, TRANSFORMER, VAE, ModelHandle,
                      device_choices, model_choices, resolve_model)
 
@@ -46,6 +47,17 @@ def _device(component: str) -> tuple:
 
 
 DTYPE = (DTYPES, {"tooltip": TIPS["dtype"]})
+#: the last input of the loaders that load a transformer: ComfyUI hands every loader with equal inputs the same
+#: cached model object, so a second copy of the weights needs an input that differs
+INSTANCE = ("INT", {"default": 0, "min": 0, "max": 99,
+                    "tooltip": "0: the usual. Another number loads a separate copy of the weights (ComfyUI gives "
+                               "loaders with identical settings the same model), e.g. to sample with one copy while "
+                               "a training job trains on the other; each copy takes the model's full memory"})
+
+
+def _with_instance(inputs: dict) -> dict:
+    inputs["optional"]["instance"] = INSTANCE  # added last: saved workflows keep widget values by position
+    return inputs
 QUANTIZE = (list(comp.QUANTIZE_MODES), {"tooltip": TIPS["quantize"]})
 
 
@@ -65,7 +77,7 @@ def _resolve(name: str, component: str) -> torch.device:
     return resolve_device(name, component=component)
 
 
-class QwenEditModelLoader:
+class QwenEditModelLoader(TracksLoads):
     """Transformer, VAE and text encoder of one diffusers-layout directory, each on its own device."""
 
     CATEGORY = f"{CATEGORY}/loaders"
@@ -75,18 +87,17 @@ class QwenEditModelLoader:
                    "without downloads.")
     RETURN_TYPES = (MODEL,)
     RETURN_NAMES = ("model",)
-    FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"transformer_device": _device("transformer (20 B parameters: ~41 GiB in bf16)"),
-                              "vae_device": _device("VAE (~0.25 GB)"),
-                              "text_encoder_device": _device("text encoder (Qwen2.5-VL 7B: ~16 GB in bf16)"),
-                              "dtype": DTYPE}, transformer_file=True,
-                             vae_file=True, text_encoder_file=True)
+        return hidden_id(_with_instance(_model_inputs({
+            "transformer_device": _device("transformer (20 B parameters: ~41 GiB in bf16)"),
+            "vae_device": _device("VAE (~0.25 GB)"),
+            "text_encoder_device": _device("text encoder (Qwen2.5-VL 7B: ~16 GB in bf16)"),
+            "dtype": DTYPE}, transformer_file=True, vae_file=True, text_encoder_file=True)))
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
-             transformer_file=None, vae_file=None, text_encoder_file=None):
+             transformer_file=None, vae_file=None, text_encoder_file=None, instance=0):
         from qwen_edit_core.model.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
@@ -97,21 +108,20 @@ class QwenEditModelLoader:
                                                  comfyui_dir=comfy_runtime.comfyui_dir())),)
 
 
-class QwenEditTransformerLoader:
+class QwenEditTransformerLoader(TracksLoads):
     CATEGORY = f"{CATEGORY}/loaders"
     DESCRIPTION = ("Loads only the transformer (the 20 B parameter denoiser) on one device, optionally "
                    "int8/nf4 or from a diffusion_models file. Combine with the other component loaders in "
                    "Assemble Model.")
     RETURN_TYPES = (TRANSFORMER,)
     RETURN_NAMES = ("transformer",)
-    FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": _device("transformer"), "dtype": DTYPE, "quantize": QUANTIZE},
-                             transformer_file=True)
+        return hidden_id(_with_instance(_model_inputs({"device": _device("transformer"), "dtype": DTYPE,
+                                                      "quantize": QUANTIZE}, transformer_file=True)))
 
-    def load(self, model, device, dtype, quantize, path="", transformer_file=None):
+    def load(self, model, device, dtype, quantize, path="", transformer_file=None, instance=0):
         directory = comp.resolve_model_dir(resolve_model(model, path))
         file = _transformer_file(transformer_file)
         if file is not None:
@@ -123,17 +133,16 @@ class QwenEditTransformerLoader:
         return ((directory, module, file),)  # the file travels on: cache identity, training config
 
 
-class QwenEditVAELoader:
+class QwenEditVAELoader(TracksLoads):
     CATEGORY = f"{CATEGORY}/loaders"
     DESCRIPTION = ("Loads only the Qwen-Image VAE on one device (from the model folder or a file of "
                    "ComfyUI's vae folder).")
     RETURN_TYPES = (VAE,)
     RETURN_NAMES = ("vae",)
-    FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": _device("VAE"), "dtype": DTYPE}, vae_file=True)
+        return hidden_id(_model_inputs({"device": _device("VAE"), "dtype": DTYPE}, vae_file=True))
 
     def load(self, model, device, dtype, path="", vae_file=None):
         file = _vae_file(vae_file)
@@ -144,7 +153,7 @@ class QwenEditVAELoader:
         return ((comp.load_vae(directory, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype)), None),)
 
 
-class QwenEditTextEncoderLoader:
+class QwenEditTextEncoderLoader(TracksLoads):
     """Qwen2.5-VL with its tokenizer and processor (weights from the directory or a text_encoders file)."""
 
     CATEGORY = f"{CATEGORY}/loaders"
@@ -152,12 +161,11 @@ class QwenEditTextEncoderLoader:
                    "folder or a text_encoders file).")
     RETURN_TYPES = (TEXT_ENCODER,)
     RETURN_NAMES = ("text_encoder",)
-    FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return _model_inputs({"device": _device("text encoder"), "dtype": DTYPE, "quantize": QUANTIZE},
-                             text_encoder_file=True)
+        return hidden_id(_model_inputs({"device": _device("text encoder"), "dtype": DTYPE, "quantize": QUANTIZE},
+                                       text_encoder_file=True))
 
     def load(self, model, device, dtype, quantize, path="", text_encoder_file=None):
         directory = comp.resolve_model_dir(resolve_model(model, path))

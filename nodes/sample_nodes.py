@@ -14,7 +14,7 @@ from qwen_edit_core.model.components import replicate
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
-from . import comfy_runtime
+from . import comfy_runtime, loaded_models
 from .common import CATEGORY, CONDITIONING, LATENT, MODEL, TIPS, device_choices, image_to_pils
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
@@ -184,6 +184,7 @@ class QwenEditSampler:
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
                uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
                control_size="pipeline", parallel=False):
+        loaded_models.use(model)
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
                                  vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size)
@@ -209,6 +210,7 @@ class QwenEditEncodePrompt:
 
     def encode(self, model, image, prompt, negative_prompt, width, height, vae_side, image2=None, image3=None):
         settings = _settings(width=width, height=height, negative=negative_prompt, vae_area=vae_side)
+        loaded_models.use(model)
         with torch.inference_mode(False), torch.no_grad():
             return (sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings),)
 
@@ -237,6 +239,7 @@ class QwenEditSampleConditioning:
     def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None,
                schedule="diffusers", shift=0.0, parallel=False):
         settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift)
+        loaded_models.use(model)
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)
         with torch.inference_mode(False), torch.no_grad():
@@ -262,6 +265,7 @@ class QwenEditEncodeImage:
     def encode(self, model, image, vae_side):
         comps = model.components
         comps.require("vae")
+        loaded_models.use(comps.vae)
         with torch.inference_mode(False), torch.no_grad():
             latents = []
             for pil in image_to_pils(image):
@@ -292,6 +296,7 @@ class QwenEditDecodeLatent:
     def decode(self, model, latent=None, samples=None):
         comps = model.components
         comps.require("vae")
+        loaded_models.use(comps.vae)
         if latent is None and samples is None:
             raise ValueError("Decode Latent: connect latent (Encode Image) or samples (a stock LATENT)")
         with torch.inference_mode(False), torch.no_grad():
@@ -329,6 +334,7 @@ class QwenEditSpeed:
     def apply(self, model, fp8, compile, attention):
         transformer = model.components.transformer
         jobs.REGISTRY.check_free(transformer, "apply speed levers")
+        loaded_models.use(transformer)
         device = next(transformer.parameters()).device
         if not fp8 and not compile:  # nothing to change in the weights: share the transformer itself
             return (dataclasses.replace(model, attention=attention),)

@@ -18,7 +18,7 @@ from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
-from . import comfy_runtime
+from . import comfy_runtime, loaded_models
 from .common import CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils
 
 
@@ -146,6 +146,7 @@ class QwenEditBuildCache:
         from qwen_edit_core.api import QwenImageEditTrainer
         config = _config(model, dataset, output_dir=comfy_runtime.output_dir() / "qwen_edit_runs" / "cache",
                          resolution=resolution, cache_dir=cache_dir)
+        loaded_models.use(model)
         trainer = QwenImageEditTrainer(config)
         trainer.components = model.components  # reuse the loaded encoders
         bar = comfy_runtime.progress_bar(len(dataset.report.examples), node_id=unique_id)
@@ -312,7 +313,9 @@ class QwenEditTrain:
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         # ComfyUI's own models leave the training device first; the job trains on the graph's transformer
         # (one copy of the weights), which the sampler nodes leave alone while the job runs.
-        comfy_runtime.free_device_memory(config.train.device)
+        loaded_models.use(model)
+        comfy_runtime.free_device_memory(config.train.device, keep=loaded_models.modules_of(model),
+                                         busy=loaded_models.busy)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
         return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
                                     model=model.components),)

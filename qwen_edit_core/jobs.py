@@ -8,16 +8,13 @@ cleanly. A finished job hands its LoRA to the registry's delivery function (Comf
 `JobRegistry` keeps every job of the process by name (default: the LoRA name). Starting a job whose name
 already runs with the same config returns the running job (attach); with another config, or on a device that
 runs another job, it refuses with a message saying what to do. Listeners get an event on every step and on
-state changes (the ComfyUI nodes turn them into websocket messages). `install_shutdown_checkpoints` makes
-SIGINT, SIGTERM and interpreter exit stop every running job with a checkpoint first.
+state changes (the ComfyUI nodes turn them into websocket messages). `shutdown.install_shutdown_checkpoints`
+makes SIGINT, SIGTERM and interpreter exit stop every running job with a checkpoint first.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -118,6 +115,9 @@ class TrainingJob:
         self._lock = threading.Lock()
         self._state, self._step, self._loss, self._error = "starting", 0, None, None
         self._history: list[tuple[int, float]] = []
+        # The files this run wrote, as it reports them (the folder may hold an earlier run's of the same name).
+        self._checkpoint: Path | None = None
+        self._validations: list[Path] = []
         self._result, self._delivered = None, None
         self._on_finish, self._fit, self._preflight = on_finish, fit, preflight
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
@@ -129,6 +129,7 @@ class TrainingJob:
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
             self._preflight(self.config, self._resume)
+            self._checkpoint = _resumed_checkpoint(self.output_dir, self._resume)
             self._thread.start()
         except BaseException:
             self._output_lock.release()
@@ -151,6 +152,10 @@ class TrainingJob:
                     self._history.append((event.step, event.loss))
             elif event.stage == "cache":
                 self._state = "caching"
+            elif event.stage == "checkpoint":
+                self._checkpoint = event.path
+            elif event.stage == "validation":
+                self._validations.append(event.path)
         self._notify("progress")
 
     def _run(self) -> None:
@@ -201,19 +206,23 @@ class TrainingJob:
             return list(self._history)
 
     def status(self) -> JobStatus:
-        from qwen_edit_core.train.checkpoint import latest_checkpoint
-        found = latest_checkpoint(self.output_dir / "checkpoints")
-        pngs = sorted((self.output_dir / "validation").glob("step-*.png"), key=_step_of)
+        """A snapshot; cheap enough for every step's event (no folder is listed, no checkpoint read): the last
+        checkpoint and validation image are the ones this run reported writing (a resumed run starts from the
+        checkpoint it resumed), never an earlier run's files in the same folder."""
         with self._lock:
-            result = self._result
+            result, checkpoint, latents = self._result, self._checkpoint, list(self._validations)
+        pngs = list(result.validation_images) if result else []
+        latest = pngs[-1] if pngs else next((p.with_suffix(".png") for p in reversed(latents)
+                                             if p.with_suffix(".png").is_file()), None)
+        with self._lock:
             return JobStatus(name=self.name, state=self._state, step=self._step,
                              total=self.config.train.max_steps, loss=self._loss,
                              lora_path=result.lora_path if result else None,
                              loss_plot=result.loss_plot if result else None,
                              validation_images=tuple(result.validation_images) if result else (),
-                             last_checkpoint=found.path if found else None, error=self._error,
+                             last_checkpoint=checkpoint, error=self._error,
                              output_dir=self.output_dir, delivered=self._delivered,
-                             latest_validation=pngs[-1] if pngs else None, device=self.device)
+                             latest_validation=latest, device=self.device)
 
 
 def device_key(name: str) -> str:
@@ -226,9 +235,15 @@ def device_key(name: str) -> str:
     return str(device)
 
 
-def _step_of(path: Path) -> int:
-    digits = path.stem.removeprefix("step-")
-    return int(digits) if digits.isdigit() else -1
+def _resumed_checkpoint(output_dir: Path, resume) -> Path | None:
+    """The checkpoint a run resumes from (read once, when the job starts), None for a fresh run."""
+    if not resume:
+        return None
+    from qwen_edit_core.train.loop import resolve_resume
+    try:
+        return resolve_resume(output_dir, resume)
+    except (OSError, ValueError):
+        return None  # the run itself reports what is wrong with it
 
 
 class JobRegistry:
@@ -310,8 +325,9 @@ class JobRegistry:
             status = job.status()
             raise JobBusyError(f"training job {job.name!r} trains on this model (step {status.step}/{status.total}, "
                                f"output {job.output_dir}); cannot {use} with it until the job is done: wait for "
-                               "it (Training Status) or stop it (Stop Training), or load the model again in a "
-                               "second loader for this")
+                               "it (Training Status) or stop it (Stop Training), or load a second copy for this "
+                               "(a second Load Model node with another `instance` number: a loader with the same "
+                               "settings gives back the same model; the copy takes the model's memory again)")
 
     def running(self) -> list[TrainingJob]:
         return [job for job in self.jobs() if not job.finished]
@@ -326,47 +342,24 @@ class JobRegistry:
         return job.wait() if wait else job.status()
 
     def checkpoint_all(self, timeout: float | None = None) -> list[JobStatus]:
-        """Stop every running job and wait until each has saved its checkpoint (server shutdown)."""
+        """Stop every running job and wait until each has saved its checkpoint (server shutdown), for at most
+        `timeout` seconds in all (None: no limit); a job still running then is named in the log."""
         running = self.running()
         for job in running:
             log.warning("stopping training job %r with a checkpoint (shutdown)", job.name)
             job.stop()
-        return [job.wait(timeout) for job in running]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        statuses = [job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for job in running]
+        for status in statuses:
+            if not status.finished:
+                log.error("training job %r did not finish its checkpoint within %.0f s; its last checkpoint is "
+                          "%s (resume from it)", status.name, timeout, status.last_checkpoint or "none")
+        return statuses
 
 
 #: The process-wide registry the ComfyUI nodes use.
 REGISTRY = JobRegistry()
-
-_installed: set[int] = set()
-
-
-def install_shutdown_checkpoints(registry: JobRegistry = REGISTRY, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
-    """Checkpoint every running job of `registry` before the process goes away: on interpreter exit
-    (atexit) and on `signals`, whose previous handlers run afterwards (a default one is re-raised).
-    Signal handlers can only be set from the main thread; elsewhere only the exit hook is installed."""
-    if id(registry) in _installed:
-        return
-    _installed.add(id(registry))
-    atexit.register(registry.checkpoint_all)
-    for signum in signals:
-        try:
-            previous = signal.getsignal(signum)
-            signal.signal(signum, _chained(registry, signum, previous))
-        except ValueError:
-            log.warning("not in the main thread: %s will not checkpoint running training jobs", signum)
-
-
-def _chained(registry: JobRegistry, signum: int, previous):
-    def handler(sig, frame):
-        if registry.running():
-            registry.checkpoint_all()
-        if callable(previous):
-            previous(sig, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-    return handler
-
 
 def wait_for(job: TrainingJob, *, poll: float = 0.2, on_tick=None, until=None) -> JobStatus:
     """Block until `job` finishes, calling `on_tick(status)` every `poll` seconds (it may raise to stop

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,13 +25,16 @@ class Cancelled(RuntimeError):
 
 @dataclass(frozen=True)
 class Progress:
-    """One step of a stage ("sample", "cache", "train"); `preview` is the current latent for previews."""
+    """One step of a stage ("sample", "cache", "train"); `preview` is the current latent for previews. A training
+    run also reports each file it wrote: stage "checkpoint" (`path`: the checkpoint directory of `step`) and
+    "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it)."""
 
     stage: str
     step: int
     total: int
     loss: Optional[float] = None
     preview: Optional[torch.Tensor] = None
+    path: Optional[Path] = None
 
 
 ProgressFn = Callable[[Progress], None]

@@ -72,6 +72,42 @@ def check_devices(devices) -> list[str]:
     return devices
 
 
+#: where torch.multiprocessing puts the CPU tensors it shares (POSIX shared memory, a tmpfs on Linux)
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Free bytes of the shared-memory filesystem, None where there is none (not Linux)."""
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def host_tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's CPU tensors not yet in shared memory: what sending it to the workers puts there (CUDA
+    tensors go through CUDA IPC handles and take none)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())
+               if t.device.type == "cpu" and not t.is_shared()}  # already shared: already counted as used
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_shared_memory(module: torch.nn.Module, free: int | None = None) -> None:
+    """Refuse, before any worker starts, a model whose CPU weights do not fit into the free shared memory
+    (`free`: default /dev/shm's; Docker gives containers 64 MB unless told otherwise)."""
+    free = shm_free_bytes() if free is None else free
+    needed = host_tensor_bytes(module)
+    if free is None or needed <= free:
+        return
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    raise ValueError(f"parallel sampling shares the model's {gib(needed)} of CPU weights with its workers through "
+                     f"{SHM_DIR}, which has {gib(free)} free: give the container more shared memory (docker run "
+                     f"--shm-size={int(needed * 1.1 / 2**30) + 1}g, or a Memory-medium emptyDir on {SHM_DIR} in "
+                     "Kubernetes), load the transformer on a GPU (shared through CUDA IPC, no shared memory), or "
+                     "turn parallel off")
+
+
 class TransformerPool:
     """`transformer` run context-parallel by one worker process per device (`mode`: sample.context_parallel's
     "ulysses" or "ring"; `attention`: the fused attention kernel the workers try first, speed.ATTENTION_KERNELS).
@@ -83,6 +119,7 @@ class TransformerPool:
         reductions.init_reductions()  # tensors pickle as torch.multiprocessing shares them (done once by torch)
         self.config = transformer.config
         self.devices = check_devices(devices)
+        check_shared_memory(transformer)
         self._dir = tempfile.mkdtemp(prefix="qwen-edit-pool-")
         rendezvous = os.path.join(self._dir, "rendezvous")
         self._conns, self.processes = [], []

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_edit_core.speed import lending
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -155,6 +157,7 @@ def quantize_fp8(transformer: nn.Module, fp8_backward: bool = False) -> int:
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and not child.weight.requires_grad:
                     setattr(parent, name, Fp8Linear(child))
+                    lending.park(transformer, child)  # a lent model's bf16 weight waits in host memory
                     count += 1
     if count == 0 and not has_fp8(transformer):
         raise ValueError("quantize_fp8: no frozen nn.Linear found in transformer.transformer_blocks")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ import torch
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks
 from qwen_edit_core.speed.compile import compile_blocks
 from qwen_edit_core.speed.fp8 import _set_fp8_backward, dequantize_fp8, has_fp8, probe_fp8, quantize_fp8
+from qwen_edit_core.speed.lending import shared_copy
 from qwen_edit_core.speed.offload import BlockOffloader
 from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, resident_bytes
 from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
@@ -70,9 +70,9 @@ def auto_budget_gb(transformer, device: torch.device) -> float:
 
 
 def release_training(transformer) -> None:
-    """Take the training levers off a transformer that stays in use (a shared model after a run): blocks no
-    longer recompute, offloaded blocks are back on their device. fp8 base layers stay fp8 (their original
-    weights are gone) and compiled blocks stay compiled."""
+    """Take checkpointing and offload off a transformer trained in place (offloaded blocks back on their
+    device). fp8 base layers stay fp8 and compiled blocks stay compiled: a model someone else keeps using is
+    trained as a copy instead (`speed.lend` / `give_back`), which leaves it exactly as it was."""
     offloader = getattr(transformer, "_qwen_edit_offloader", None)
     if offloader is not None:
         offloader.remove()
@@ -102,12 +102,7 @@ def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: boo
     are new tensors beside the shared bf16 ones; blocks the original had compiled are compiled again in the
     copy (a compiled call is bound to its own module)."""
     was_compiled = getattr(transformer, "_qwen_edit_compiled", False)
-    shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
-    fresh = copy.deepcopy(transformer, memo=shared)
-    for module in fresh.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
-    fresh._qwen_edit_compiled = False
+    fresh = shared_copy(transformer)
     configure_inference(fresh, device, fp8=fp8, compile=compile or was_compiled, compile_mode=compile_mode)
     return fresh
 

@@ -93,6 +93,7 @@ class RunState:
     pending_steps: int = 0
     drawn: list = field(default_factory=list)  # the example indices of this step's batches
     skipped: int = 0  # steps skipped for a non-finite loss
+    progress: ProgressFn | None = None  # also told of every checkpoint and validation file the run writes
 
 
 class NonFiniteLossError(ValueError):
@@ -225,7 +226,9 @@ def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: Progress
             ema = run.ema is not None and t.ema_validation
             with run.ema.applied(run.params) if ema else contextlib.nullcontext():
                 if validate is not None:
-                    validate(step) if run.dist.is_main else validate(step, write=False)
+                    written = validate(step) if run.dist.is_main else validate(step, write=False)
+                    if written is not None and progress is not None:
+                        progress(Progress("validation", step, t.max_steps, path=written))
                 if run.regions is not None:
                     run.regions(run.transformer, step, write=run.dist.is_main)
             run.transformer.train()
@@ -239,13 +242,15 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
     """Checkpoint the current step (rank 0 writes; every rank waits), once per step; prune old ones."""
     at, root = run.step, run.out_dir / "checkpoints"
     if run.dist.is_main and at != run.last_saved:
-        ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
+        path = ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
                              optimizer=run.optimizer.state_dict(),
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
                                     "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
                              write_lora=lambda path: write_lora(path, at),
                              ema=run.ema.state_dict() if run.ema is not None else None, device=run.device)
         ckpt.prune(root, run.config.train.keep_checkpoints)
+        if run.progress is not None:
+            run.progress(Progress("checkpoint", at, run.config.train.max_steps, path=path))
     run.last_saved = at
     run.dist.barrier()
 
@@ -309,6 +314,7 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory.
     """
     run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
+    run.progress = progress
     masked = [i for i, example in enumerate(examples) if example.mask is not None][:REGION_SAMPLES]
     if masked and config.train.validation_every:
         run.regions = RegionLosses([load_item(i) for i in masked], config, scheduler_config, out_dir)

@@ -251,8 +251,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
 
     `encoders`: loaded components the cache stage may use; `release()` once the cache stage is done with them
     (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
-    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's; `_release_shared` gives
-    the transformer back when the run ends); `ready(components, spec)` as soon as the LoRA is injected;
+    components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: trained as `speed.lend`'s
+    copy, given back exactly as it was however the run ends); `ready(components, spec)` as soon as the LoRA is injected;
     `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
@@ -273,7 +273,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(
         config, plan, examples, val_example, model_dir, settings, shared,
         lambda: training_plan(config, plan.transformer, model_dir, keys, spec))  # before the transformer's weights
-    comps, validator = inputs.components, None
+    comps, validator = _lent(inputs.components) if shared is not None else inputs.components, None
     if val_example is not None:
         from qwen_edit_core.train.validation import Validator, previews_from_config
         validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
@@ -295,7 +295,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                            cancel=cancel, validate=validator)
         finally:
             if shared is not None:
-                _release_shared(comps.transformer)
+                _give_back(comps.transformer)
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
@@ -303,14 +303,15 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     return result
 
 
-def _release_shared(transformer) -> None:
-    """Give a shared transformer back as it was lent: the trained adapter deleted (its LoRA is in its file),
-    every adapter off, the training levers off (speed.release_training), eval mode, frozen."""
-    from qwen_edit_core import speed
-    lora_mod.remove_adapter(transformer, "default")
-    speed.release_training(transformer)
-    transformer.eval().requires_grad_(False)
-    log.info("training done: the shared transformer is back to sampling (trained adapter removed)")
+def _lent(comps: comp.Components) -> comp.Components:
+    """The caller keeps using its transformer: the run trains on a copy over the same weights (speed.lending)."""
+    with torch.inference_mode(False):  # tensors the copy makes (plain attributes) must serve autograd
+        return replace(comps, transformer=speed.lend(comps.transformer))
+
+
+def _give_back(transformer) -> None:
+    speed.give_back(transformer)
+    log.info("training over: the shared transformer is given back as it was lent")
 
 
 # -- one batch -------------------------------------------------------------------------------------------------

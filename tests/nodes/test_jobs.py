@@ -17,7 +17,7 @@ import pytest
 
 import nodes
 from nodes import comfy_runtime, job_service
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, shutdown
 from qwen_edit_core.common.progress import Progress
 from qwen_edit_core.config import load_config
 from qwen_edit_core.train.loop import TrainResult
@@ -33,6 +33,7 @@ class StepGate:
         self.resumes = []
         self.done_steps = threading.Condition()
         self.step = 0
+        self.files = False  # write (and report, as the trainer does) a checkpoint and a validation image per step
 
     def release(self, n=1, wait=True):
         """Let `n` more steps run (and wait until they did)."""
@@ -45,9 +46,7 @@ class StepGate:
                 assert self.done_steps.wait_for(lambda: self.step >= target, timeout=60)
 
     def __call__(self, config, *, resume, progress, cancel, lock=None, model=None):
-        self.resumes.append(resume)
-        with self.done_steps:
-            self.step = 0
+        self.resumes.append(resume)  # `self.step` counts every run's steps (release() may come before a run starts)
         out, total, step, state = Path(config.train.output_dir), config.train.max_steps, 0, "done"
         while step < total:
             while not self.gate.acquire(timeout=0.01):
@@ -58,6 +57,8 @@ class StepGate:
                 break
             step += 1
             progress(Progress("train", step, total, loss=1.0 / step))
+            if self.files:
+                self.write_files(out, step, total, progress)
             with self.done_steps:
                 self.step += 1
                 self.done_steps.notify_all()
@@ -65,6 +66,18 @@ class StepGate:
         lora = out / f"{config.train.lora_name}.safetensors"
         lora.write_text(f"{state} at {step}")
         return TrainResult(state=state, step=step, lora_path=lora, loss_plot=None)
+
+    @staticmethod
+    def write_files(out: Path, step: int, total: int, progress) -> None:
+        checkpoint = out / "checkpoints" / f"step-{step:07d}"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "state.json").write_text(json.dumps({"step": step}))
+        progress(Progress("checkpoint", step, total, path=checkpoint))
+        latents = out / "validation" / f"step-{step:07d}.safetensors"
+        latents.parent.mkdir(parents=True, exist_ok=True)
+        latents.write_bytes(b"latents")
+        latents.with_suffix(".png").write_bytes(b"png")
+        progress(Progress("validation", step, total, path=latents))
 
 
 def _config(tmp_path, name="lora_a", steps=5, device="cpu", **train):
@@ -214,27 +227,55 @@ def test_routes_list_stop_and_serve_the_latest_validation_image(fake, tmp_path):
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.release(2)
     assert call("GET", "/qwen_edit/jobs/{name}/validation", name="lora_a")[1] == 404
+    fake.files = True
+    fake.release(1)
     validation = tmp_path / "runs" / "lora_a" / "validation"
-    validation.mkdir(parents=True)
-    for step in (2, 10):
-        (validation / f"step-{step}.png").write_bytes(b"png")
     kind, code, body = call("GET", "/qwen_edit/jobs")
     (entry,) = body["jobs"]
     assert (kind, code, entry["name"], entry["total"]) == ("json", 200, "lora_a", 100)
-    assert entry["step"] >= 2 and entry["history"][:2] == [[1, 1.0], [2, 0.5]]
-    assert entry["validation_url"] == "/qwen_edit/jobs/lora_a/validation?step=10"
+    assert entry["step"] >= 3 and entry["history"][:2] == [[1, 1.0], [2, 0.5]]
+    assert entry["validation_url"] == "/qwen_edit/jobs/lora_a/validation?step=0000003"
     assert call("GET", "/qwen_edit/jobs/{name}/validation", name="lora_a") == ("file", 200,
-                                                                                validation / "step-10.png")
+                                                                                validation / "step-0000003.png")
     assert call("POST", "/qwen_edit/jobs/{name}/stop", name="nope")[1] == 404
     assert call("POST", "/qwen_edit/jobs/{name}/stop", name="lora_a")[1] == 200
     assert job.wait().state == "cancelled"
+
+
+def test_a_retrained_name_shows_only_its_own_run_files_and_steps_read_no_checkpoint(fake, tmp_path,
+                                                                                       monkeypatch):
+    """The live view of a job shows the validation image and checkpoint its own run wrote, never an earlier
+    run's files left in the same folder (a LoRA name trained again), and a step's status reads no folder."""
+    out = tmp_path / "runs" / "lora_a"
+    StepGate.write_files(out, 900, 900, lambda event: None)  # an earlier run of the same name, further along
+    from qwen_edit_core.train import checkpoint
+    reads = []
+    real_list = checkpoint.list_checkpoints
+    monkeypatch.setattr(checkpoint, "list_checkpoints", lambda root: reads.append(root) or real_list(root))
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.release(2)
+    status = job.status()
+    assert (status.latest_validation, status.last_checkpoint) == (None, None)
+    fake.files = True
+    fake.release(2)
+    status = job.status()
+    assert status.latest_validation == out / "validation" / "step-0000004.png"
+    assert status.last_checkpoint == out / "checkpoints" / "step-0000004"
+    assert reads == []  # per-step status events read no checkpoint's state.json
+    job.stop()
+    job.wait()
+    resumed = fake.registry.start(_config(tmp_path, steps=100), resume=True)
+    fake.release(1, wait=False)
+    assert resumed.status().last_checkpoint == out / "checkpoints" / "step-0000900"  # where it resumed from
+    resumed.stop()
+    resumed.wait()
 
 
 def test_shutdown_handler_checkpoints_running_jobs_then_runs_the_previous_handler(fake, tmp_path):
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.release(1)
     seen = []
-    handler = jobs._chained(fake.registry, signal.SIGTERM, lambda sig, frame: seen.append(job.status().state))
+    handler = shutdown._chained(fake.registry, signal.SIGTERM, lambda sig, frame: seen.append(job.status().state))
     handler(signal.SIGTERM, None)
     assert seen == ["cancelled"] and job.status().delivered is not None
 
@@ -253,7 +294,8 @@ config = load_config(overrides={{
     "data": {{"folder": {data!r}, "vae_area": 64 * 64}}, "cache": {{"enabled": False}},
     "train": {{"output_dir": {out!r}, "max_steps": 100000, "checkpoint_every": 0,
                                   "lora_name": "shutdown", "device": "cpu"}}}})
-jobs.install_shutdown_checkpoints()
+from qwen_edit_core import shutdown
+shutdown.install_shutdown_checkpoints()
 jobs.REGISTRY.subscribe(lambda job, event: print("step", job.status().step, flush=True))
 job = jobs.REGISTRY.start(config)
 job.wait()
@@ -290,3 +332,59 @@ def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
         assert f'"{node_id}"' in script and node_id in nodes.NODE_CLASS_MAPPINGS
     # The view is a DOM widget that is never saved into a workflow's widget values (they go by position).
     assert "serialize: false" in script and "widget.serialize = false" in script
+
+
+STUCK_CHILD = """
+import sys, threading
+sys.path.insert(0, {root!r})
+from qwen_edit_core import jobs, shutdown
+from qwen_edit_core.config import load_config
+
+def fit(config, *, resume, progress, cancel, lock=None, model=None):
+    print("running", flush=True)
+    while not cancel.cancelled:
+        cancel._event.wait()
+    print("stopping", flush=True)  # asked for its checkpoint, which never completes (a hung write)
+    threading.Event().wait()
+
+registry = jobs.JobRegistry(fit=fit, preflight=lambda config, resume: None)
+shutdown.install_shutdown_checkpoints(registry, wait={wait})
+registry.start(load_config(overrides={{"train": {{"output_dir": {out!r}, "lora_name": "stuck", "device": "cpu"}}}}))
+try:
+    threading.Event().wait()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def _stuck_child(tmp_path, wait: float) -> subprocess.Popen:
+    code = STUCK_CHILD.format(root=str(ROOT), out=str(tmp_path / "stuck"), wait=wait)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "running\n"  # the job runs and the handlers are installed
+    return child
+
+
+@pytest.mark.slow  # a child process
+def test_a_second_ctrl_c_quits_while_the_first_waits_for_a_checkpoint(tmp_path):
+    child = _stuck_child(tmp_path, wait=3600)
+    try:
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline() == "stopping\n"  # the first Ctrl-C waits for the job's checkpoint
+        child.send_signal(signal.SIGINT)  # the second one falls through to Python's own handler
+        assert child.wait(timeout=60) == 3 and child.stdout.read() == "interrupted\n"
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+@pytest.mark.slow  # a child process
+def test_the_shutdown_wait_for_a_checkpoint_is_bounded(tmp_path):
+    child = _stuck_child(tmp_path, wait=0.5)
+    try:
+        child.send_signal(signal.SIGINT)  # the job never finishes its checkpoint: the wait gives up
+        assert child.wait(timeout=60) == 3 and child.stdout.read() == "stopping\ninterrupted\n"
+        assert "did not finish its checkpoint within 0 s" in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()

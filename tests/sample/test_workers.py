@@ -72,3 +72,21 @@ def test_one_device_is_refused_naming_the_count(monkeypatch):
     assert workers.parallel_devices({workers.DEVICES_ENV: "cpu, cpu"}) == ["cpu", "cpu"]
     with pytest.raises(ValueError, match="name a GPU twice"):
         workers.check_devices(["cuda:1", "cuda:1"])
+
+
+def test_too_little_shared_memory_is_refused_before_any_worker_starts(monkeypatch):
+    """Docker's 64 MB /dev/shm cannot hold a real model's CPU weights: the pool says what to do instead of
+    letting its workers die mid-transfer."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qwen_edit_core.model.tiny import transformer_config
+    model = QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=1))
+    needed = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert workers.host_tensor_bytes(model) == needed
+    assert isinstance(workers.shm_free_bytes(), int)  # this Linux machine has a /dev/shm
+    monkeypatch.setattr(workers, "shm_free_bytes", lambda path=workers.SHM_DIR: needed - 1)
+    monkeypatch.setattr(workers, "_start_worker", lambda: pytest.fail("a worker started"))
+    with pytest.raises(ValueError, match=r"through /dev/shm, which has .* free: .*docker run --shm-size=1g"):
+        workers.TransformerPool(model, ["cpu", "cpu"])
+    workers.check_shared_memory(model, free=needed)  # exactly enough is enough
+    workers.check_shared_memory(model.to("meta"), free=0)  # no CPU tensors: nothing to share

@@ -210,11 +210,18 @@ def test_a_multi_process_launch_that_started_one_process_says_so(tiny_edit_dir, 
 def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cached):
     out = tmp_path / "o"
     config = train_config(tiny_edit_dir, pairs_dir, out, cache={"enabled": cached}, train={
-        "max_steps": 4, "validation_every": 2, "validation_steps": 2,
+        "max_steps": 4, "validation_every": 2, "validation_steps": 2, "checkpoint_every": 3,
         "validation_image": str(pairs_dir / "p0_control.png"), "validation_prompt": "invert the colors"})
-    result = QwenImageEditTrainer(config).fit()
+    events = []
+    result = QwenImageEditTrainer(config).fit(progress=events.append)
     assert [p.name for p in result.validation_images] == ["step-0000002.png", "step-0000004.png"]
     assert all(p.is_file() for p in result.validation_images)
+    # every file the run writes is reported as it is written (the job's live view shows only its own run's)
+    written = [(e.stage, e.step, e.path) for e in events if e.stage in ("checkpoint", "validation")]
+    assert written == [("validation", 2, out / "validation" / "step-0000002.safetensors"),
+                       ("checkpoint", 3, out / "checkpoints" / "step-0000003"),
+                       ("validation", 4, out / "validation" / "step-0000004.safetensors"),
+                       ("checkpoint", 4, out / "checkpoints" / "step-0000004")]
 
 
 def test_training_step_dispatches_by_content(tiny_edit_dir, pairs_dir, tmp_path):

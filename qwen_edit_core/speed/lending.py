@@ -1,0 +1,112 @@
+"""A transformer lent to a training run and given back exactly as it was.
+
+A run that trains on a model its caller keeps using (a ComfyUI graph's loaded transformer) works on
+`lend(transformer)`: a new module tree over the same weight tensors (`shared_copy`). Every lever the run applies
+changes only that tree: peft's LoRA layers, fp8 module replacement, compiled blocks, checkpointing flags, the
+multi-resolution RoPE module and attention processors, train/eval mode. `give_back(copy)` then restores the two
+things that act on the shared tensors themselves:
+
+- the block offloader gives the copy's offloaded blocks new Parameters (the lender's stay as they are:
+  exact, but their device memory is not freed while the run lasts; `give_back` removes the offloader);
+- fp8: a layer the copy quantizes no longer uses the original bf16 weight, which would stay on the device beside
+  the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in (pinned) host memory as it
+  replaces the layer (`park`), and `give_back` moves it back. Cost: host memory for those weights while the run
+  lasts (the block linears: about 38 GiB for the 20 B transformer in bf16) and one copy each way at the start and
+  the end of a run (seconds at PCIe speed).
+
+Nothing else of the caller's model changes, so it samples bit-identically after the run, whether the run finished,
+was stopped or failed. `requires_grad` is a flag of the shared Parameter objects: it is recorded and restored.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+LENT = "_qwen_edit_lent"
+
+
+def shared_copy(transformer: nn.Module) -> nn.Module:
+    """A deep copy of the module tree whose parameters and buffers are the original's tensors (no weight is
+    copied); compiled calls are dropped (a compiled call is bound to its own module)."""
+    shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
+    fresh = copy.deepcopy(transformer, memo=shared)
+    for module in fresh.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    fresh._qwen_edit_compiled = False
+    return fresh
+
+
+class _Loan:
+    """What `give_back` restores on the lent tensors: their requires_grad flags and the parked weights."""
+
+    def __init__(self, original: nn.Module) -> None:
+        self.flags = [(p, p.requires_grad) for p in original.parameters()]
+        self.parked: list[tuple[nn.Parameter, torch.Tensor, torch.device]] = []
+        self.parked_bytes = 0
+
+    def park(self, param: nn.Parameter) -> None:
+        """Move one lent weight to host memory until `give_back` (its Parameter object stays, emptied)."""
+        data = param.data
+        if on_host(data) or data.numel() == 0:
+            return
+        host = data.detach().to("cpu", copy=True)
+        if data.device.type == "cuda":
+            host = host.pin_memory()
+        self.parked.append((param, host, data.device))
+        self.parked_bytes += host.numel() * host.element_size()
+        param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for param, host, device in self.parked:
+                param.data = host.to(device)
+        self.parked = []
+        for param, flag in self.flags:
+            param.requires_grad_(flag)
+
+
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether a tensor already lives in host memory (nothing to park: it takes no device memory)."""
+    return tensor.device.type == "cpu"
+
+
+def lend(transformer: nn.Module) -> nn.Module:
+    """The copy a run trains on (`shared_copy`), remembering how to give the original back."""
+    fresh = shared_copy(transformer)
+    setattr(fresh, LENT, _Loan(transformer))
+    return fresh
+
+
+def park(transformer: nn.Module, linear: nn.Linear) -> None:
+    """`linear` (a layer of a lent copy, just replaced by an fp8 one) no longer needs its weights: when they
+    belong to the lender, park them in host memory; a transformer that is not lent keeps them (they are its
+    own and go with the replaced layer)."""
+    loan = getattr(transformer, LENT, None)
+    if loan is None:
+        return
+    for param in linear.parameters(recurse=False):
+        loan.park(param)
+
+
+def give_back(transformer: nn.Module) -> None:
+    """End a loan: the offloader removed (offloaded weights back on their device), parked weights back, the
+    requires_grad flags as lent. The copy itself is dropped by the caller."""
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    if offloader is not None:
+        offloader.remove()
+        transformer._qwen_edit_offloader = None
+    loan = getattr(transformer, LENT, None)
+    if loan is None:
+        return
+    if loan.parked:
+        log.info("giving back the lent transformer: %.2f GiB of parked weights back on their device",
+                 loan.parked_bytes / 2**30)
+    loan.restore()
+    delattr(transformer, LENT)

@@ -1,0 +1,69 @@
+"""A transformer lent to a training run comes back as it was: the run's levers act on a copy over the same
+tensors, offloaded and fp8-replaced weights are put back exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from qwen_edit_core import speed
+from qwen_edit_core.speed import lending
+from qwen_edit_core.model.tiny import transformer_config
+
+
+def _model():
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=2)).requires_grad_(False).eval()
+
+
+def _state(model):
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def test_the_copy_shares_every_weight_and_its_levers_stay_on_it():
+    model = _model()
+    copy = speed.lend(model)
+    originals = {id(p) for p in model.parameters()}
+    assert {id(p) for p in copy.parameters()} == originals  # no weight is copied
+    copy.enable_gradient_checkpointing()
+    copy.train()
+    assert not model.is_gradient_checkpointing and not model.training
+    speed.give_back(copy)
+
+
+def test_fp8_replaced_weights_wait_in_host_memory_and_come_back_exactly(monkeypatch):
+    # On this CPU-only machine the weights are already in host memory; pretend they are not, so they park.
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)
+    model = _model()
+    before = _state(model)
+    copy = speed.lend(model)
+    replaced = speed.quantize_fp8(copy)
+    emptied = [name for name, p in model.named_parameters() if p.numel() == 0]
+    assert replaced > 0 and len(emptied) >= replaced  # each replaced layer's weight (and bias) parked
+    assert all(".transformer_blocks." in f".{name}" for name in emptied)
+    assert not any(isinstance(m, speed.Fp8Linear) for m in model.modules())
+    speed.give_back(copy)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_offloaded_weights_and_trainable_flags_come_back():
+    model = _model()
+    before = _state(model)
+    copy = speed.lend(model)
+    copy.proj_out.requires_grad_(True)  # a shared Parameter's flag: restored on give back
+    copy._qwen_edit_offloader = speed.BlockOffloader(copy.transformer_blocks, [0], torch.device("cpu"))
+    assert all(p.numel() > 0 for p in model.transformer_blocks[0].parameters())  # the copy's Parameters are new
+    speed.give_back(copy)
+    assert not any(p.requires_grad for p in model.parameters())
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_model_that_is_not_lent_keeps_its_replaced_layers_weights(monkeypatch):
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)
+    model = _model()
+    linear = model.transformer_blocks[0].attn.to_q
+    speed.quantize_fp8(model)
+    assert linear.weight.numel() > 0  # nothing parked: the layer was the model's own
