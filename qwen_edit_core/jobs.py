@@ -60,6 +60,8 @@ class JobStatus:
     delivered: Path | None = None
     latest_validation: Path | None = None
     device: str = ""
+    #: the held-out pairs' errors per validation step (validation/metrics.csv rows as dicts)
+    validation_metrics: tuple = ()
 
     @property
     def finished(self) -> bool:
@@ -202,8 +204,10 @@ class TrainingJob:
 
     def status(self) -> JobStatus:
         from qwen_edit_core.train.checkpoint import latest_checkpoint
+        from qwen_edit_core.train.heldout import read_metrics
         found = latest_checkpoint(self.output_dir / "checkpoints")
         pngs = sorted((self.output_dir / "validation").glob("step-*.png"), key=_step_of)
+        metrics = tuple(read_metrics(self.output_dir / "validation" / "metrics.csv"))
         with self._lock:
             result = self._result
             return JobStatus(name=self.name, state=self._state, step=self._step,
@@ -213,7 +217,8 @@ class TrainingJob:
                              validation_images=tuple(result.validation_images) if result else (),
                              last_checkpoint=found.path if found else None, error=self._error,
                              output_dir=self.output_dir, delivered=self._delivered,
-                             latest_validation=pngs[-1] if pngs else None, device=self.device)
+                             latest_validation=pngs[-1] if pngs else None, device=self.device,
+                             validation_metrics=metrics)
 
 
 def device_key(name: str) -> str:
