@@ -3,7 +3,8 @@ routes of the live view, and checkpoints on shutdown.
 
 Routes (under the pack's prefix, read by `web/qwen_edit_jobs.js`):
   GET  /qwen_edit/jobs                   every job: name, state, step, total, loss, loss history, output,
-                                         delivered LoRA, URL of the latest validation image
+                                         delivered LoRA, URL of the latest validation image, the held-out
+                                         pairs' errors per validation step (validation_metrics)
   GET  /qwen_edit/jobs/{name}/validation the job's latest validation image (PNG)
   POST /qwen_edit/jobs/{name}/stop       stop the job with a checkpoint (returns at once)
 Websocket event `qwen_edit.job`: one job's entry (without the history, plus the step's loss point) on every

@@ -16,6 +16,7 @@ from qwen_edit_core.data.dataset import load_dataset
 from qwen_edit_core.adapters.lora import TARGET_PRESETS
 from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import Cancelled, CancelToken
+from qwen_edit_core.train.heldout import heldout_text
 from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
 from . import comfy_runtime, loaded_models
@@ -273,6 +274,10 @@ class QwenEditTrain:
                 "tooltip": "autocast of the forward pass: bf16 (half the activation memory of fp32; the LoRA "
                            "and its optimizer stay fp32), fp16 (with loss scaling), no: the model's dtype; auto: "
                            "bf16 on a GPU, the model's dtype on the CPU (where bf16 is slow)"}),
+            "validation_pairs": ("INT", {"default": 0, "min": 0, "max": 64, "tooltip": (
+                "keep the dataset's last N pairs (by name) out of training and sample them every validation_every "
+                "steps: their error to their targets is logged (validation/metrics.csv, metrics.png) and shown "
+                "in the live view; it rises again when the LoRA overfits. 0: off")}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -281,7 +286,7 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False, gradient_checkpointing=True, mixed_precision="auto"):
+              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0):
         name = lora_name.strip().removesuffix(".safetensors")
         check_file_name(name, "lora_name")
         out = comfy_runtime.output_dir() / "qwen_edit_runs" / name
@@ -295,6 +300,8 @@ class QwenEditTrain:
             validation = {"validation_every": validation_every, "validation_image": str(path),
                           "validation_prompt": validation_prompt,
                           "validation_previews": parse_previews(validation_previews, _lora_path)}
+        if validation_pairs > 0:
+            validation.update(validation_every=validation_every, validation_pairs=validation_pairs)
         stack = parse_lora_lines(companion_loras, _lora_path)
         config = _config(model, dataset, output_dir=out, resolution=resolution, cache_dir=cache_dir,
                          model={"lora": {"rank": rank, "alpha": alpha, "targets": targets, "stack": stack,
@@ -385,6 +392,7 @@ class QwenEditTrainStatus:
         name, path = (status.delivered.name, str(status.delivered)) if status.delivered else ("", "")
         loss = status.loss if status.loss is not None and math.isfinite(status.loss) else 0.0
         text = f"{status.name}: {status.state}, step {status.step}/{status.total}, loss {loss:.4f}"
+        text += heldout_text(status.validation_metrics)
         text += f", LoRA {name}" if name else (" (still running; its LoRA goes to models/loras when done)"
                                                if not status.finished else "")
         return {"ui": {"text": [text]},

@@ -157,6 +157,7 @@ def cmd_train(args) -> None:
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
 TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "max_steps"),
                ("lora_name", "train", "lora_name"), ("validation_every", "train", "validation_every"),
+               ("validation_pairs", "train", "validation_pairs"),
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
@@ -309,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
+    p.add_argument("--validation-pairs", type=lambda v: int(v) if v.isdigit() else v, help="train.validation_pairs: "
+                   "keep the dataset's last N pairs (or a folder's) out of training; errors: validation/metrics.csv")
     p.add_argument("--ema-decay", type=float, help="train.ema_decay: keep an EMA of the LoRA (e.g. 0.999), saved "
                    "as NAME_ema.safetensors")
     p.add_argument("--ema-validation", action="store_true", default=None,

@@ -176,6 +176,9 @@ class TrainConfig:
     #: several previews side by side in one labelled grid per validation step ([{schedule, steps, cfg, shift,
     #: loras, label}]); empty: one preview with predict.schedule
     validation_previews: tuple[ValidationPreview, ...] = ()
+    #: pairs kept out of training, sampled at each validation step (error to target: validation/metrics.csv):
+    #: N = the dataset's last N pairs by name, or a folder of pairs; 0 / "": none
+    validation_pairs: int | str = 0
     lora_name: str = "lora"
     #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
@@ -320,13 +323,12 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
 #: (dotted path, test, what it must be): every numeric field with a range, checked by `check_ranges`
 _RANGES = [
     ("model.lora.rank", lambda v: v >= 1, ">= 1"), ("model.lora.alpha", lambda v: v > 0, "> 0"),
-    ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("optimizer.eps", lambda v: v > 0, "> 0"),
     ("data.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("data.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
-    ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("data.caption_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.prompt_image_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("train.max_steps", lambda v: v >= 1, ">= 1"),
+    ("train.max_steps", lambda v: v >= 1, ">= 1"), ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
     ("train.max_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
     ("train.logit_std", lambda v: v > 0, "> 0"), ("train.fixed_shift", lambda v: v > 0, "> 0"),
@@ -338,12 +340,10 @@ _RANGES = [
     ("train.skip_nonfinite_steps", lambda v: v >= 0, ">= 0"), ("train.ema_decay", lambda v: 0 <= v < 1, "in [0, 1) (0: off)"),
     ("train.mask_weight", lambda v: v >= 0, ">= 0"), ("train.unmasked_weight", lambda v: v >= 0, ">= 0"),
     ("optimizer.lr", lambda v: v > 0, "> 0"), ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
-    ("optimizer.eps", lambda v: v > 0, "> 0"),
     ("optimizer.betas", lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
      "two numbers in [0, 1)"),
-    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("logging.every", lambda v: v >= 1, ">= 1"), ("predict.num_inference_steps", lambda v: v >= 1, ">= 1"),
-    ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"), ("logging.every", lambda v: v >= 1, ">= 1"),
+    ("predict.num_inference_steps", lambda v: v >= 1, ">= 1"), ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
     ("predict.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("predict.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("predict.context_parallel", lambda v: v >= 1, ">= 1 (1: off)"),

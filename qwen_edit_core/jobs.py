@@ -57,6 +57,8 @@ class JobStatus:
     delivered: Path | None = None
     latest_validation: Path | None = None
     device: str = ""
+    #: the held-out pairs' errors per validation step (validation/metrics.csv rows as dicts)
+    validation_metrics: tuple = ()
 
     @property
     def finished(self) -> bool:
@@ -214,6 +216,9 @@ class TrainingJob:
         pngs = list(result.validation_images) if result else []
         latest = pngs[-1] if pngs else next((p.with_suffix(".png") for p in reversed(latents)
                                              if p.with_suffix(".png").is_file()), None)
+        from qwen_edit_core.train.heldout import read_metrics
+        # the held-out metrics of this run only: read once this run has reported a validation
+        metrics = tuple(read_metrics(self.output_dir / "validation" / "metrics.csv")) if (pngs or latents) else ()
         with self._lock:
             return JobStatus(name=self.name, state=self._state, step=self._step,
                              total=self.config.train.max_steps, loss=self._loss,
@@ -222,7 +227,7 @@ class TrainingJob:
                              validation_images=tuple(result.validation_images) if result else (),
                              last_checkpoint=checkpoint, error=self._error,
                              output_dir=self.output_dir, delivered=self._delivered,
-                             latest_validation=latest, device=self.device)
+                             latest_validation=latest, device=self.device, validation_metrics=metrics)
 
 
 def device_key(name: str) -> str:

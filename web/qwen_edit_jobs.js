@@ -1,5 +1,6 @@
-// Live training view of the Qwen Edit node pack: progress, loss curve and latest validation image of each
-// training job, drawn on the Train / Training Status / Stop Training nodes. Plain JavaScript, no build step.
+// Live training view of the Qwen Edit node pack: progress, loss curve, the held-out pairs' error and latest
+// validation image of each training job, drawn on the Train / Training Status / Stop Training nodes. Plain
+// JavaScript, no build step.
 // Fed by the pack's websocket event "qwen_edit.job" (every step) and its route GET /qwen_edit/jobs (on load
 // and after a reconnect); jobs live beside ComfyUI's queue, so the view updates while other prompts run.
 import { app } from "../../scripts/app.js";
@@ -48,29 +49,57 @@ function jobNameOf(node, depth = 0) {
   return origin ? jobNameOf(origin, depth + 1) : "";
 }
 
-function drawCurve(canvas, history) {
-  const ctx = canvas.getContext("2d");
-  const w = (canvas.width = canvas.clientWidth || 240), h = (canvas.height = canvas.clientHeight || 70);
-  ctx.clearRect(0, 0, w, h);
-  ctx.fillStyle = "#1b1b1b";
-  ctx.fillRect(0, 0, w, h);
-  const pts = history.filter((p) => Number.isFinite(p[1]));
-  if (pts.length < 2) return;
-  const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
-  ctx.strokeStyle = "#4fc3f7";
+// One series scaled to the canvas over the steps [x0, x1]; returns its [min, max] or null when it has no points.
+function drawSeries(ctx, pts, color, x0, x1, w, h) {
+  if (!pts.length) return null;
+  const ys = pts.map((p) => p[1]);
+  const y0 = Math.min(...ys), y1 = Math.max(...ys);
+  ctx.strokeStyle = color;
+  ctx.fillStyle = color;
   ctx.lineWidth = 1.5;
   ctx.beginPath();
   pts.forEach(([x, y], i) => {
     const px = 4 + ((x - x0) / Math.max(x1 - x0, 1e-9)) * (w - 8);
     const py = h - 4 - ((y - y0) / Math.max(y1 - y0, 1e-12)) * (h - 8);
     i ? ctx.lineTo(px, py) : ctx.moveTo(px, py);
+    if (pts.length < 3) ctx.fillRect(px - 2, py - 2, 4, 4); // a curve of one or two points: mark them
   });
   ctx.stroke();
-  ctx.fillStyle = "#aaa";
+  return [y0, y1];
+}
+
+// The training loss (blue) and, with held-out pairs, their pixel error to the targets (orange), each on its
+// own scale over the same steps: the loss falls while the held-out error says whether the edit is learned.
+function drawCurve(canvas, history, heldout) {
+  const ctx = canvas.getContext("2d");
+  const w = (canvas.width = canvas.clientWidth || 240), h = (canvas.height = canvas.clientHeight || 70);
+  ctx.clearRect(0, 0, w, h);
+  ctx.fillStyle = "#1b1b1b";
+  ctx.fillRect(0, 0, w, h);
+  const pts = history.filter((p) => Number.isFinite(p[1]));
+  const held = heldout.filter((p) => Number.isFinite(p[1]));
+  if (pts.length < 2 && !held.length) return;
+  const xs = pts.concat(held).map((p) => p[0]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs);
+  const loss = pts.length >= 2 ? drawSeries(ctx, pts, "#4fc3f7", x0, x1, w, h) : null;
+  const err = drawSeries(ctx, held, "#ffb74d", x0, x1, w, h);
   ctx.font = "10px sans-serif";
-  ctx.fillText(`loss ${y1.toPrecision(3)}`, 6, 11);
-  ctx.fillText(`${y0.toPrecision(3)}`, 6, h - 6);
+  if (loss) {
+    ctx.fillStyle = "#aaa";
+    ctx.fillText(`loss ${loss[1].toPrecision(3)}`, 6, 11);
+    ctx.fillText(`${loss[0].toPrecision(3)}`, 6, h - 6);
+  }
+  if (err) {
+    ctx.fillStyle = "#ffb74d";
+    ctx.textAlign = "right";
+    ctx.fillText(`held-out ${held[held.length - 1][1].toPrecision(3)}`, w - 6, 11);
+    ctx.textAlign = "left";
+  }
+}
+
+// The held-out pairs' pixel error per validation step ([[step, mse], ...]) from a job entry.
+function heldoutPoints(entry) {
+  return (entry.validation_metrics ?? []).filter((r) => r.pixel_mse !== null).map((r) => [r.step, r.pixel_mse]);
 }
 
 function render(node) {
@@ -89,13 +118,15 @@ function render(node) {
   }
   const e = job.entry;
   const loss = e.loss === null || e.loss === undefined ? "-" : Number(e.loss).toFixed(4);
-  view.text.textContent = `${e.name}: ${e.state} · step ${e.step}/${e.total} · loss ${loss}` +
+  const held = heldoutPoints(e);
+  const heldText = held.length ? ` · held-out pixel MSE ${held[held.length - 1][1].toFixed(4)}` : "";
+  view.text.textContent = `${e.name}: ${e.state} · step ${e.step}/${e.total} · loss ${loss}` + heldText +
     (e.delivered ? ` · LoRA ${e.delivered.split(/[\\/]/).pop()}` : "");
   Object.assign(view.root.dataset, { state: e.state, step: String(e.step), points: String(job.history.length),
-                                     loss: loss });
+                                     loss: loss, heldout: String(held.length) });
   view.bar.max = e.total || 1;
   view.bar.value = e.step;
-  drawCurve(view.canvas, job.history);
+  drawCurve(view.canvas, job.history, held);
   if (e.validation_url && view.img.dataset.src !== e.validation_url) {
     view.img.dataset.src = e.validation_url;
     view.img.src = api.apiURL(e.validation_url);

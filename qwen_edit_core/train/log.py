@@ -74,9 +74,9 @@ def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 
 def plot_loss(history: list[tuple[int, float]], path: Path, size: tuple[int, int] = (720, 400),
-              title: str = "Training loss") -> Image.Image:
+              title: str = "Training loss", ylabel: str = "loss (velocity MSE, latent units)") -> Image.Image:
     """Draw the loss curve with labelled axes (x: optimizer step, y: flow-matching loss, the mean squared error
-    of the predicted velocity in normalized latent units), the raw values in grey and a smoothed line
+    of the predicted velocity in normalized latent units, or `ylabel`), the raw values in grey and a smoothed line
     (`smooth`) in blue; writes `path` (PNG) and returns the image."""
     width, height = size
     image = Image.new("RGB", size, "white")
@@ -86,7 +86,7 @@ def plot_loss(history: list[tuple[int, float]], path: Path, size: tuple[int, int
     draw.text((width // 2, 8), title, fill="black", font=ImageFont.load_default(size=16), anchor="mt")
     draw.text((width // 2, height - 8), "optimizer step", fill="black", font=font, anchor="mb")
     label = Image.new("RGB", (bottom - top, 16), "white")
-    ImageDraw.Draw(label).text(((bottom - top) // 2, 8), "loss (velocity MSE, latent units)", fill="black",
+    ImageDraw.Draw(label).text(((bottom - top) // 2, 8), ylabel, fill="black",
                                font=font, anchor="mm")
     image.paste(label.rotate(90, expand=True), (4, top))
     draw.rectangle([left, top, right, bottom], outline="black")

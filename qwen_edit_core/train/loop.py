@@ -58,6 +58,8 @@ class TrainResult:
     validation_images: list[Path] = field(default_factory=list)
     #: (step, masked-region loss, unmasked loss) at each validation step, for datasets with masks
     region_losses: list[tuple[int, float, float]] = field(default_factory=list)
+    #: (step, latent mse, pixel mse, in mask, out of mask) of the held-out pairs (train.validation_pairs)
+    validation_metrics: list[tuple] = field(default_factory=list)
 
 
 @dataclass

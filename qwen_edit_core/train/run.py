@@ -23,6 +23,7 @@ from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.model.weight_source import weight_source
 from qwen_edit_core.train import sharding
+from qwen_edit_core.train.heldout import Validations
 from qwen_edit_core.train.distributed import local_device
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
-    examples = list(load_examples(config).examples)
+    examples, held = _split_heldout(config, list(load_examples(config).examples))
     model_dir, settings = _model(config)
     resume_path = resolve_resume(out_dir, resume)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
@@ -265,7 +266,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))
     if config.cache.enabled:
-        run_cache(config, examples + ([val_example] if val_example else []), encoders or shared,
+        run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
         del encoders
         release()  # free the encoders before the transformer loads
@@ -273,10 +274,9 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(
         config, plan, examples, val_example, model_dir, settings, shared,
         lambda: training_plan(config, plan.transformer, model_dir, keys, spec))  # before the transformer's weights
-    comps, validator = _lent(inputs.components) if shared is not None else inputs.components, None
-    if val_example is not None:
-        from qwen_edit_core.train.validation import Validator, previews_from_config
-        validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
+    if shared is not None:
+        inputs = replace(inputs, components=_lent(inputs.components))
+    comps, validator, metrics = _validators(config, inputs, held, plan, model_dir, settings, stack)
     with torch.inference_mode(False):
         try:
             _inject(config, comps.transformer, spec)
@@ -292,10 +292,11 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
             result = train(config, comps.transformer, inputs.load_item, examples, keys,
                            scheduler_config=comps.scheduler_config,
                            write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
-                           cancel=cancel, validate=validator)
+                           cancel=cancel, validate=Validations(validator, metrics) if metrics else validator)
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
+    result.validation_metrics = metrics.rows if metrics is not None else []
     if validator is not None and validator.latent_files:
         # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
@@ -312,6 +313,61 @@ def _lent(comps: comp.Components) -> comp.Components:
 def _give_back(transformer) -> None:
     speed.give_back(transformer)
     log.info("training over: the shared transformer is given back as it was lent")
+
+
+def _validators(config: Config, inputs: FitInputs, held: list, plan: DevicePlan, model_dir: Path,
+                settings: EncodeSettings, stack):
+    """(components, the validation image's Validator or None, the held-out pairs' metrics or None). With held-out
+    pairs the VAE loads now (cached mode too): their pictures are decoded at each validation step."""
+    comps, validator, metrics, out_dir = inputs.components, None, None, Path(config.train.output_dir)
+    if held:
+        comps = _loaded(config, plan, model_dir, ("transformer", "vae"), comps)
+        metrics = _heldout_metrics(config, comps, held, model_dir, settings, out_dir)
+    if inputs.validation is not None:
+        from qwen_edit_core.train.validation import Validator, previews_from_config
+        validator = Validator(comps, inputs.validation, out_dir, previews_from_config(config), stack=stack)
+    return comps, validator, metrics
+
+
+def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
+    """(training pairs, held-out pairs) of `train.validation_pairs` (which needs train.validation_every)."""
+    from qwen_edit_core.data.dataset import load_dataset
+    from qwen_edit_core.train.heldout import split_heldout
+    t, d = config.train, config.data
+    if not t.validation_pairs:
+        return examples, []
+    if not t.validation_every:
+        raise ValueError(f"train.validation_pairs {t.validation_pairs!r} needs train.validation_every > 0 (the "
+                         "held-out pairs are sampled at each validation step)")
+    train_pairs, held = split_heldout(examples, t.validation_pairs, lambda folder: load_dataset(
+        folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
+    log.info("validation: %d held-out pair(s) kept out of training (%s)", len(held), ", ".join(e.name for e in held))
+    return train_pairs, held
+
+
+def _heldout_metrics(config: Config, comps: comp.Components, held: list, model_dir: Path,
+                     settings: EncodeSettings, out_dir: Path):
+    """The held-out pairs' metrics callable: their tensors from the cache (or encoded now in realtime mode),
+    sampled with the first validation preview's settings."""
+    from qwen_edit_core.train.heldout import HeldOutMetrics, HeldOutPair
+    from qwen_edit_core.train.validation import previews_from_config
+    if config.cache.enabled:
+        cache, identity = open_cache(config), cache_identity(config, model_dir)
+        tensors = [cache.get(cache_key(ex, settings, identity)) for ex in held]
+    else:
+        tensors = [encode_example(comps, ex, settings) for ex in held]
+    pairs = [HeldOutPair(ex, t) for ex, t in zip(held, tensors)]
+    return HeldOutMetrics(comps, pairs, previews_from_config(config)[0].settings, out_dir)
+
+
+def _release_shared(transformer) -> None:
+    """Give a shared transformer back as it was lent: the trained adapter deleted (its LoRA is in its file),
+    every adapter off, the training levers off (speed.release_training), eval mode, frozen."""
+    from qwen_edit_core import speed
+    lora_mod.remove_adapter(transformer, "default")
+    speed.release_training(transformer)
+    transformer.eval().requires_grad_(False)
+    log.info("training done: the shared transformer is back to sampling (trained adapter removed)")
 
 
 # -- one batch -------------------------------------------------------------------------------------------------

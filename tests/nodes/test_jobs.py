@@ -388,3 +388,26 @@ def test_the_shutdown_wait_for_a_checkpoint_is_bounded(tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+def test_the_heldout_metrics_reach_the_job_list_the_status_node_and_the_live_view(fake, tmp_path):
+    """The held-out pairs' rows of validation/metrics.csv appear in the job's entry (what the live view draws:
+    its `validation_metrics`, `pixel_mse`) and in the status node's text with the step of the lowest error."""
+    routes = FakeRoutes()
+    job_service.register_routes(routes, FakeWeb, fake.registry)
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.release(2)
+    validation = tmp_path / "runs" / "lora_a" / "validation"
+    validation.mkdir(parents=True)
+    (validation / "metrics.csv").write_text("step,latent_mse,pixel_mse,pixel_mse_in_mask,pixel_mse_out_mask\n"
+                                            "10,1.5,0.25,,\n20,1.25,0.125,0.5,0.0625\n30,1.375,0.1875,,\n")
+    (entry,) = asyncio.run(routes.handlers[("GET", "/qwen_edit/jobs")](FakeRequest()))[2]["jobs"]
+    assert entry["validation_metrics"] == [
+        {"step": 10, "latent_mse": 1.5, "pixel_mse": 0.25, "pixel_mse_in_mask": None, "pixel_mse_out_mask": None},
+        {"step": 20, "latent_mse": 1.25, "pixel_mse": 0.125, "pixel_mse_in_mask": 0.5, "pixel_mse_out_mask": 0.0625},
+        {"step": 30, "latent_mse": 1.375, "pixel_mse": 0.1875, "pixel_mse_in_mask": None,
+         "pixel_mse_out_mask": None}]
+    text = nodes.QwenEditTrainStatus().status(False, job=job)["ui"]["text"][0]
+    assert "held-out pixel MSE 0.1875 (latent 1.3750; lowest 0.1250 at step 20)" in text
+    script = (ROOT / "web" / "qwen_edit_jobs.js").read_text()
+    assert "entry.validation_metrics" in script and "r.pixel_mse" in script
+    job.stop()
+    job.wait()
