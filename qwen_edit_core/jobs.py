@@ -217,8 +217,7 @@ class TrainingJob:
         latest = pngs[-1] if pngs else next((p.with_suffix(".png") for p in reversed(latents)
                                              if p.with_suffix(".png").is_file()), None)
         from qwen_edit_core.train.heldout import read_metrics
-        # the held-out metrics of this run only: read once this run has reported a validation
-        metrics = tuple(read_metrics(self.output_dir / "validation" / "metrics.csv")) if (pngs or latents) else ()
+        metrics = tuple(read_metrics(self.output_dir / "validation" / "metrics.csv"))
         with self._lock:
             return JobStatus(name=self.name, state=self._state, step=self._step,
                              total=self.config.train.max_steps, loss=self._loss,
