@@ -71,12 +71,17 @@ def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...
     """{name: shape} of the adapter `model.lora` trains, injected by peft into a meta-device transformer (the
     real tensors' shapes for every adapter kind: LoRA, DoRA, LoKr, LoHa; no weights, no memory); None when the
     model directory has no transformer config."""
+    import torch
+
     from qwen_edit_core.adapters import lora
     from qwen_edit_core.train.run import lora_spec
-    meta = meta_transformer(model_dir)
-    if meta is None:
-        return None
-    lora.inject_lora(meta, lora_spec(config))
+    # ComfyUI calls the Train node under torch.inference_mode(): parameters made there are inference tensors,
+    # which inject_lora refuses (they cannot be trained), so the meta transformer is built outside it.
+    with torch.inference_mode(False):
+        meta = meta_transformer(model_dir)
+        if meta is None:
+            return None
+        lora.inject_lora(meta, lora_spec(config))
     return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}
 
 
