@@ -10,6 +10,7 @@ from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditMod
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
                            QwenEditSampler, QwenEditSpeed)
 from .pair_nodes import QwenEditSavePair
+from .train_compact import QwenEditTrainLoRA, QwenEditTrainOptions
 from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
                           QwenEditTrainStatus)
 
@@ -19,7 +20,7 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
     QwenEditSpeed,
     QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus,
-    QwenEditStopTraining, QwenEditJobs, QwenEditSavePair)}
+    QwenEditStopTraining, QwenEditJobs, QwenEditSavePair, QwenEditTrainLoRA, QwenEditTrainOptions)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
@@ -38,7 +39,9 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditDataset": "Qwen Edit: Dataset From Folder",
     "QwenEditSyntheticDataset": "Qwen Edit: Synthetic Demo Dataset",
     "QwenEditBuildCache": "Qwen Edit: Build Cache",
-    "QwenEditTrain": "Qwen Edit: Train LoRA (background)",
+    "QwenEditTrain": "Qwen Edit: Train LoRA (all inputs, deprecated)",
+    "QwenEditTrainLoRA": "Qwen Edit: Train LoRA (background)",
+    "QwenEditTrainOptions": "Qwen Edit: Train Options (advanced)",
     "QwenEditTrainStatus": "Qwen Edit: Training Status / Wait",
     "QwenEditStopTraining": "Qwen Edit: Stop Training",
     "QwenEditJobs": "Qwen Edit: Training Jobs",

@@ -170,9 +170,11 @@ class QwenEditBuildCache:
 
 
 class QwenEditTrain:
-    """Start LoRA training in the background and return a job handle at once."""
+    """Start LoRA training in the background and return a job handle at once. Deprecated: Train LoRA
+    (QwenEditTrainLoRA) with Train Options replaces it; it stays loadable for saved workflows."""
 
     CATEGORY = f"{CATEGORY}/training"
+    DEPRECATED = True  # ComfyUI hides it from search and the node menu; saved workflows still load it
     DESCRIPTION = ("Starts LoRA training in the background and returns a job at once; watch it with Training "
                    "Status. The LoRA (or LoKr, LoHa, DoRA: lora_type, dora) lands in models/loras and loads with "
                    "stock LoraLoaderModelOnly.")

@@ -6,7 +6,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const NODES = ["QwenEditTrain", "QwenEditTrainStatus", "QwenEditStopTraining"];
+const TRAIN_NODES = ["QwenEditTrainLoRA", "QwenEditTrain"];
+const NODES = [...TRAIN_NODES, "QwenEditTrainStatus", "QwenEditStopTraining"];
 const jobs = new Map(); // name -> {entry, history: [[step, loss], ...]}
 
 function update(entry, history) {
@@ -38,14 +39,24 @@ function widgetValue(node, name) {
 
 // The job a node shows: its job_name widget, else the Train node's name (job_name, else lora_name), following
 // the "job" input link to the Train node for the status and stop nodes.
+// The node connected to input `name` (LiteGraph's getInputNode; the graph's link table on frontends before it).
+function inputOrigin(node, name) {
+  const slot = (node.inputs || []).findIndex((i) => i.name === name);
+  if (slot < 0) return null;
+  if (typeof node.getInputNode === "function") return node.getInputNode(slot) ?? null;
+  const id = node.inputs[slot].link;
+  const link = id == null ? null : node.graph?.links?.[id] ?? node.graph?.links?.get?.(id);
+  return link ? node.graph.getNodeById(link.origin_id) : null;
+}
+
+// The job a node shows: its job_name widget (the compact Train node's: its Train Options'), else the Train
+// node's lora_name, following the "job" input to the Train node for the status and stop nodes.
 function jobNameOf(node, depth = 0) {
-  const own = widgetValue(node, "job_name");
+  const options = node.comfyClass === "QwenEditTrainLoRA" ? inputOrigin(node, "options") : null;
+  const own = widgetValue(node, "job_name") || (options ? widgetValue(options, "job_name") : "");
   if (own) return own.replace(/\.safetensors$/, "");
-  if (node.comfyClass === "QwenEditTrain") return widgetValue(node, "lora_name").replace(/\.safetensors$/, "");
-  const input = (node.inputs || []).find((i) => i.name === "job");
-  if (!input || input.link == null || depth > 4) return "";
-  const link = node.graph?.links?.[input.link] ?? node.graph?.links?.get?.(input.link);
-  const origin = link && node.graph.getNodeById(link.origin_id);
+  if (TRAIN_NODES.includes(node.comfyClass)) return widgetValue(node, "lora_name").replace(/\.safetensors$/, "");
+  const origin = depth > 4 ? null : inputOrigin(node, "job");
   return origin ? jobNameOf(origin, depth + 1) : "";
 }
 

@@ -1,6 +1,7 @@
 """Writes the shipped UI-format workflows from compact specs, with widget values in INPUT_TYPES order.
 
-Run `.venv/bin/python workflows/build_workflows.py` after changing a node's inputs; tests check the files
+Run `.venv/bin/python workflows/build_workflows.py` after changing a node's inputs (it writes
+example_workflows/, the one folder ComfyUI offers as templates); tests check the files
 against the nodes (ids, widget counts, link types). Every workflow runs on the built-in tiny model, opens
 with a Note saying what it does and what to change first, and is laid out left to right in the order of its
 steps, one group per stage (layout.py, with node sizes measured in ComfyUI's frontend).
@@ -13,12 +14,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: the one folder ComfyUI's template browser reads for this pack (with a <name>.jpg thumbnail beside each)
+OUT = HERE.parent / "example_workflows"
 sys.path.insert(0, str(HERE.parent))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 from nodes.common import TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
-from workflows.layout import frontend_sizes, place  # noqa: E402
+from workflows.layout import TITLE, frontend_sizes, note_size, place, view  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 BUILTIN = {  # the built-in ComfyUI nodes the workflows use: inputs (name, type, is_widget), outputs
@@ -67,9 +70,15 @@ def has_control_after_generate(node_type: str, name: str) -> bool:
 def build(stages: list[tuple[str, list[dict]]], title: str, note: str) -> dict:
     """stages: [(group title, [{"id", "type", "widgets": {name: value}, "links": {input: (from id, output)}}])]
     in the order of the steps; a Note node with `note` comes first."""
+    numbered = iter(range(1, len(stages) + 1))
+    stages = [(t if t == RESULTS else f"{next(numbered)}. {t}", group) for t, group in stages]
     nodes = [n for _, group in stages for n in group]
-    note_node = {"id": max(n["id"] for n in nodes) + 1, "type": "Note", "widgets": {"text": note}}
-    placed, groups = place([("", [note_node])] + stages, frontend_sizes())
+    note_node = {"id": max(n["id"] for n in nodes) + 1, "type": "Note", "widgets": {"text": note},
+                 "min_size": note_size(note)}
+    columns = [("", [note_node])] + stages
+    if [t for t, _ in stages[:2]] == [f"1. {LOAD}", f"2. {DATA}"]:  # one column: the graph fits the screen
+        columns = [columns[0], stages[:2]] + stages[2:]
+    placed, groups = place(columns, frontend_sizes())
     nodes = [note_node] + nodes
     by_id = {n["id"]: n for n in nodes}
     links, ui_nodes = [], []
@@ -104,8 +113,11 @@ def build(stages: list[tuple[str, list[dict]]], title: str, note: str) -> dict:
     for link in links:  # target slot: index among the node's socket inputs
         target = next(n for n in ui_nodes if n["id"] == link[3])
         link[4] = [s["name"] for s in target["inputs"]].index(link[4])
+    rects = [g["bounding"] for g in groups] + [(n["pos"][0], n["pos"][1] - TITLE, n["size"][0],
+                                                 n["size"][1] + TITLE) for n in ui_nodes]
     return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": len(links), "nodes": ui_nodes,
-            "links": links, "groups": groups, "config": {}, "extra": {"title": title}, "version": 0.4}
+            "links": links, "groups": groups, "config": {}, "extra": {"title": title, "ds": view(rects)},
+            "version": 0.4}
 
 
 def _default(node_type: str, name: str):
@@ -125,11 +137,12 @@ TINY_LOADER = {"id": 1, "type": "QwenEditModelLoader", "widgets": {"model": TOY_
                                                                   "vae_device": "cpu", "text_encoder_device": "cpu",
                                                                   "dtype": "float32"}}
 DEMO_DATA = {"id": 2, "type": "QwenEditSyntheticDataset", "widgets": {"count": 8}}
-TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.003, "rank": 16, "alpha": 16.0,
-         "targets": "all", "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
+TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.003, "rank": 16, "targets": "all",
+         "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
 SAMPLE = {"prompt": "invert the colors", "steps": 20, "true_cfg_scale": 1.0, "seed": 0, "vae_side": 128}
 
-LOAD, DATA, TRAINING, SAMPLING, RESULTS = "1. Load the model", "2. Data", "3. Train", "4. Sample", "Results"
+LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
+RESULTS = "Results"  # the one group without a step number
 TINY_NOTE = ("It runs as shipped on the built-in toy model (pretrained on 128 px pictures of shapes: it keeps, "
              "grays or shifts them, and learns to invert their colours here in about a minute on a CPU; CFG 1). "
              "For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
@@ -147,29 +160,32 @@ WORKFLOWS = {
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "use_cache": True, "validation_every": 50,
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "use_cache": True, "validation_every": 50,
                                                             "validation_prompt": "invert the colors"},
              "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
-            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+            ]),
+        (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
         (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
                    {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_train_lightning_preview": ("Train a LoRA with a 4-step Lightning-style preview", (
         "Trains a LoRA like qwen_edit_train_cached and shows each validation edit twice, side by side and "
         "labelled: the base schedule at 8 steps and the few-step 'lightning' schedule at 4 steps and CFG 1, "
-        "what you will get with a Lightning LoRA.\n\nChange first: in Train LoRA's validation_previews add "
+        "what you will get with a Lightning LoRA.\n\nChange first: in Train Options' validation_previews add "
         "lora=<your Lightning LoRA in models/loras> to the lightning line (e.g. lora=Qwen-Image-Edit-Lightning-"
         f"4steps-V1.0.safetensors), and 30 steps on the base line.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrain", "widgets": {
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {
                 **TRAIN, "lora_name": "qwen_edit_lightning_preview_lora", "use_cache": True, "validation_every": 20,
-                "validation_prompt": "invert the colors",
+                "validation_prompt": "invert the colors"},
+             "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control"),
+                       "options": (8, "options")}},
+            {"id": 8, "type": "QwenEditTrainOptions", "widgets": {
                 "validation_previews": "diffusers steps=8 label=base_8_steps\nlightning steps=4 cfg=1 "
-                                       "label=lightning_4_steps"},
-             "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control")}},
-            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+                                       "label=lightning_4_steps"}}]),
+        (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
         (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
                    {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_train_realtime": ("Train a LoRA in real time (no cache)", (
@@ -178,10 +194,11 @@ WORKFLOWS = {
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
                                                             "use_cache": False},
              "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
-            {"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
+            ]),
+        (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
         (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}}])]),
     "qwen_edit_build_cache": ("Build the embedding cache only", (
         "Encodes a dataset once (VAE latents and prompt embeddings) into the cache that training reuses, so a "
@@ -189,7 +206,8 @@ WORKFLOWS = {
         f"your pairs) and Build Cache's resolution (1024 for real training).\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
-                            "links": {"model": (1, "model"), "dataset": (2, "dataset")}}])]),
+                            "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
+        (RESULTS, [{"id": 4, "type": "PreviewImage", "links": {"images": (2, "example_control")}}])]),
     "qwen_edit_sample_with_lora": ("Sample with a LoRA", (
         "Edits an image with true CFG, optionally through a LoRA. As shipped Load LoRA is (none), so it runs on "
         "a fresh install.\n\nChange first: pick your LoRA in Load LoRA (qwen_edit_train_cached writes "
@@ -209,9 +227,10 @@ WORKFLOWS = {
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrain", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
              "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
-            {"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}}]),
+            ]),
+        (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}}]),
         (SAMPLING, [
             {"id": 6, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "(none)", "strength": 1.0},
              "links": {"model": (1, "model"), "lora_path": (5, "lora_path")}},
@@ -228,19 +247,19 @@ WORKFLOWS = {
         "(stock mask nodes, 1 = edited).\n\nChange first: use two Load Image nodes for your before and after "
         "pictures, paint the edited region on the after picture (right click > Open in MaskEditor) and connect "
         "that Load Image's MASK to Save Pair's mask; write the caption. Then train on the folder: Dataset From "
-        "Folder (folder qwen_edit_masked_pairs) into Train LoRA, whose mask_weight (2-5) sets how much the "
-        f"edited region counts in the loss.\n\n{TINY_NOTE}"), [
-        ("1. Before picture", [DEMO_DATA]),
-        ("2. Edited region (mask)", [
+        "Folder (folder qwen_edit_masked_pairs) into Train LoRA; Train Options' mask_weight (2-5) sets how "
+        "much the edited region counts in the loss. Needs no model."), [
+        ("Before picture", [DEMO_DATA]),
+        ("Edited region (mask)", [
             {"id": 3, "type": "SolidMask", "widgets": {"value": 0.0, "width": 128, "height": 128}},
             {"id": 4, "type": "SolidMask", "widgets": {"value": 1.0, "width": 64, "height": 128}},
             {"id": 5, "type": "MaskComposite", "widgets": {"x": 0, "y": 0, "operation": "add"},
              "links": {"destination": (3, "MASK"), "source": (4, "MASK")}}]),
-        ("3. After picture", [
+        ("After picture", [
             {"id": 6, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
             {"id": 7, "type": "ImageCompositeMasked", "widgets": {"x": 0, "y": 0, "resize_source": False},
              "links": {"destination": (2, "example_control"), "source": (6, "IMAGE"), "mask": (5, "MASK")}}]),
-        ("4. Save the pair", [
+        ("Save the pair", [
             {"id": 8, "type": "QwenEditSavePair", "widgets": {"caption": "invert the colors on the left",
                                                               "folder": "qwen_edit_masked_pairs"},
              "links": {"before": (2, "example_control"), "after": (7, "IMAGE"), "mask": (5, "MASK")}}]),
@@ -248,8 +267,10 @@ WORKFLOWS = {
     "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
         "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
         "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "
-        "Sampler's uncond_device to cuda:1 (as shipped both are the CPU, so it runs anywhere); then the "
-        f"control image and prompt.\n\n{TINY_NOTE}"), [
+        "Sampler's uncond_device to cuda:1 (as shipped both are the CPU, so it runs anywhere), and raise "
+        "true_cfg_scale above 1 (4.0 for real models) with a negative_prompt: at CFG 1, as shipped for the toy "
+        "model, the unconditional branch is skipped and uncond_device does nothing. Then the control image "
+        f"and prompt.\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (SAMPLING, [{"id": 4, "type": "QwenEditSampler", "widgets": {**SAMPLE, "uncond_device": "cpu"},
@@ -261,7 +282,7 @@ WORKFLOWS = {
 
 def main() -> None:
     for name, (title, note, stages) in WORKFLOWS.items():
-        (HERE / f"{name}.json").write_text(json.dumps(build(stages, title, note), indent=1) + "\n")
+        (OUT / f"{name}.json").write_text(json.dumps(build(stages, title, note), indent=1) + "\n")
 
 
 if __name__ == "__main__":

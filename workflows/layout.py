@@ -40,27 +40,76 @@ def node_size(node_type: str, sizes: dict[str, dict]) -> tuple[int, int]:
     return max(int(-(-w // 10) * 10), low_w), max(int(-(-h // 10) * 10), low_h)
 
 
-def place(stages: list[tuple[str, list[dict]]], sizes: dict[str, dict], left: int = 40
+def _size(node: dict, sizes: dict[str, dict]) -> tuple[int, int]:
+    """A node's size: the frontend's, or the spec's "min_size" where larger (a Note sized to its text)."""
+    w, h = node_size(node["type"], sizes)
+    low_w, low_h = node.get("min_size", (0, 0))
+    return max(w, low_w), max(h, low_h)
+
+
+def note_size(text: str, width: int = 520) -> tuple[int, int]:
+    """Room for a Note's text without scrolling: the frontend's textarea (14 px sans-serif) takes about 7 px
+    per character and 17 px per line at 100% zoom; 20 px of padding; the browser check shows no overflow."""
+    per_line = (width - 20) // 7
+    lines = sum(max(1, -(-len(paragraph) // per_line)) for paragraph in text.split("\n"))
+    return width, lines * 17 + 30
+
+
+def place(stages: list, sizes: dict[str, dict], left: int = 40
           ) -> tuple[dict[int, tuple[list[int], list[int]]], list[dict]]:
     """Columns of stages, left to right; nodes of a stage top to bottom.
 
-    stages: [(group title, [node specs with "id" and "type"])]. Returns ({node id: (pos, size)}, groups).
-    `pos` is the top-left of a node's body (its title bar is TITLE above it), as LiteGraph stores it.
+    stages: [(group title, [node specs with "id" and "type"])]; an entry that is a list of such stages puts
+    them in one column, one group under the other (a short graph fits a screen at a readable zoom).
+    Returns ({node id: (pos, size)}, groups). `pos` is the top-left of a node's body (its title bar is TITLE
+    above it), as LiteGraph stores it.
     """
     placed, groups, x = {}, [], left
-    for index, (title, nodes) in enumerate(stages):
-        width = max(node_size(n["type"], sizes)[0] for n in nodes)
-        y = TOP + GROUP_TITLE + TITLE
-        for node in nodes:
-            w, h = node_size(node["type"], sizes)
-            placed[node["id"]] = ([x + PAD, y], [max(w, width), h])
-            y += h + TITLE + GAP
-        if title:
-            groups.append({"id": len(groups) + 1, "title": title,
-                           "bounding": [x, TOP, width + 2 * PAD, y - GAP - TITLE + PAD - TOP],
-                           "color": GROUP_COLORS[index % len(GROUP_COLORS)], "font_size": 24, "flags": {}})
+    for index, column in enumerate(stages):
+        column = column if isinstance(column, list) else [column]
+        width = max(_size(n, sizes)[0] for _, nodes in column for n in nodes)
+        top = TOP
+        for title, nodes in column:
+            y = top + GROUP_TITLE + TITLE
+            for node in nodes:
+                w, h = _size(node, sizes)
+                placed[node["id"]] = ([x + PAD, y], [max(w, width), h])
+                y += h + TITLE + GAP
+            bottom = y - GAP - TITLE + PAD
+            if title:
+                groups.append({"id": len(groups) + 1, "title": title, "bounding": [x, top, width + 2 * PAD,
+                                                                                  bottom - top],
+                               "color": GROUP_COLORS[(index + len(groups)) % len(GROUP_COLORS)], "font_size": 24,
+                               "flags": {}})
+            top = bottom + GAP
         x += width + 2 * PAD + GAP
     return placed, groups
+
+
+#: the screen a shipped workflow is opened on, and the part of it the frontend's menus leave to the graph
+SCREEN = (1920, 1080)
+CANVAS = (60, 50, 1900, 1060)  # left, top, right, bottom in screen pixels
+#: below 0.6 the frontend draws no text (LiteGraph's low-quality threshold); 0.8 keeps 14 px text legible
+MIN_SCALE, MAX_SCALE = 0.8, 1.0
+
+
+def view(rects: list[tuple[float, float, float, float]]) -> dict:
+    """The saved view (`extra.ds`) that shows the graph's (x, y, w, h) rectangles from their top-left corner,
+    as large as fits the canvas, between MIN_SCALE and MAX_SCALE (at MIN_SCALE a wide graph's right end may
+    lie beyond the screen's edge)."""
+    x0, y0 = min(r[0] for r in rects), min(r[1] for r in rects)
+    x1, y1 = max(r[0] + r[2] for r in rects), max(r[1] + r[3] for r in rects)
+    fit = min((CANVAS[2] - CANVAS[0]) / (x1 - x0), (CANVAS[3] - CANVAS[1]) / (y1 - y0))
+    scale = round(min(MAX_SCALE, max(MIN_SCALE, fit)), 3)
+    return {"scale": scale, "offset": [round(CANVAS[0] / scale - x0, 1), round(CANVAS[1] / scale - y0, 1)]}
+
+
+def on_screen(rect: tuple[float, float, float, float], ds: dict) -> bool:
+    """Whether a canvas rectangle lies wholly inside the canvas part of the screen under view `ds`."""
+    (ox, oy), s = ds["offset"], ds["scale"]
+    left, top = (rect[0] + ox) * s, (rect[1] + oy) * s
+    return (CANVAS[0] - 1 <= left and CANVAS[1] - 1 <= top and left + rect[2] * s <= CANVAS[2] + 1
+            and top + rect[3] * s <= CANVAS[3] + 1)
 
 
 def overlaps(rects: list[tuple[float, float, float, float]]) -> list[tuple[int, int]]:

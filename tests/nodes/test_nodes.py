@@ -16,7 +16,7 @@ from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle, has_control_aft
 from qwen_edit_core import jobs
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 #: stock ComfyUI nodes the workflows use: (socket inputs, number of widgets, output types)
 BUILTIN = {"SaveImage": ({"images": "IMAGE"}, 1, []), "PreviewImage": ({"images": "IMAGE"}, 0, []),
@@ -95,12 +95,33 @@ def test_workflow_matches_the_nodes(path):
     assert (ROOT / "example_workflows" / path.name).is_file()
 
 
+#: the folders ComfyUI lists as a pack's templates (app/custom_node_manager.py, 0.3.64 and newer)
+TEMPLATE_FOLDERS = ("example_workflows", "example", "examples", "workflow", "workflows")
+
+
+def test_templates_are_listed_once_with_a_thumbnail_each():
+    """ComfyUI lists every *.json of each template folder: only example_workflows/ holds them (no symlink),
+    and beside each is the <name>.jpg the template browser shows, a picture the workflow drew."""
+    from PIL import Image, ImageStat
+
+    listed = [p.name for folder in TEMPLATE_FOLDERS for p in (ROOT / folder).glob("*.json")]
+    assert sorted(listed) == [p.name for p in WORKFLOWS] and len(WORKFLOWS) >= 8, listed
+    assert not (ROOT / "example_workflows").is_symlink()
+    pictures = {}
+    for path in WORKFLOWS:
+        with Image.open(path.with_suffix(".jpg")) as image:
+            assert image.format == "JPEG" and max(image.size) == 256, (path.name, image.format, image.size)
+            assert max(ImageStat.Stat(image.convert("L")).stddev) > 10, f"{path.name}: blank thumbnail"
+            pictures[path.name] = image.convert("RGB").tobytes()
+    assert len(set(pictures.values())) >= len(pictures) - 2, "thumbnails should show each workflow's picture"
+
+
 def test_shipped_workflows_are_the_generated_ones(tmp_path, monkeypatch):
     import importlib.util
     spec = importlib.util.spec_from_file_location("build_workflows", ROOT / "workflows" / "build_workflows.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "HERE", tmp_path)
+    monkeypatch.setattr(module, "OUT", tmp_path)
     module.main()
     for path in WORKFLOWS:
         assert json.loads((tmp_path / path.name).read_text()) == json.loads(path.read_text()), path.name

@@ -14,7 +14,7 @@ from nodes.common import has_control_after_generate
 from workflows.layout import TITLE, frontend_sizes, overlaps
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 
 

@@ -109,6 +109,16 @@ def test_free_space_estimate_is_what_a_real_run_writes(tiny_edit_dir, pairs_dir,
     QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "p", model=model, train=t)).check_fit()
 
 
+def test_trained_tensors_are_estimated_inside_inference_mode(tmp_path, tiny_edit_dir, pairs_dir):
+    """ComfyUI runs the Train node under torch.inference_mode(): the preflight's estimate works there too."""
+    import qwen_edit_core.preflight as preflight
+    model = {"pretrained_model_name_or_path": str(tiny_edit_dir), "lora": {"rank": 4, "targets": "attn"}}
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", model=model, train={"max_steps": 1})
+    expected = preflight.trained_tensors(config, tiny_edit_dir)
+    with torch.inference_mode():
+        assert preflight.trained_tensors(config, tiny_edit_dir) == expected and expected
+
+
 def test_preview_strings_report_every_problem_by_key(tmp_path):
     """Every problem of every --preview string at once, each naming the preview, the key and what is accepted:
     no Python error text, no type reprs, a strength that is not a number is not taken for part of a file name,

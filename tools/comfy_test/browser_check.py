@@ -30,7 +30,7 @@ def _load_and_queue(browser: Browser, workflow: dict) -> None:
     browser.evaluate(f"""(async () => {{
       await app.loadGraphData({json.dumps(workflow)}, true, false, null,
                               {{showMissingNodesDialog: false, showMissingModelsDialog: false}});
-      const train = app.graph._nodes.find(n => n.type === 'QwenEditTrain');
+      const train = app.graph._nodes.find(n => n.type === 'QwenEditTrainLoRA');
       const set = (name, value) => {{ train.widgets.find(w => w.name === name).value = value; }};
       set('lora_name', 'browser_lora'); set('steps', 400); set('validation_every', 10);
       const nodes = app.graph._nodes, x0 = Math.min(...nodes.map(n => n.pos[0])) - 40;

@@ -18,7 +18,7 @@ log = logging.getLogger("comfy_test")
 
 PACK = Path(__file__).resolve().parents[2]
 PACK_DIR_NAME = "comfyui-qwen-edit-lora"
-TRAIN_WORKFLOW = PACK / "workflows" / "qwen_edit_train_cached.json"
+TRAIN_WORKFLOW = PACK / "example_workflows" / "qwen_edit_train_cached.json"
 
 
 def free_port() -> int:

@@ -1,5 +1,5 @@
 """The README's picture of the first workflow (`--only first_workflow`): ComfyUI's own frontend in headless
-Chromium opens workflows/qwen_edit_train_then_sample.json as shipped and saves the page as
+Chromium opens example_workflows/qwen_edit_train_then_sample.json as shipped and saves the page as
 `first_workflow_loaded.png` in --out (copied to docs/first_workflow.png), then queues it, waits until it has
 run (the LoRA trained, the Training Status node's live view holding its loss curve, the edited picture
 saved) and saves `first_workflow.png`."""
@@ -14,7 +14,7 @@ from browser import Browser
 from comfy import PACK, ComfyServer, poll
 
 log = logging.getLogger("comfy_test")
-FIRST_WORKFLOW = PACK / "workflows" / "qwen_edit_train_then_sample.json"
+FIRST_WORKFLOW = PACK / "example_workflows" / "qwen_edit_train_then_sample.json"
 
 #: load the workflow, fit every node on the page, hide the minimap
 LOAD_FIT = """(async () => {

@@ -83,7 +83,7 @@ def check_layout(args) -> list[str]:
         browser = Browser(args.chromium)
         try:
             _open(browser, server)
-            for path in sorted((PACK / "workflows").glob("*.json")):
+            for path in sorted((PACK / "example_workflows").glob("*.json")):
                 page = json.loads(browser.evaluate(RECTS % path.read_text()))
                 nodes, groups = page["nodes"], page["groups"]
                 clashes = [(nodes[i]["type"], nodes[j]["type"])

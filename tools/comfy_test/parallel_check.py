@@ -14,7 +14,7 @@ from PIL import Image
 from comfy import PACK, ComfyServer, poll
 from convert import set_inputs, to_api
 
-WORKFLOW = PACK / "workflows" / "qwen_edit_sample_with_lora.json"
+WORKFLOW = PACK / "example_workflows" / "qwen_edit_sample_with_lora.json"
 DEVICES_ENV = "QWEN_EDIT_PARALLEL_DEVICES"
 
 

@@ -24,23 +24,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
 from convert import set_inputs, to_api  # noqa: E402
 from edit_check import check_edits  # noqa: E402
+from thumbnails import keep_thumbnail  # noqa: E402
 
 log = logging.getLogger("comfy_test")
-WORKFLOWS = sorted((PACK / "workflows").glob("*.json"))
+TEMPLATES = PACK / "example_workflows"
+WORKFLOWS = sorted(TEMPLATES.glob("*.json"))
 
 
 def check_workflows(args) -> list[str]:
     """Every shipped workflow, each on its own fresh base directory (as on a fresh install), and its pictures
-    showing the learned edit (edit_check.py); all are run, then any failure is raised."""
+    showing the learned edit (edit_check.py); all are run (a timeout or any other error is reported for its
+    workflow, and the next one runs), then any failure is raised. Each keeps its picture as its template
+    thumbnail (thumbnails.py; into example_workflows/ with --write-thumbnails)."""
     results, failures = [], []
     for path in WORKFLOWS:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
             try:
-                server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
+                entry = server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
                 edits = check_edits(server.base)
-            except (RuntimeError, AssertionError) as err:
-                failures.append(f"{path.name}: {err}")
+                edits.append(keep_thumbnail(server, entry, path.stem, args.out,
+                                            TEMPLATES if args.write_thumbnails else None))
+            except Exception as err:  # noqa: BLE001 - every workflow is run and reported
+                failures.append(f"{path.name}: {type(err).__name__}: {err}")
                 log.error(failures[-1])
                 continue
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
@@ -68,7 +74,7 @@ def check_lifecycle(args) -> list[str]:
     server = ComfyServer(args.comfyui_dir, args.python, log_dir=args.out).start()
     try:
         base = to_api(json.loads(TRAIN_WORKFLOW.read_text()), server.get("/object_info"))
-        long = set_inputs(base, "QwenEditTrain", lora_name=name, steps=100_000, checkpoint_every=0,
+        long = set_inputs(base, "QwenEditTrainLoRA", lora_name=name, steps=100_000, checkpoint_every=0,
                           validation_every=0)
         background = set_inputs(long, "QwenEditTrainStatus", wait=False)
         server.run(background)
@@ -98,7 +104,7 @@ def check_lifecycle(args) -> list[str]:
 
 
 def _restart(server: ComfyServer, background: dict, name: str, stopped_at: int) -> list[str]:
-    resumed = set_inputs(background, "QwenEditTrain", resume=True)
+    resumed = set_inputs(background, "QwenEditTrainLoRA", resume=True)
     server.run(resumed)
     server.job_where(name, lambda j: j["step"] >= stopped_at + 3 and not j["finished"], 600, "resumed training")
     code = server.stop()  # SIGTERM with the job running
@@ -106,7 +112,7 @@ def _restart(server: ComfyServer, background: dict, name: str, stopped_at: int) 
     assert saved >= stopped_at + 3, (saved, stopped_at)
     server.start()  # the same base directory
     final = saved + 3
-    server.run(set_inputs(set_inputs(resumed, "QwenEditTrain", steps=final), "QwenEditTrainStatus", wait=True))
+    server.run(set_inputs(set_inputs(resumed, "QwenEditTrainLoRA", steps=final), "QwenEditTrainStatus", wait=True))
     job = server.jobs()[name]
     assert job["state"] == "done" and job["step"] == final and job["history"][0][0] == saved + 1, job
     return [f"SIGTERM: server exited with {code} after checkpointing the running job at step {saved}",
@@ -115,7 +121,7 @@ def _restart(server: ComfyServer, background: dict, name: str, stopped_at: int) 
 
 def _unattended(server: ComfyServer, base: dict) -> str:
     name = "unattended"
-    prompt = set_inputs(set_inputs(base, "QwenEditTrain", lora_name=name, steps=6, validation_every=0),
+    prompt = set_inputs(set_inputs(base, "QwenEditTrainLoRA", lora_name=name, steps=6, validation_every=0),
                         "QwenEditTrainStatus", wait=False)
     server.run(prompt)
     job = server.job_where(name, lambda j: j["finished"], 600, "finishing with nobody waiting")
@@ -127,7 +133,7 @@ def _unattended(server: ComfyServer, base: dict) -> str:
 def _interrupt_signal(server: ComfyServer, base: dict) -> str:
     """Ctrl+C (SIGINT) on the server checkpoints a running job too."""
     name = "sigint"
-    prompt = set_inputs(set_inputs(base, "QwenEditTrain", lora_name=name, steps=100_000, checkpoint_every=0,
+    prompt = set_inputs(set_inputs(base, "QwenEditTrainLoRA", lora_name=name, steps=100_000, checkpoint_every=0,
                                    validation_every=0), "QwenEditTrainStatus", wait=False)
     server.run(prompt)
     server.job_where(name, lambda j: j["step"] >= 2, 600, "training")
@@ -141,15 +147,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,lora,parallel,free_memory,model_memory",
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,view,lora,parallel,free_memory,model_memory",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
                              "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
                              "parallel option on 2 CPU workers), free_memory (the Train node's request to "
                              "ComfyUI to free a GPU), model_memory (the pack's models in ComfyUI's memory "
-                             "manager; a loader run twice holds one transformer); sizes re-measures "
-                             "workflows/frontend/node_sizes.json; first_workflow saves the README's screenshot of "
-                             "the first workflow")
+                             "manager; a loader run twice holds one transformer), view (each workflow opened at "
+                             "1920x1080 is readable); sizes re-measures workflows/frontend/node_sizes.json; "
+                             "first_workflow saves the README's screenshot of the first workflow")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
+    parser.add_argument("--write-thumbnails", action="store_true",
+                        help="the workflows check copies each workflow's picture into example_workflows/<name>.jpg")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -163,10 +171,11 @@ def main(argv=None) -> int:
     from layout_check import check_layout, measure_sizes
     from lora_check import check_lora_kinds
     from parallel_check import check_parallel
+    from view_check import check_view
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
               "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel,
               "free_memory": check_free_memory, "model_memory": check_model_memory,
-              "first_workflow": first_workflow_shot}
+              "first_workflow": first_workflow_shot, "view": check_view}
     failed = []
     for name in args.only.split(","):
         try:
