@@ -309,9 +309,10 @@ def test_loader_nodes_take_a_text_encoder_file_and_the_running_comfyuis_tokenize
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
 
-    for node in (nodes.QwenEditTextEncoderLoader, nodes.QwenEditModelLoader):
+    for node, tail in ((nodes.QwenEditTextEncoderLoader, ["text_encoder_file"]),
+                       (nodes.QwenEditModelLoader, ["text_encoder_file", "instance"])):
         optional = node.INPUT_TYPES()["optional"]
-        assert list(optional)[-1] == "text_encoder_file"
+        assert list(optional)[-len(tail):] == tail  # new inputs go last
         assert optional["text_encoder_file"][0][1:] == ["qwen_2.5_vl_7b.safetensors"]
     with torch.inference_mode():
         (te,) = nodes.QwenEditTextEncoderLoader().load("unused", "cpu", "float32", "none", path=str(bare),
