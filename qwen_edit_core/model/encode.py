@@ -31,21 +31,28 @@ class EncodeError(ValueError):
     """An input the encoders cannot take; the message names it and what is accepted."""
 
 
-def to_pil(image) -> Image.Image:
-    """Accept a PIL image, an (H, W, 3) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8; return RGB PIL."""
+def as_pil(image) -> Image.Image:
+    """A PIL image as it is, or an (H, W, 3|4) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8 as an RGB or
+    RGBA PIL image (alpha kept); what `to_pil` and the 2.1 encoder's `to_rgba` share."""
     if isinstance(image, Image.Image):
-        return image.convert("RGB") if image.mode != "RGB" else image
+        return image
     if isinstance(image, torch.Tensor):
         image = image.detach().to("cpu", torch.float32).numpy()
     if isinstance(image, np.ndarray):
         if image.ndim == 4 and image.shape[0] == 1:
             image = image[0]
         if image.ndim != 3 or image.shape[-1] not in (3, 4):
-            raise EncodeError(f"image array must be (H, W, 3), got shape {tuple(image.shape)}")
+            raise EncodeError(f"image array must be (H, W, 3) or (H, W, 4), got shape {tuple(image.shape)}")
         if image.dtype != np.uint8:
-            image = (np.clip(image[..., :3], 0.0, 1.0) * 255.0).round().astype(np.uint8)
-        return Image.fromarray(image[..., :3])
+            image = (np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        return Image.fromarray(image)
     raise EncodeError(f"expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")
+
+
+def to_pil(image) -> Image.Image:
+    """Accept a PIL image, an (H, W, 3) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8; return RGB PIL."""
+    image = as_pil(image)
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def image_size_at_area(image: Image.Image, area: int) -> tuple[int, int]:

@@ -18,13 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from qwen_edit_core.model import variants
-from qwen_edit_core.model.encode import EncodeError
+from qwen_edit_core.model.encode import EncodeError, as_pil
 from qwen_edit_core.model.families import QWEN_IMAGE_21
 from qwen_edit_core.model.geometry import calculate_dimensions
 
@@ -40,18 +39,7 @@ _IMAGE_PROCESSOR = VaeImageProcessor(vae_scale_factor=QWEN_IMAGE_21.vae_scale,
 def to_rgba(image) -> Image.Image:
     """A PIL image, or an (H, W, 3|4) array/tensor in [0, 1] or uint8, as an RGBA PIL image (opaque without
     alpha), the mode the pipeline gives every reference before resizing it."""
-    if isinstance(image, torch.Tensor):
-        image = image.detach().to("cpu", torch.float32).numpy()
-    if isinstance(image, np.ndarray):
-        if image.ndim == 4 and image.shape[0] == 1:
-            image = image[0]
-        if image.ndim != 3 or image.shape[-1] not in (3, 4):
-            raise EncodeError(f"image array must be (H, W, 3) or (H, W, 4), got shape {tuple(image.shape)}")
-        if image.dtype != np.uint8:
-            image = (np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-        image = Image.fromarray(image)
-    if not isinstance(image, Image.Image):
-        raise EncodeError(f"expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")
+    image = as_pil(image)
     return image if image.mode == "RGBA" else image.convert("RGBA")
 
 
