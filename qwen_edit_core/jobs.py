@@ -120,6 +120,7 @@ class TrainingJob:
         # The files this run wrote, as it reports them (the folder may hold an earlier run's of the same name).
         self._checkpoint: Path | None = None
         self._validations: list[Path] = []
+        self._metrics: tuple[tuple, tuple] = ((), ())  # (metrics.csv's mtime and size, its rows): read once per write
         self._result, self._delivered = None, None
         self._on_finish, self._fit, self._preflight = on_finish, fit, preflight
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
@@ -207,6 +208,16 @@ class TrainingJob:
         with self._lock:
             return list(self._history)
 
+    def _heldout_metrics(self) -> tuple:
+        """The rows of validation/metrics.csv, read again only when the file changed (status runs every step)."""
+        from qwen_edit_core.train.heldout import read_metrics
+        path = self.output_dir / "validation" / "metrics.csv"
+        stat = path.stat() if path.is_file() else None
+        seen = (stat.st_mtime_ns, stat.st_size) if stat else ()
+        if seen != self._metrics[0]:
+            self._metrics = (seen, tuple(read_metrics(path)))
+        return self._metrics[1]
+
     def status(self) -> JobStatus:
         """A snapshot; cheap enough for every step's event (no folder is listed, no checkpoint read): the last
         checkpoint and validation image are the ones this run reported writing (a resumed run starts from the
@@ -216,8 +227,7 @@ class TrainingJob:
         pngs = list(result.validation_images) if result else []
         latest = pngs[-1] if pngs else next((p.with_suffix(".png") for p in reversed(latents)
                                              if p.with_suffix(".png").is_file()), None)
-        from qwen_edit_core.train.heldout import read_metrics
-        metrics = tuple(read_metrics(self.output_dir / "validation" / "metrics.csv"))
+        metrics = self._heldout_metrics()
         with self._lock:
             return JobStatus(name=self.name, state=self._state, step=self._step,
                              total=self.config.train.max_steps, loss=self._loss,
