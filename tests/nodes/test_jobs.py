@@ -302,6 +302,7 @@ job.wait()
 """
 
 
+@pytest.mark.slow  # a child process that trains
 def test_sigterm_checkpoints_a_real_running_job(tmp_path):
     out = tmp_path / "out"
     code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), data=str(tmp_path / "data"), home=str(tmp_path),

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import comfy  # noqa: E402
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
 from convert import set_inputs, to_api  # noqa: E402
 from edit_check import check_edits  # noqa: E402
@@ -29,6 +30,8 @@ from thumbnails import keep_thumbnail  # noqa: E402
 log = logging.getLogger("comfy_test")
 TEMPLATES = PACK / "example_workflows"
 WORKFLOWS = sorted(TEMPLATES.glob("*.json"))
+#: one workflow's time limit on the reference machine (comfy.REFERENCE_WORK_S), scaled by comfy.TIME_SCALE
+WORKFLOW_LIMIT_S = 900
 
 
 def check_workflows(args) -> list[str]:
@@ -41,16 +44,21 @@ def check_workflows(args) -> list[str]:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
             try:
-                entry = server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
+                entry = server.run(to_api(json.loads(path.read_text()), server.get("/object_info")),
+                                   WORKFLOW_LIMIT_S)
                 edits = check_edits(server.base)
                 edits.append(keep_thumbnail(server, entry, path.stem, args.out,
                                             TEMPLATES if args.write_thumbnails else None))
             except Exception as err:  # noqa: BLE001 - every workflow is run and reported
-                failures.append(f"{path.name}: {type(err).__name__}: {err}")
+                failures.append(f"{path.name}: {type(err).__name__} after {time.monotonic() - started:.0f} s "
+                                f"(limit {WORKFLOW_LIMIT_S * comfy.TIME_SCALE:.0f} s): {err}")
                 log.error(failures[-1])
+                if isinstance(err, TimeoutError):
+                    server.post("/interrupt")  # then the server stops (SIGTERM) before the next workflow
                 continue
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
-            results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s"
+            results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s (limit "
+                           f"{WORKFLOW_LIMIT_S * comfy.TIME_SCALE:.0f} s)"
                            + (f", LoRA in models/loras: {delivered}" if delivered else ""))
             results += [f"{path.name}: {line}" for line in edits]
             log.info("\n".join(results[-1 - len(edits):]))
@@ -159,11 +167,16 @@ def main(argv=None) -> int:
     parser.add_argument("--write-thumbnails", action="store_true",
                         help="the workflows check copies each workflow's picture into example_workflows/<name>.jpg")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
+    parser.add_argument("--time-scale", type=float, default=0.0,
+                        help="multiply every time limit by this (default: measured, comfy.machine_scale)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not (args.comfyui_dir / "main.py").is_file():
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
+    comfy.TIME_SCALE, seconds = (args.time_scale, None) if args.time_scale else comfy.machine_scale(args.python)
+    print(f"time limits x{comfy.TIME_SCALE:.2f}" + (f" (calibration {seconds:.2f} s here, {comfy.REFERENCE_WORK_S:.2f} s "
+          "on the reference machine)" if seconds else " (--time-scale)"), flush=True)
     from browser_check import check_browser
     from first_workflow_shot import first_workflow_shot
     from free_memory_check import check_free_memory
