@@ -158,7 +158,7 @@ function* allNodes(graph, seen = new Set()) {
 }
 
 function renderAll() {
-  for (const node of allNodes(app.rootGraph ?? app.graph)) render(node);
+  for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) render(node);
 }
 
 // A multiline box shows its name only while empty (the placeholder): the pack's prompt boxes carry their label

@@ -115,5 +115,5 @@ def test_the_live_view_labels_text_boxes_and_walks_subgraphs():
 
     script = (Path(__file__).resolve().parents[2] / "web" / "qwen_edit_jobs.js").read_text()
     assert "function labelTextBoxes" in script and "labelTextBoxes(node)" in script
-    assert "node.subgraph" in script and "subgraphs" in script and "allNodes(app.rootGraph ?? app.graph)" in script
+    assert "node.subgraph" in script and "subgraphs" in script and "allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)" in script
     assert "getInputNode" in script
