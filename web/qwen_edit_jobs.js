@@ -215,6 +215,10 @@ app.registerExtension({
     if (node.comfyClass?.startsWith("QwenEdit")) labelTextBoxes(node);
   },
   async afterConfigureGraph() {
+    // newer frontends may create a node's text boxes after nodeCreated: label them once the graph is loaded
+    for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) {
+      if (node.comfyClass?.startsWith("QwenEdit")) labelTextBoxes(node);
+    }
     renderAll();
   },
 });

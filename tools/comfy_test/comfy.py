@@ -39,6 +39,8 @@ print(best)
 """
 #: multiplies every time limit of the checks (set by run.py from `machine_scale`)
 TIME_SCALE = 1.0
+#: another frontend for the server to serve (`--front-end-root`, e.g. a newer comfyui-frontend-package's static/)
+FRONT_END_ROOT: str | None = None
 
 
 def machine_scale(python: str) -> tuple[float, float]:
@@ -54,7 +56,8 @@ def server_flags(comfyui_dir: Path) -> list[str]:
     """The flags that keep the paid API nodes out, as this ComfyUI spells them: `--disable-partner-nodes` where
     it exists (newer releases keep `--disable-api-nodes` only as a deprecated alias), else `--disable-api-nodes`."""
     cli = (Path(comfyui_dir) / "comfy" / "cli_args.py").read_text()
-    return ["--disable-partner-nodes"] if '"--disable-partner-nodes"' in cli else ["--disable-api-nodes"]
+    flags = ["--disable-partner-nodes"] if '"--disable-partner-nodes"' in cli else ["--disable-api-nodes"]
+    return flags + (["--front-end-root", FRONT_END_ROOT] if FRONT_END_ROOT else [])
 
 
 def free_port() -> int:

@@ -52,11 +52,18 @@ SHOWN = """JSON.stringify({
     .map(t => t.dataset.qwenEditLabel)})"""
 
 
+#: whether the page shows the stock Note's text box (a DOM widget) on screen
+STOCK_DOM = """JSON.stringify(app.graph._nodes.some(n => n.type === 'Note' && (n.widgets || []).some(w => {
+  const el = w.inputEl ?? w.element; return el && el.isConnected && el.getBoundingClientRect().width > 0; })) ||
+  [...document.querySelectorAll('textarea')].some(t => t.value.startsWith('Trains')))"""
+
+
 def _session(args, vue: bool):
     """A fresh server and page (with the Vue node renderer setting on or off), the training workflow loaded."""
     server = ComfyServer(args.comfyui_dir, args.python, log_dir=args.out).start()
     server.post("/settings/Comfy.TutorialCompleted", True)
-    server.post("/settings/Comfy.VueNodes.Enabled", vue)
+    if vue:
+        server.post("/settings/Comfy.VueNodes.Enabled", True)
     browser = Browser(args.chromium, size=(1920, 1080))
     browser.call("Emulation.setDeviceMetricsOverride", {"width": 1920, "height": 1080, "deviceScaleFactor": 1,
                                                         "mobile": False})
@@ -92,6 +99,11 @@ def _vue(args) -> str:
         browser.evaluate(FEED % (JOB, JOB))
         shown = json.loads(browser.evaluate(SHOWN))
         views = [v for v in shown["views"] if v["job"] == JOB]
+        version = browser.evaluate("window.__COMFYUI_FRONTEND_VERSION__ ?? '?'")
+        if not views and not json.loads(browser.evaluate(STOCK_DOM)):
+            return (f"Vue node renderer: frontend {version} draws no DOM widget in Vue nodes, not even the stock "
+                    "Note's text (an early version of the renderer); run with --front-end-root of a newer "
+                    "comfyui-frontend-package to check it")
         assert len(views) >= 2 and all(v["w"] > 100 and v["h"] > 50 for v in views), shown
         assert all(v["step"] == "7" and "step 7/20" in v["text"] for v in views), views
         shot = Path(args.out) / "vue_nodes_live_view.png"
@@ -101,7 +113,8 @@ def _vue(args) -> str:
     finally:
         browser.close()
         server.stop()
-    return f"Vue node renderer: {len(views)} live views on screen and updated ('{views[0]['text']}'); {shot.name}"
+    return (f"Vue node renderer (frontend {version}): {len(views)} live views on screen and updated "
+            f"('{views[0]['text']}'); {shot.name}")
 
 
 def check_frontend(args) -> list[str]:

@@ -169,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--write-thumbnails", action="store_true",
                         help="the workflows check copies each workflow's picture into example_workflows/<name>.jpg")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
+    parser.add_argument("--front-end-root", default=None,
+                        help="serve this frontend instead of the installed one (ComfyUI's --front-end-root), e.g. a "
+                             "newer comfyui-frontend-package's static/ folder")
     parser.add_argument("--time-scale", type=float, default=0.0,
                         help="multiply every time limit by this (default: measured, comfy.machine_scale)")
     args = parser.parse_args(argv)
@@ -176,6 +179,7 @@ def main(argv=None) -> int:
     if not (args.comfyui_dir / "main.py").is_file():
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
+    comfy.FRONT_END_ROOT = args.front_end_root
     comfy.TIME_SCALE, seconds = (args.time_scale, None) if args.time_scale else comfy.machine_scale(args.python)
     print(f"time limits x{comfy.TIME_SCALE:.2f}" + (f" (calibration {seconds:.2f} s here, {comfy.REFERENCE_WORK_S:.2f} s "
           "on the reference machine)" if seconds else " (--time-scale)"), flush=True)
