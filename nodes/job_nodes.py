@@ -20,6 +20,7 @@ class QwenEditStopTraining:
 
     DESCRIPTION = __doc__
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["stop training", "cancel training", "checkpoint"]
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("status",)
     FUNCTION = "stop"
@@ -49,6 +50,7 @@ class QwenEditJobs:
 
     DESCRIPTION = __doc__
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["training jobs", "list jobs", "job list"]
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("jobs",)
     FUNCTION = "list"

@@ -81,6 +81,7 @@ class QwenEditModelLoader(TracksLoads):
     """Transformer, VAE and text encoder of one diffusers-layout directory, each on its own device."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["load qwen image edit", "qwen edit checkpoint", "load diffusers model", "load model"]
     DESCRIPTION = ("Loads a Qwen-Image-Edit model (transformer, VAE, text encoder) from a diffusers-layout "
                    "folder of models/qwen_edit/ or ComfyUI's own single files, each component on the device "
                    "you pick. Start every Qwen Edit graph here; the built-in tiny model tries workflows "
@@ -110,6 +111,7 @@ class QwenEditModelLoader(TracksLoads):
 
 class QwenEditTransformerLoader(TracksLoads):
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["load transformer", "load unet", "load diffusion model", "qwen edit dit"]
     DESCRIPTION = ("Loads only the transformer (the 20 B parameter denoiser) on one device, optionally "
                    "int8/nf4 or from a diffusion_models file. Combine with the other component loaders in "
                    "Assemble Model.")
@@ -135,6 +137,7 @@ class QwenEditTransformerLoader(TracksLoads):
 
 class QwenEditVAELoader(TracksLoads):
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["load vae", "qwen image vae"]
     DESCRIPTION = ("Loads only the Qwen-Image VAE on one device (from the model folder or a file of "
                    "ComfyUI's vae folder).")
     RETURN_TYPES = (VAE,)
@@ -157,6 +160,7 @@ class QwenEditTextEncoderLoader(TracksLoads):
     """Qwen2.5-VL with its tokenizer and processor (weights from the directory or a text_encoders file)."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["load text encoder", "load clip", "qwen2.5-vl", "qwen vl"]
     DESCRIPTION = ("Loads only the Qwen2.5-VL text encoder with its tokenizer on one device (from the model "
                    "folder or a text_encoders file).")
     RETURN_TYPES = (TEXT_ENCODER,)
@@ -176,6 +180,7 @@ class QwenEditTextEncoderLoader(TracksLoads):
 
 class QwenEditSchedulerLoader:
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["load scheduler", "flow match scheduler"]
     DESCRIPTION = ("Reads the model folder's scheduler settings and whether it is Edit or Edit Plus; needed "
                    "by Assemble Model.")
     RETURN_TYPES = (SCHEDULER,)
@@ -195,6 +200,7 @@ class QwenEditAssembleModel:
     """Components loaded separately (each on its own device) -> one model for the encode/sample/train nodes."""
 
     CATEGORY = f"{CATEGORY}/loaders"
+    SEARCH_ALIASES = ["assemble model", "combine components", "join model"]
     DESCRIPTION = ("Joins separately loaded transformer, VAE, text encoder and scheduler into one model for "
                    "the encode, sample and train nodes.")
     RETURN_TYPES = (MODEL,)
@@ -225,6 +231,7 @@ class QwenEditLoraLoader:
     """Apply a LoRA file (ComfyUI, diffusers/peft or kohya layout) with a strength; chain for several."""
 
     CATEGORY = f"{CATEGORY}/lora"
+    SEARCH_ALIASES = ["load lora", "apply lora", "lora loader", "lokr", "loha", "dora"]
     DESCRIPTION = ("Applies a LoRA file to the model with a strength (the model's weights stay unchanged; "
                    "chain several loaders for several LoRAs).")
     RETURN_TYPES = (MODEL,)

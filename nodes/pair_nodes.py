@@ -39,6 +39,7 @@ class QwenEditSavePair:
     """Write before/after pairs (and the edited region's mask) into a dataset folder."""
 
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["save pair", "dataset builder", "before after", "save training pair", "mask"]
     DESCRIPTION = (
         "Adds before/after edit pairs to a dataset folder, with the caption and an optional mask of the edited "
         "region, in the layout Dataset From Folder and training read (PREFIX_00001.png, PREFIX_00001_control"
@@ -57,7 +58,8 @@ class QwenEditSavePair:
         return {"required": {
             "before": ("IMAGE", {"tooltip": "the control image(s) to edit (a batch writes one pair per image)"}),
             "after": ("IMAGE", {"tooltip": "the edited result(s), the training target (at least 64 px per side)"}),
-            "caption": ("STRING", {"default": "", "multiline": True,
+            "caption": ("STRING", {"default": "", "multiline": True, "placeholder": "caption: the edit, e.g. invert "
+                                   "the colors",
                                    "tooltip": "the edit instruction, e.g. 'invert the colors' (one for the whole "
                                               "batch)"}),
             "folder": ("STRING", {"default": "my_edit_pairs", "tooltip": "the dataset folder: absolute, or "

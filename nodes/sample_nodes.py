@@ -11,6 +11,7 @@ from qwen_edit_core.adapters import lora
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.sample import sampler, schedules, workers
 from qwen_edit_core.model.components import replicate
+from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
@@ -23,10 +24,12 @@ MODEL_IN = (MODEL, {"tooltip": TIPS["model"]})
 IMAGE_IN = ("IMAGE", {"tooltip": TIPS["image"]})
 EXTRA_IMAGES = {f"image{i}": ("IMAGE", {"tooltip": f"control image {i} (Edit Plus models take up to 3)"})
                 for i in (2, 3)}
-PROMPT = ("STRING", {"multiline": True, "default": "make the sky purple",
+PROMPT = ("STRING", {"multiline": True, "default": "make the sky purple", "placeholder": "prompt: the edit",
                      "tooltip": "the edit instruction, e.g. 'make the sky purple', 'remove the cup'"})
-NEGATIVE = ("STRING", {"multiline": True, "default": " ",
-                       "tooltip": "what to steer away from; a single space is the reference pipeline's default"})
+NEGATIVE = ("STRING", {"multiline": True, "default": "",
+                       "placeholder": "negative prompt: what to steer away from (empty: the reference's ' ')",
+                       "tooltip": "what to steer away from, e.g. 'blurry, distorted'; empty (or blank) is a single "
+                                  "space, the reference pipeline's default"})
 STEPS = ("INT", {"default": 20, "min": 1, "max": 200,
                  "tooltip": "denoising steps: 20-50 for real models (the reference uses 50), 4-8 for the tiny one"})
 CFG = ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1, "round": 0.01,
@@ -68,9 +71,10 @@ def _controls(image, image2=None, image3=None) -> list:
     return [image_to_pils(img)[0] for img in (image, image2, image3) if img is not None]
 
 
-def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative=" ", cfg_mode="batched",
+def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative="", cfg_mode="batched",
               vae_area=1024, vl_area=384, schedule="diffusers", shift=0.0,
               control_size="pipeline") -> sampler.SampleSettings:
+    negative = negative if negative.strip() else EMPTY_PROMPT  # a blank box is the reference's negative prompt
     return sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative, seed=seed,
                                   width=width or None, height=height or None, cfg_mode=cfg_mode,
                                   shift_mode="fixed" if shift_mode.startswith("fixed") else "dynamic",
@@ -160,6 +164,7 @@ class QwenEditSampler:
     both branches at once, the uncond one on a replica on `uncond_device`."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    SEARCH_ALIASES = ["ksampler", "sample", "image edit", "true cfg", "generate"]
     DESCRIPTION = ("Edits the control image following the prompt, with true CFG (cond and uncond branches). "
                    "Put the uncond branch on a second GPU with uncond_device, or run the transformer on every "
                    "GPU at once with parallel.")
@@ -196,6 +201,7 @@ class QwenEditEncodePrompt:
     """Prompt + negative prompt + control image(s) -> conditioning for QwenEditSampleConditioning."""
 
     CATEGORY = f"{CATEGORY}/encode"
+    SEARCH_ALIASES = ["encode prompt", "text encode", "conditioning", "clip text encode"]
     DESCRIPTION = ("Encodes the edit prompt, negative prompt and control image(s) once, for Sample "
                    "Conditioning.")
     RETURN_TYPES = (CONDITIONING,)
@@ -220,6 +226,7 @@ class QwenEditSampleConditioning:
     re-encoding)."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    SEARCH_ALIASES = ["sample conditioning", "ksampler", "sample from conditioning"]
     DESCRIPTION = ("Samples an edit from conditioning made by Encode Prompt + Image (change steps, CFG or "
                    "seed without encoding again).")
     RETURN_TYPES = ("IMAGE", "LATENT")  # the LATENT came later: outputs are added last
@@ -250,6 +257,7 @@ class QwenEditEncodeImage:
     """Image(s) -> Qwen-Image VAE latents (normalized, 16 channels, 1/8 of the size)."""
 
     CATEGORY = f"{CATEGORY}/encode"
+    SEARCH_ALIASES = ["vae encode", "encode image", "image to latent"]
     DESCRIPTION = ("Encodes images with the model's VAE: latent for Decode Latent, and samples, a stock LATENT "
                    "that ComfyUI's VAE Decode with the Qwen-Image VAE decodes to the same picture.")
     RETURN_TYPES = (LATENT, "LATENT")
@@ -279,6 +287,7 @@ class QwenEditDecodeLatent:
     """Latents of Encode Image, or a stock LATENT, -> images, through the model's VAE."""
 
     CATEGORY = f"{CATEGORY}/encode"
+    SEARCH_ALIASES = ["vae decode", "decode latent", "latent to image"]
     DESCRIPTION = ("Decodes latents of Encode Image, or a stock LATENT of Qwen-Image VAE latents (VAE Encode, "
                    "the Sampler's latent), into images with the model's VAE.")
     RETURN_TYPES = ("IMAGE",)
@@ -315,6 +324,7 @@ class QwenEditSpeed:
     LoRAs still load and switch on top."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    SEARCH_ALIASES = ["fp8", "torch compile", "attention", "speed up sampling", "sage attention"]
     DESCRIPTION = ("Faster sampling: fp8 matmuls (Ada/Hopper GPUs), compiled blocks and the attention "
                    "kernel. Returns a new model; the input model is left as it is.")
     RETURN_TYPES = (MODEL,)

@@ -101,13 +101,11 @@ class QwenEditTrainLoRA:
     @classmethod
     def INPUT_TYPES(cls):
         full = _full_inputs()
-        prompt = dict(full["validation_prompt"][1], placeholder="validation prompt: the edit to show on "
-                      "validation_image, e.g. invert the colors")
         return {"required": {"model": full["model"], "dataset": full["dataset"],
                              **{name: full[name] for name in ESSENTIAL}},
                 "optional": {"validation_image": full["validation_image"],
                              "validation_every": full["validation_every"],
-                             "validation_prompt": ("STRING", prompt),
+                             "validation_prompt": full["validation_prompt"],
                              "options": (TRAIN_OPTIONS, {"tooltip": "Train Options: the advanced settings; "
                                                                     "unconnected, their defaults"})}}
 

@@ -38,6 +38,7 @@ class QwenEditDataset:
     """A folder of edit pairs, validated: every problem is listed (or skipped with skip_invalid)."""
 
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["dataset", "load dataset", "image pairs folder", "training data"]
     DESCRIPTION = ("Reads and checks a folder of before/after edit pairs (with prompts) for training; lists "
                    "every problem it finds.")
     RETURN_TYPES = (DATASET, "STRING")
@@ -66,6 +67,7 @@ class QwenEditSyntheticDataset:
     """Writes the demo's learnable edit (invert the colours) as pairs, so a workflow runs anywhere."""
 
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["demo dataset", "synthetic pairs", "example dataset"]
     DESCRIPTION = ("Writes a small demo dataset (the edit: invert the colours) so training workflows run "
                    "anywhere.")
     RETURN_TYPES = (DATASET, "IMAGE")
@@ -128,6 +130,7 @@ class QwenEditBuildCache:
     """Precompute latents and embeddings of a dataset (reused across runs); progress bar; interruptible."""
 
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["cache latents", "precompute embeddings", "latent cache"]
     DESCRIPTION = ("Encodes every pair of a dataset once (VAE latents and prompt embeddings) so training "
                    "needs only the transformer; reused across runs.")
     RETURN_TYPES = (DATASET, "STRING")
@@ -174,6 +177,7 @@ class QwenEditTrain:
     (QwenEditTrainLoRA) with Train Options replaces it; it stays loadable for saved workflows."""
 
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["train lora (all inputs)"]
     DEPRECATED = True  # ComfyUI hides it from search and the node menu; saved workflows still load it
     DESCRIPTION = ("Starts LoRA training in the background and returns a job at once; watch it with Training "
                    "Status. The LoRA (or LoKr, LoHa, DoRA: lora_type, dora) lands in models/loras and loads with "
@@ -221,6 +225,8 @@ class QwenEditTrain:
             "validation_image": ("IMAGE", {"tooltip": "a control image to edit every validation_every steps "
                                                       "(shows how the LoRA learns)"}),
             "validation_prompt": ("STRING", {"default": "", "multiline": True,
+                                             "placeholder": "validation prompt: the edit to show on "
+                                                            "validation_image, e.g. invert the colors",
                                              "tooltip": "the prompt for the validation image"}),
             "validation_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
                                          "tooltip": "0: no validation images"}),
@@ -246,14 +252,14 @@ class QwenEditTrain:
                 "tooltip": "similar: neighbouring sizes (and any numbers of control images) share a batch; "
                            "similar-count: one number of control images per batch; equal: one exact size"}),
             "validation_previews": ("STRING", {
-                "default": "", "multiline": True,
+                "default": "", "multiline": True, "placeholder": "validation previews: one per line, e.g. lightning steps=4 cfg=1",
                 "tooltip": "several previews side by side in the validation grid, one per line: SCHEDULE "
                            "[steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], SCHEDULE one of "
                            "diffusers, comfyui, lightning; e.g. 'diffusers steps=30' and 'lightning steps=4 "
                            "lora=Qwen-Image-Edit-Lightning-4steps.safetensors' (FILE: a name in the loras "
                            "folder). Empty: one preview"}),
             "companion_loras": ("STRING", {
-                "default": "", "multiline": True,
+                "default": "", "multiline": True, "placeholder": "companion LoRAs: FILE[:STRENGTH] per line",
                 "tooltip": "LoRAs kept active and frozen while training, FILE[:STRENGTH] per line (names in the "
                            "loras folder), e.g. a Lightning LoRA to train on top of; the saved LoRA holds only "
                            "the trained one"}),
@@ -348,6 +354,7 @@ class QwenEditTrainStatus:
 
     DESCRIPTION = __doc__
     CATEGORY = f"{CATEGORY}/training"
+    SEARCH_ALIASES = ["training progress", "wait for training", "job status", "loss"]
     DESCRIPTION = ("Shows a training job's progress and loss, found by its job link or its name, or waits for "
                    "it while nothing else is queued; interrupting stops the job with a checkpoint. Outputs the "
                    "LoRA's name and path (once finished), the loss plot and validation images.")

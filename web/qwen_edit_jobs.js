@@ -145,8 +145,39 @@ function render(node) {
   }
 }
 
+// Every node of the workflow, those inside subgraphs included (a subgraph node's own graph, and the root graph's
+// subgraph definitions on frontends that keep them there).
+function* allNodes(graph, seen = new Set()) {
+  if (!graph || seen.has(graph)) return;
+  seen.add(graph);
+  for (const node of graph._nodes ?? graph.nodes ?? []) {
+    yield node;
+    if (node.subgraph) yield* allNodes(node.subgraph, seen);
+  }
+  for (const sub of graph.subgraphs?.values?.() ?? []) yield* allNodes(sub, seen);
+}
+
 function renderAll() {
-  for (const node of app.graph?._nodes ?? app.graph?.nodes ?? []) render(node);
+  for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) render(node);
+}
+
+// A multiline box shows its name only while empty (the placeholder): the pack's prompt boxes carry their label
+// in a strip above the text, drawn as the textarea's background, so a filled box still says what it is.
+function labelTextBoxes(node) {
+  for (const widget of node.widgets ?? []) {
+    const box = widget.inputEl ?? widget.element;
+    if (!(box instanceof HTMLTextAreaElement) || box.dataset.qwenEditLabel) continue;
+    const label = String(widget.label ?? widget.name).replace(/_/g, " ");
+    const text = label.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+    const svg = `<svg xmlns="http://www.w3.org/2000/svg" width="400" height="14"><text x="0" y="10" ` +
+      `font-family="sans-serif" font-size="10" fill="#8a8a8a">${text}</text></svg>`;
+    box.dataset.qwenEditLabel = label;
+    box.title = label;
+    Object.assign(box.style, {
+      backgroundImage: `url("data:image/svg+xml,${encodeURIComponent(svg)}")`,
+      backgroundRepeat: "no-repeat", backgroundPosition: "6px 2px", paddingTop: "15px",
+    });
+  }
 }
 
 function addView(node) {
@@ -181,8 +212,13 @@ app.registerExtension({
   },
   async nodeCreated(node) {
     if (NODES.includes(node.comfyClass)) addView(node);
+    if (node.comfyClass?.startsWith("QwenEdit")) labelTextBoxes(node);
   },
   async afterConfigureGraph() {
+    // newer frontends may create a node's text boxes after nodeCreated: label them once the graph is loaded
+    for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) {
+      if (node.comfyClass?.startsWith("QwenEdit")) labelTextBoxes(node);
+    }
     renderAll();
   },
 });

@@ -302,6 +302,7 @@ job.wait()
 """
 
 
+@pytest.mark.slow  # a child process that trains
 def test_sigterm_checkpoints_a_real_running_job(tmp_path):
     out = tmp_path / "out"
     code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), data=str(tmp_path / "data"), home=str(tmp_path),
@@ -335,13 +336,16 @@ def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
 
 
 STUCK_CHILD = """
-import sys, threading
+import signal, sys, threading
 sys.path.insert(0, {root!r})
 from qwen_edit_core import jobs, shutdown
 from qwen_edit_core.config import load_config
 
+started = threading.Event()
+
 def fit(config, *, resume, progress, cancel, lock=None, model=None):
-    print("running", flush=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the kernel hands SIGINT to the main thread
+    started.set()
     while not cancel.cancelled:
         cancel._event.wait()
     print("stopping", flush=True)  # asked for its checkpoint, which never completes (a hung write)
@@ -350,7 +354,9 @@ def fit(config, *, resume, progress, cancel, lock=None, model=None):
 registry = jobs.JobRegistry(fit=fit, preflight=lambda config, resume: None)
 shutdown.install_shutdown_checkpoints(registry, wait={wait})
 registry.start(load_config(overrides={{"train": {{"output_dir": {out!r}, "lora_name": "stuck", "device": "cpu"}}}}))
-try:
+try:  # "running" is printed inside the try, so a signal sent once it is read lands here
+    started.wait()
+    print("running", flush=True)
     threading.Event().wait()
 except KeyboardInterrupt:
     print("interrupted", flush=True)
@@ -411,3 +417,38 @@ def test_the_heldout_metrics_reach_the_job_list_the_status_node_and_the_live_vie
     assert "entry.validation_metrics" in script and "r.pixel_mse" in script
     job.stop()
     job.wait()
+
+
+def test_a_signal_sent_to_another_thread_is_handled_while_the_main_thread_waits_for_a_job(tmp_path):
+    """The kernel may hand Ctrl-C to any thread (here the job's): a job's wait on the main thread, which the
+    shutdown's checkpoint wait is, still lets the signal's handler run at once (a second Ctrl-C quits then, not
+    after the whole bounded wait). In process, so it runs in the default suite."""
+    release = threading.Event()
+
+    def fit(config, *, resume, progress, cancel, lock=None, model=None):
+        release.wait()
+        raise RuntimeError("released")
+
+    registry = jobs.JobRegistry(fit=fit, preflight=lambda config, resume: None)
+    job = registry.start(load_config(overrides={"train": {"output_dir": str(tmp_path / "out"), "lora_name": "w",
+                                                          "device": "cpu"}}))
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(sig, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    # the main thread (and the sender it starts) block the signal: the kernel hands it to the job's thread
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        with pytest.raises(Interrupted):
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGUSR1)).start()
+            job.wait(600)
+        assert not job.finished
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
+        signal.signal(signal.SIGUSR1, previous)
+        release.set()
+        job.wait()

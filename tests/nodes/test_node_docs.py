@@ -75,3 +75,45 @@ def test_tooltips_give_typical_values(name, words):
     found = [options["tooltip"] for node_id in nodes.NODE_CLASS_MAPPINGS for n, _, options in _inputs(node_id)
              if n == name]
     assert found and all(words in tip for tip in found), (name, found)
+
+
+@pytest.mark.parametrize("node_id", sorted(nodes.NODE_CLASS_MAPPINGS))
+def test_every_node_has_search_aliases(node_id):
+    """Newer ComfyUI's node search also matches a node's SEARCH_ALIASES (the words people type for it)."""
+    aliases = nodes.NODE_CLASS_MAPPINGS[node_id].SEARCH_ALIASES
+    assert isinstance(aliases, list) and aliases, node_id
+    assert all(isinstance(a, str) and a.strip() == a and a for a in aliases), aliases
+
+
+@pytest.mark.parametrize("node_id", sorted(nodes.NODE_CLASS_MAPPINGS))
+def test_text_boxes_are_labelled_and_none_looks_blank(node_id):
+    """A multiline box shows its name only while empty: each has a placeholder that starts with its name, and
+    no default is blank but not empty (a box holding " " shows neither text nor placeholder)."""
+    for name, kind, options in _inputs(node_id):
+        if kind != "STRING":
+            continue
+        default = options.get("default", "")
+        assert default == "" or default.strip(), f"{node_id}.{name}: blank-looking default {default!r}"
+        if options.get("multiline"):
+            placeholder = options.get("placeholder", "").lower()
+            assert placeholder.startswith(name.replace("_", " ").lower()), f"{node_id}.{name}: {placeholder!r}"
+
+
+def test_a_blank_negative_prompt_is_the_reference_pipelines():
+    """The Sampler's negative prompt box is empty by default and means the reference's " " (what diffusers'
+    examples pass); anything with text is used as written."""
+    from nodes.sample_nodes import _settings
+
+    assert _settings().negative_prompt == " " and _settings(negative=" \n").negative_prompt == " "
+    assert _settings(negative="blurry").negative_prompt == "blurry"
+
+
+def test_the_live_view_labels_text_boxes_and_walks_subgraphs():
+    """The frontend extension labels the pack's multiline boxes (a filled box still names itself) and
+    refreshes the live view on nodes inside subgraphs too, through the frontend's link API (getInputNode)."""
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "web" / "qwen_edit_jobs.js").read_text()
+    assert "function labelTextBoxes" in script and "labelTextBoxes(node)" in script
+    assert "node.subgraph" in script and "subgraphs" in script and "allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)" in script
+    assert "getInputNode" in script

@@ -21,6 +21,47 @@ PACK_DIR_NAME = "comfyui-qwen-edit-lora"
 TRAIN_WORKFLOW = PACK / "example_workflows" / "qwen_edit_train_cached.json"
 
 
+#: The calibration workload below, in seconds, on the machine where the checks' base time limits were set (the
+#: limits are scaled by how much longer it takes on the machine running the checks: `machine_scale`): a 2-core
+#: x86 machine at a load average of about 19, where the calibration took 9.1 s and the cached-training workflow
+#: ran in 112 s, the sampling one in 50 s (900 s per workflow leaves room for the longest ones).
+REFERENCE_WORK_S = 9.0
+CALIBRATION = """
+import time, torch
+torch.manual_seed(0)
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+x, w = torch.randn(1, 16, 64, 64), torch.randn(16, 16, 3, 3)
+best = float("inf")
+for _ in range(3):
+    start = time.perf_counter()
+    for _ in range(40):
+        (a @ b).sum(); torch.nn.functional.conv2d(x, w, padding=1).sum()
+    best = min(best, time.perf_counter() - start)
+print(best)
+"""
+#: multiplies every time limit of the checks (set by run.py from `machine_scale`)
+TIME_SCALE = 1.0
+#: another frontend for the server to serve (`--front-end-root`, e.g. a newer comfyui-frontend-package's static/)
+FRONT_END_ROOT: str | None = None
+
+
+def machine_scale(python: str) -> tuple[float, float]:
+    """(scale, seconds): how much longer than on the reference machine a fixed torch CPU workload (matmuls and
+    convolutions, with torch's default threads, as the workflows run) takes in ComfyUI's Python here, best of
+    three, at least 1 (a slow or busy machine gets longer time limits, a fast one keeps the base ones)."""
+    out = subprocess.run([python, "-c", CALIBRATION], capture_output=True, text=True, timeout=1800, check=True)
+    seconds = float(out.stdout.split()[-1])
+    return max(1.0, seconds / REFERENCE_WORK_S), seconds
+
+
+def server_flags(comfyui_dir: Path) -> list[str]:
+    """The flags that keep the paid API nodes out, as this ComfyUI spells them: `--disable-partner-nodes` where
+    it exists (newer releases keep `--disable-api-nodes` only as a deprecated alias), else `--disable-api-nodes`."""
+    cli = (Path(comfyui_dir) / "comfy" / "cli_args.py").read_text()
+    flags = ["--disable-partner-nodes"] if '"--disable-partner-nodes"' in cli else ["--disable-api-nodes"]
+    return flags + (["--front-end-root", FRONT_END_ROOT] if FRONT_END_ROOT else [])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,7 +69,9 @@ def free_port() -> int:
 
 
 def poll(check, timeout: float, what: str, every: float = 0.25):
-    """Call `check()` until it returns something truthy (returned) or `timeout` seconds pass."""
+    """Call `check()` until it returns something truthy (returned) or `timeout` seconds (times the machine's
+    TIME_SCALE) pass."""
+    timeout *= TIME_SCALE
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -62,7 +105,7 @@ class ComfyServer:
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
                 [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                 "--base-directory", str(self.base), "--disable-auto-launch", "--disable-api-nodes"],
+                 "--base-directory", str(self.base), "--disable-auto-launch", *server_flags(self.comfyui_dir)],
                 cwd=self.comfyui_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             poll(lambda: self.proc.poll() is not None and self._died() or self._ready(), timeout,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import comfy  # noqa: E402
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
 from convert import set_inputs, to_api  # noqa: E402
 from edit_check import check_edits  # noqa: E402
@@ -29,6 +30,8 @@ from thumbnails import keep_thumbnail  # noqa: E402
 log = logging.getLogger("comfy_test")
 TEMPLATES = PACK / "example_workflows"
 WORKFLOWS = sorted(TEMPLATES.glob("*.json"))
+#: one workflow's time limit on the reference machine (comfy.REFERENCE_WORK_S), scaled by comfy.TIME_SCALE
+WORKFLOW_LIMIT_S = 900
 
 
 def check_workflows(args) -> list[str]:
@@ -41,16 +44,21 @@ def check_workflows(args) -> list[str]:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
             try:
-                entry = server.run(to_api(json.loads(path.read_text()), server.get("/object_info")))
+                entry = server.run(to_api(json.loads(path.read_text()), server.get("/object_info")),
+                                   WORKFLOW_LIMIT_S)
                 edits = check_edits(server.base)
                 edits.append(keep_thumbnail(server, entry, path.stem, args.out,
                                             TEMPLATES if args.write_thumbnails else None))
             except Exception as err:  # noqa: BLE001 - every workflow is run and reported
-                failures.append(f"{path.name}: {type(err).__name__}: {err}")
+                failures.append(f"{path.name}: {type(err).__name__} after {time.monotonic() - started:.0f} s "
+                                f"(limit {WORKFLOW_LIMIT_S * comfy.TIME_SCALE:.0f} s): {err}")
                 log.error(failures[-1])
+                if isinstance(err, TimeoutError):
+                    server.post("/interrupt")  # then the server stops (SIGTERM) before the next workflow
                 continue
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
-            results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s"
+            results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s (limit "
+                           f"{WORKFLOW_LIMIT_S * comfy.TIME_SCALE:.0f} s)"
                            + (f", LoRA in models/loras: {delivered}" if delivered else ""))
             results += [f"{path.name}: {line}" for line in edits]
             log.info("\n".join(results[-1 - len(edits):]))
@@ -147,26 +155,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
-    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,view,lora,parallel,free_memory,model_memory",
+    parser.add_argument("--only", default="workflows,lifecycle,browser,layout,view,frontend,lora,parallel,free_memory,"
+                                          "model_memory",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
                              "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
                              "parallel option on 2 CPU workers), free_memory (the Train node's request to "
                              "ComfyUI to free a GPU), model_memory (the pack's models in ComfyUI's memory "
                              "manager; a loader run twice holds one transformer), view (each workflow opened at "
-                             "1920x1080 is readable); sizes re-measures workflows/frontend/node_sizes.json; "
+                             "1920x1080 is readable), frontend (the live view inside a subgraph and with the Vue "
+                             "node renderer; labelled text boxes); sizes re-measures workflows/frontend/node_sizes.json; "
                              "first_workflow saves the README's screenshot of the first workflow")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--write-thumbnails", action="store_true",
                         help="the workflows check copies each workflow's picture into example_workflows/<name>.jpg")
     parser.add_argument("--chromium", default=None, help="chromium executable (default: from PATH)")
+    parser.add_argument("--front-end-root", default=None,
+                        help="serve this frontend instead of the installed one (ComfyUI's --front-end-root), e.g. a "
+                             "newer comfyui-frontend-package's static/ folder")
+    parser.add_argument("--time-scale", type=float, default=0.0,
+                        help="multiply every time limit by this (default: measured, comfy.machine_scale)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not (args.comfyui_dir / "main.py").is_file():
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
+    comfy.FRONT_END_ROOT = args.front_end_root
+    comfy.TIME_SCALE, seconds = (args.time_scale, None) if args.time_scale else comfy.machine_scale(args.python)
+    print(f"time limits x{comfy.TIME_SCALE:.2f}" + (f" (calibration {seconds:.2f} s here, {comfy.REFERENCE_WORK_S:.2f} s "
+          "on the reference machine)" if seconds else " (--time-scale)"), flush=True)
     from browser_check import check_browser
     from first_workflow_shot import first_workflow_shot
     from free_memory_check import check_free_memory
+    from frontend_check import check_frontend
     from model_memory_check import check_model_memory
     from layout_check import check_layout, measure_sizes
     from lora_check import check_lora_kinds
@@ -175,7 +195,7 @@ def main(argv=None) -> int:
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
               "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel,
               "free_memory": check_free_memory, "model_memory": check_model_memory,
-              "first_workflow": first_workflow_shot, "view": check_view}
+              "first_workflow": first_workflow_shot, "view": check_view, "frontend": check_frontend}
     failed = []
     for name in args.only.split(","):
         try:

@@ -1,0 +1,111 @@
+"""`make comfy-test` (tools/comfy_test) runs and reports every shipped workflow whatever one of them raises (a
+timeout included), scales its time limits to the machine, and starts ComfyUI without deprecated flags."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "comfy_test"
+#: the tool's modules, imported by their plain names as run.py does (taken out of sys.modules after each test:
+#: "comfy" is also the name of ComfyUI's own package, which other tests fake)
+MODULES = ("comfy", "run", "convert", "edit_check", "thumbnails")
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOL))
+    for name in MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import comfy
+    import run
+    yield comfy, run
+    for name in MODULES:
+        sys.modules.pop(name, None)
+
+
+class _FakeServer:
+    """Stands in for a ComfyUI server: the first workflow times out, the second fails, the rest succeed."""
+
+    calls: list = []
+
+    def __init__(self, *args, base=None, **kwargs):
+        self.base = Path("/nonexistent")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def get(self, path):
+        return {}
+
+    def post(self, path, body=None):
+        _FakeServer.calls.append(("post", path))
+
+    def run(self, prompt, timeout=900):
+        _FakeServer.calls.append(("run", timeout))
+        count = sum(1 for c in _FakeServer.calls if c[0] == "run")
+        if count == 1:
+            raise TimeoutError("timed out after 900 s waiting for prompt p")
+        if count == 2:
+            raise KeyError("broken")
+        return {"outputs": {}}
+
+
+def test_every_workflow_is_run_and_reported_after_a_timeout(tool, monkeypatch, tmp_path):
+    comfy, run = tool
+    monkeypatch.setattr(run, "ComfyServer", _FakeServer)
+    monkeypatch.setattr(run, "to_api", lambda workflow, info: {})
+    monkeypatch.setattr(run, "check_edits", lambda base: [])
+    monkeypatch.setattr(run, "keep_thumbnail", lambda *a: "thumbnail kept")
+    monkeypatch.setattr(comfy, "TIME_SCALE", 2.5)
+    _FakeServer.calls = []
+    args = type("Args", (), {"comfyui_dir": tmp_path, "python": "python", "out": tmp_path, "write_thumbnails": False})
+    with pytest.raises(RuntimeError) as failed:
+        run.check_workflows(args)
+    message = str(failed.value)
+    names = [p.name for p in run.WORKFLOWS]
+    assert [c for c in _FakeServer.calls if c[0] == "run"] == [("run", run.WORKFLOW_LIMIT_S)] * len(names)
+    assert ("post", "/interrupt") in _FakeServer.calls  # the timed-out prompt is interrupted
+    assert message.startswith(f"2 of {len(names)} workflows failed")
+    assert f"{names[0]}: TimeoutError" in message and f"(limit {run.WORKFLOW_LIMIT_S * 2.5:.0f} s)" in message
+    assert f"{names[1]}: KeyError" in message
+    assert all(name in message for name in names[2:])  # the rest ran and are listed as ok
+
+
+def test_time_limits_follow_the_machine(tool, monkeypatch):
+    """`poll` waits TIME_SCALE times its limit; the scale is the calibration's time over the reference's, never
+    below 1."""
+    comfy = tool[0]
+    monkeypatch.setattr(comfy, "TIME_SCALE", 3.0)
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(comfy.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(comfy.time, "sleep", lambda s: None)
+    with pytest.raises(TimeoutError, match="after 30 s"):
+        comfy.poll(lambda: None, 10, "nothing")
+
+    class Done:
+        def __init__(self, seconds):
+            self.stdout = f"warming up\n{seconds}\n"
+
+    monkeypatch.setattr(comfy.subprocess, "run", lambda *a, **k: Done(comfy.REFERENCE_WORK_S * 4))
+    assert comfy.machine_scale("python") == (pytest.approx(4.0), pytest.approx(comfy.REFERENCE_WORK_S * 4))
+    monkeypatch.setattr(comfy.subprocess, "run", lambda *a, **k: Done(comfy.REFERENCE_WORK_S / 2))
+    assert comfy.machine_scale("python")[0] == 1.0
+
+
+def test_comfyui_is_started_without_deprecated_flags(tool, tmp_path):
+    """Newer ComfyUI keeps --disable-api-nodes only as a deprecated alias of --offline; its own flag for keeping
+    the paid nodes out is --disable-partner-nodes. 0.3.64 has only the former."""
+    comfy = tool[0]
+    cli = tmp_path / "comfy" / "cli_args.py"
+    cli.parent.mkdir()
+    cli.write_text('parser.add_argument("--disable-api-nodes", action="store_true")\n')
+    assert comfy.server_flags(tmp_path) == ["--disable-api-nodes"]
+    cli.write_text('parser.add_argument("--disable-partner-nodes", action="store_true")\n'
+                   'parser.add_argument("--disable-api-nodes", action="store_true", help="Deprecated alias")\n')
+    assert comfy.server_flags(tmp_path) == ["--disable-partner-nodes"]
