@@ -50,9 +50,11 @@ _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora
 
 
 # -- targets and injection -----------------------------------------------------------------------------------
-def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
+def resolve_targets(spec: str | Sequence[str], presets=None) -> tuple[str, ...]:
     """A preset name ("attn", "attn-img", "all"), a comma-separated string, or a list of module-name suffixes
-    (preset names inside a list expand). Whether each suffix matches a module is checked by `inject_lora`."""
+    (preset names inside a list expand). Whether each suffix matches a module is checked by `inject_lora`.
+    `presets`: a model family's `lora_targets` (default: the 2025 family's)."""
+    TARGET_PRESETS = dict(presets) if presets is not None else globals()["TARGET_PRESETS"]
     if isinstance(spec, str):
         if spec in TARGET_PRESETS:
             return TARGET_PRESETS[spec]
