@@ -1,0 +1,295 @@
+"""Training edit LoRAs on Qwen-Image-2.1 (the tiny 2.1 model, CPU, fp32): the example tensors and the training
+forward are the diffusers QwenImage21Pipeline's own, the cache keeps 2.1 entries apart, cached == realtime,
+mixed reference counts in a batch equal one by one, region masks, pixel-aligned pairs, caption dropout, EMA,
+adapter kinds, exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from qwen_edit_core import QwenImageEditTrainer
+from qwen_edit_core.common.progress import CancelToken
+from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
+
+from conftest import make_pairs, train_config
+
+SIDE = 64
+#: references per pair and their (w, h); targets differ in size too
+REFS = {1: [(64, 64)], 2: [(96, 64), (64, 96)], 3: [(64, 96), (96, 64), (64, 64)]}
+TARGETS = {1: (96, 64), 2: (64, 64), 3: (64, 96)}
+
+
+def _pairs(folder, counts=(1, 2, 3), mask: bool = False):
+    """Flat layout: pair rK has K references, each of its own size; the first pair has a mask if `mask`."""
+    rng = np.random.default_rng(11)
+    folder.mkdir(parents=True)
+    for k in counts:
+        w, h = TARGETS[k]
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"r{k}.png")
+        for i, (cw, ch) in enumerate(REFS[k], start=1):
+            Image.fromarray(rng.integers(0, 255, (ch, cw, 3), dtype=np.uint8)).save(folder / f"r{k}_control_{i}.png")
+        (folder / f"r{k}.txt").write_text("combine " + "them " * k)
+        if mask and k == counts[0]:
+            grey = np.zeros((h, w), dtype=np.uint8)
+            grey[:, : w // 2] = 255
+            Image.fromarray(grey).save(folder / f"r{k}_mask.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def refs_dir(tmp_path_factory):
+    return _pairs(tmp_path_factory.mktemp("data21") / "pairs")
+
+
+@pytest.fixture(scope="module")
+def simple_dir(tmp_path_factory):
+    return make_pairs(tmp_path_factory.mktemp("data21") / "simple", n=4)
+
+
+def _items(model_dir, folder, out, **sections):
+    """(config, trainer with every component loaded, examples, their cached tensors)."""
+    config = train_config(model_dir, folder, out, **sections)
+    trainer = QwenImageEditTrainer(config)
+    examples = list(trainer.dataset().examples)
+    trainer.load_model()
+    trainer.cache(examples)
+    settings = trainer.encode_settings("image-2.1")
+    items = [trainer._cache().get(cache_key(e, settings, encoder_identity(model_dir))) for e in examples]
+    return config, trainer, examples, items
+
+
+def _pipeline(comps):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+    te = comps.text_encoder
+    return QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler_config),
+                               vae=comps.vae, text_encoder=te.model, processor=te.processor,
+                               transformer=comps.transformer)
+
+
+def test_example_tensors_and_training_forward_are_the_pipelines(tiny_21_dir, refs_dir, tmp_path):
+    """For the pair with 3 references: the cached prompt embeddings and slot mask are the pipeline's
+    `encode_prompt` of the resized references, the reference latents its `prepare_latents`, and the training
+    prediction is its transformer call on [references | noisy target] at the sampled sigma (target tokens)."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    from qwen_edit_core.train.batch import collate, predict, sample_generator
+    config, trainer, examples, items = _items(tiny_21_dir, refs_dir, tmp_path / "o")
+    comps, item, example = trainer.components, items[2], examples[2]
+    pipe = _pipeline(comps)
+    refs = [Image.open(p).convert("RGBA") for p in example.controls]
+    sizes = [calculate_dimensions(SIDE * SIDE, r.width / r.height)[:2] for r in refs]  # the pipeline's own
+    resized = [pipe.image_processor.resize(r, width=w, height=h) for r, (w, h) in zip(refs, sizes)]
+    embeds, mask, slots = pipe.encode_prompt(prompt=example.caption, image=resized, device=torch.device("cpu"))
+    assert mask is None
+    assert torch.equal(item["prompt_embeds"], embeds[0]) and torch.equal(item["prompt_slots"], slots[0])
+    vae_images = [pipe.image_processor.preprocess(r, width=w, height=h).unsqueeze(2) for r, (w, h) in zip(refs, sizes)]
+    _, rows, cols = item["img_shapes"][0].tolist()
+    th, tw = 16 * rows, 16 * cols
+    _, ref_latents = pipe.prepare_latents(vae_images, 1, 64, th, tw, torch.float32, torch.device("cpu"), None)
+    ours = torch.cat([pipe._pack_latents(item[f"control_latents_{i}"][None], 1, 64, *item[f"control_latents_{i}"]
+                                         .shape[-2:]) for i in range(3)], dim=1)
+    assert ours.shape == ref_latents.shape and (ours - ref_latents).abs().max() <= 1e-6
+    batch = collate([item], [sample_generator(3, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
+                    device=torch.device("cpu"), dtype=torch.float32)
+    pred, velocity, token_mask, sigma = predict(comps.transformer, batch, config, comps.scheduler_config)
+    assert token_mask is None
+    # the noisy target the step made: sigma * noise + (1 - sigma) * x0, and noise - x0 = velocity
+    x0 = batch.targets[0]
+    noisy = (1 - sigma) * x0 + sigma * (velocity[0] + x0)
+    n = x0.shape[0]
+    img_mask = torch.cat([slots, torch.ones(1, n // 4, dtype=torch.bool)], dim=1)
+    shapes = [[*[(1, h // 16, w // 16) for w, h in sizes], (1, th // 16, tw // 16)]]
+    with torch.no_grad():
+        expected = pipe.transformer(hidden_states=torch.cat([ref_latents, noisy[None]], dim=1), timestep=sigma,
+                                    encoder_hidden_states=embeds, encoder_hidden_states_mask=None, img_shapes=shapes,
+                                    img_mask=img_mask, return_dict=False)[0][:, -n:]
+    assert (pred - expected).abs().max() <= 1e-5
+
+
+def test_our_prompt_encoding_takes_the_layer_before_the_final_norm(tiny_21_dir):
+    """transformers 5 ties `hidden_states[-1]` to the normed last hidden state; the pipeline (and we) read the
+    last decoder layer's output before the norm. Ours equals the pipeline's `encode_prompt` and that layer, not
+    the normed one."""
+    from qwen_edit_core.model import encode21
+    from qwen_edit_core.model.components import load_components
+    from qwen_edit_core.model.devices import DevicePlan
+    comps = load_components(tiny_21_dir, DevicePlan.from_mapping({}), which=("text_encoder", "vae", "transformer"))
+    te, pipe = comps.text_encoder, _pipeline(comps)
+    refs = [Image.new("RGB", (64, 32), (200, 30, 40)), Image.new("RGB", (32, 64), (10, 90, 240))]
+    ours = encode21.encode_prompt(te.model, te.processor, "swap them", refs, device=torch.device("cpu"))
+    theirs = pipe.encode_prompt(prompt="swap them", image=refs, device=torch.device("cpu"))[0]
+    assert torch.equal(ours.embeds, theirs)
+    language = te.model.model.language_model
+    captured = {}
+    handle = language.norm.register_forward_hook(lambda m, args, out: captured.update(pre=args[0], post=out))
+    text, _ = encode21.variants.IMAGE_21.format_prompt("swap them", 2)
+    inputs = te.processor(text=[text], images=[encode21.over_white(r) for r in refs], return_tensors="pt")
+    try:
+        with torch.no_grad():
+            normed = te.model(**inputs, output_hidden_states=True).hidden_states[-1]
+    finally:
+        handle.remove()
+    drop = encode21.system_tokens(te.processor)
+    assert torch.equal(normed, captured["post"])  # what transformers 5 returns there
+    assert torch.equal(ours.embeds[0], captured["pre"][0, drop:])
+    assert (ours.embeds[0] - captured["post"][0, drop:]).abs().max() > 1e-2
+
+
+def test_a_2509_entry_is_never_used_for_21(tiny_21_dir, tiny_plus_dir, simple_dir, tmp_path):
+    """Same pair, same cache folder: the 2.1 key differs from the 2509 key (its own family field and encoding),
+    and a 2509 entry's file put under the 2.1 entry's name is rejected as stale and recomputed."""
+    import shutil
+    config = train_config(tiny_plus_dir, simple_dir, tmp_path / "plus", cache_dir=tmp_path / "cache",
+                          data={"vl_area": SIDE * SIDE})
+    plus = QwenImageEditTrainer(config)
+    example = plus.dataset().examples[0]
+    plus.cache([example])
+    plus_key = cache_key(example, plus.encode_settings("edit-plus"), encoder_identity(tiny_plus_dir))
+    same_identity = cache_key(example, plus.encode_settings("image-2.1"), encoder_identity(tiny_plus_dir))
+    assert same_identity.family == "qwen-image-2.1" and plus_key.family == ""
+    assert same_identity.digest() != plus_key.digest()
+    cache = plus._cache()
+    target = cache.path_for(same_identity)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(cache.path_for(plus_key), target)
+    assert cache.get(same_identity) is None and not target.exists()
+    from qwen_edit_core.data.cache_tensors import check_tensors
+    stored = cache.get(plus_key)
+    problem = check_tensors(same_identity.__class__(**{**same_identity.__dict__, "control_buckets":
+                                                       plus_key.control_buckets}), stored)
+    assert problem is not None and "prompt_slots" in problem
+
+
+def test_cached_and_realtime_training_are_equal(tiny_21_dir, refs_dir, tmp_path):
+    sections = {"train": {"max_steps": 3}, "data": {"batch_size": 3}}
+    cached = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "c", **sections)).fit()
+    realtime = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "r", cache={"enabled": False},
+                                                 **sections)).fit()
+    assert [s for s, _ in cached.history] == [1, 2, 3]
+    for (_, a), (_, b) in zip(cached.history, realtime.history):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    a, b = load_file(cached.lora_path), load_file(realtime.lora_path)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_mixed_reference_counts_batch_equals_one_by_one(tiny_21_dir, refs_dir, tmp_path):
+    from qwen_edit_core.adapters import lora
+    from qwen_edit_core.train.batch import collate, flow_loss, sample_generator
+    from qwen_edit_core.train.batch21 import layout_groups
+    config, trainer, _, items = _items(tiny_21_dir, refs_dir, tmp_path / "o")
+    assert [len(i["img_shapes"]) - 1 for i in items] == [1, 2, 3]
+    model, sched = trainer.components.transformer, trainer.components.scheduler_config
+    torch.manual_seed(0)
+    lora.inject_lora(model, lora.LoraSpec(rank=4, alpha=4.0, targets=("to_q", "to_k", "to_v", "to_out.0",
+                                                                      "img_mlp.proj", "img_mlp.gate_layer",
+                                                                      "img_mlp.out"), init="gaussian"))
+    with torch.no_grad():
+        for layer in lora.adapter_layers(model).values():
+            layer.lora_B["default"].weight.normal_(0, 0.02)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    gens = lambda: [sample_generator(2, 0, 0, j) for j in range(3)]  # noqa: E731
+    kw = dict(caption_dropout=0.0, control_dropout=0.0, device=torch.device("cpu"), dtype=torch.float32)
+    batch = collate(items, gens(), **kw)
+    assert len(layout_groups(batch)) == 3
+    loss, per_sample = flow_loss(model, batch, config, sched)
+    loss.backward()
+    batch_grads = {n: p.grad.clone() for n, p in params.items()}
+    alone, grads = [], {n: torch.zeros_like(p) for n, p in params.items()}
+    for item, gen in zip(items, gens()):
+        model.zero_grad(set_to_none=True)
+        single = flow_loss(model, collate([item], [gen], **kw), config, sched)[0]
+        single.backward()
+        alone.append(single.item())
+        for n, p in params.items():
+            grads[n] += p.grad / 3
+    assert per_sample.tolist() == pytest.approx(alone, rel=1e-5)
+    scale = max(g.abs().max().item() for g in grads.values())
+    assert scale > 0 and max((batch_grads[n] - grads[n]).abs().max().item() for n in params) <= 1e-5 * scale
+    # two samples of one layout share one call and still equal one by one
+    twin = collate([items[0], items[0]], [sample_generator(2, 0, 0, j) for j in range(2)], **kw)
+    assert len(layout_groups(twin)) == 1
+    with torch.no_grad():
+        _, pair = flow_loss(model, twin, config, sched)
+        solo = [flow_loss(model, collate([items[0]], [sample_generator(2, 0, 0, j)], **kw), config, sched)[0].item()
+                for j in range(2)]
+    assert pair.tolist() == pytest.approx(solo, rel=1e-5)
+
+
+def test_caption_and_reference_dropout(tiny_21_dir, refs_dir, tmp_path):
+    from qwen_edit_core.train.batch import collate, sample_generator
+    _, _, _, items = _items(tiny_21_dir, refs_dir, tmp_path / "o")
+    kw = dict(device=torch.device("cpu"), dtype=torch.float32)
+    item = items[1]
+    dropped = collate([item], [sample_generator(0, 0, 0, 0)], caption_dropout=1.0, control_dropout=1.0, **kw)
+    kept = collate([item], [sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0, **kw)
+    assert torch.equal(dropped.embeds[0], item["empty_prompt_embeds"])
+    assert torch.equal(kept.embeds[0], item["prompt_embeds"])
+    n_slots = item["target_latents"].shape[-1] * item["target_latents"].shape[-2] // 4
+    assert torch.equal(dropped.slots[0][:-n_slots], item["empty_prompt_slots"])
+    # the empty caption still holds both references' vision slots (same count as the caption's)
+    assert int(item["empty_prompt_slots"].sum()) == int(item["prompt_slots"].sum()) > 0
+    assert dropped.references[0].abs().max() == 0 and kept.references[0].abs().max() > 0
+
+
+def test_pixel_aligned_references_take_the_targets_size(tiny_21_dir, refs_dir, tmp_path):
+    _, _, _, items = _items(tiny_21_dir, refs_dir, tmp_path / "o", data={"control_size": "target"})
+    for item in items:
+        shapes = item["img_shapes"].tolist()
+        assert all(s == shapes[0] for s in shapes)
+
+
+def test_region_mask_weights_the_loss(tiny_21_dir, tmp_path):
+    """mask_weight 1, unmasked_weight 0: the loss is the squared error over the masked (left) half only."""
+    from qwen_edit_core.train.batch import collate, flow_loss, predict, sample_generator
+    data = _pairs(tmp_path / "d", counts=(1,), mask=True)
+    config, trainer, _, items = _items(tiny_21_dir, data, tmp_path / "o",
+                                       train={"mask_weight": 1.0, "unmasked_weight": 0.0})
+    item = items[0]
+    _, rows, cols = item["img_shapes"][0].tolist()
+    grid = item["loss_mask"].reshape(rows, cols)
+    assert cols % 2 == 0 and grid[:, : cols // 2].min() == 1 and grid[:, cols // 2:].max() == 0
+    comps = trainer.components
+    kw = dict(caption_dropout=0.0, control_dropout=0.0, device=torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        loss = flow_loss(comps.transformer, collate([item], [sample_generator(1, 0, 0, 0)], **kw), config,
+                         comps.scheduler_config)[0]
+        pred, target, _, _ = predict(comps.transformer, collate([item], [sample_generator(1, 0, 0, 0)], **kw),
+                                     config, comps.scheduler_config)
+    err = (pred - target).square().mean(-1)[0] * item["loss_mask"]
+    assert loss.item() == pytest.approx(err.sum().item() / err.numel(), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", [{"type": "lokr"}, {"type": "loha"}, {"dora": True}])
+def test_adapter_kinds_train_on_21(tiny_21_dir, simple_dir, tmp_path, kind):
+    result = QwenImageEditTrainer(train_config(tiny_21_dir, simple_dir, tmp_path / "o", model={
+        "pretrained_model_name_or_path": str(tiny_21_dir), "lora": {"rank": 4, "alpha": 4.0, "targets": "all", **kind}},
+        train={"max_steps": 2})).fit()
+    assert result.step == 2 and all(np.isfinite(v) for _, v in result.history)
+    assert any(k.endswith("img_mlp.gate_layer.lokr_w1") or "img_mlp.gate_layer" in k
+               for k in load_file(result.lora_path))
+
+
+def test_stop_and_resume_with_ema_equals_uninterrupted(tiny_21_dir, refs_dir, tmp_path):
+    sections = {"train": {"max_steps": 4, "checkpoint_every": 2, "ema_decay": 0.9},
+                "data": {"caption_dropout_rate": 0.3, "prompt_image_dropout_rate": 0.3, "batch_size": 2}}
+    full = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "full", **sections)).fit()
+    token = CancelToken()
+
+    def stop_at_2(event):
+        if event.stage == "train" and event.step == 2:
+            token.cancel()
+
+    config = train_config(tiny_21_dir, refs_dir, tmp_path / "stopped", **sections)
+    stopped = QwenImageEditTrainer(config).fit(progress=stop_at_2, cancel=token)
+    assert stopped.state == "cancelled" and stopped.step == 2
+    resumed = QwenImageEditTrainer(config).fit(resume=True)
+    assert resumed.step == 4
+    for name in ("lora.safetensors", "lora_ema.safetensors"):
+        a, b = load_file(tmp_path / "full" / name), load_file(tmp_path / "stopped" / name)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, name
+    ema, plain = load_file(tmp_path / "full" / "lora_ema.safetensors"), load_file(full.lora_path)
+    assert max((ema[k] - plain[k]).abs().max().item() for k in ema) > 0
