@@ -293,3 +293,36 @@ def test_stop_and_resume_with_ema_equals_uninterrupted(tiny_21_dir, refs_dir, tm
         assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, name
     ema, plain = load_file(tmp_path / "full" / "lora_ema.safetensors"), load_file(full.lora_path)
     assert max((ema[k] - plain[k]).abs().max().item() for k in ema) > 0
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_validation_previews_with_a_sigma_list(tiny_21_dir, simple_dir, tmp_path, cached):
+    """Validation samples the 2.1 validation input with the 2.1 sampler in each preview (one of them the DMD
+    6-step sigma preset at its CFG 1); the latents equal the 2.1 sampler's for the same references and prompt, and
+    the labelled grid is decoded."""
+    from safetensors import safe_open
+
+    from qwen_edit_core.sample import sampler, sampler21
+    out = tmp_path / "o"
+    image = simple_dir / "p0_control.png"
+    config = train_config(tiny_21_dir, simple_dir, out, cache={"enabled": cached}, predict={"true_cfg_scale": 1.0},
+                          train={"max_steps": 2, "validation_every": 2, "validation_steps": 2,
+                                 "validation_image": str(image), "validation_prompt": "invert the colors",
+                                 "validation_previews": [{"schedule": "diffusers"},
+                                                         {"sigmas": "qwen21-dmd-6step"}]})
+    trainer = QwenImageEditTrainer(config)
+    result = trainer.fit()
+    assert [p.name for p in result.validation_images] == ["step-0000002.png"]
+    latents = load_file(out / "validation" / "step-0000002.safetensors")
+    with safe_open(out / "validation" / "step-0000002.safetensors", "pt") as f:
+        assert f.metadata()["labels"] == '["diffusers 2 steps", "sigmas qwen21-dmd-6step"]'
+    trainer.load_model(keep_transformer=True)
+    comps = trainer.components
+    refs = [Image.open(image).convert("RGB")]
+    for i, settings in enumerate([sampler.SampleSettings(num_inference_steps=2, true_cfg_scale=1.0, seed=3,
+                                                         vae_area=SIDE * SIDE),
+                                  sampler.SampleSettings(true_cfg_scale=1.0, seed=3, vae_area=SIDE * SIDE,
+                                                         sigmas=(1.0, 0.9375, 0.875, 0.75, 0.5, 0.25))]):
+        cond = sampler21.build_conditioning(comps, "invert the colors", refs, settings)
+        expected = sampler21.denoise(comps, cond, settings)
+        assert (latents[f"latents_{i}"] - expected).abs().max() <= 1e-4
