@@ -372,3 +372,25 @@ def test_compiled_21_blocks_train_the_same(tiny_21_dir, refs_dir, tmp_path):
     stats = speed.compile_stats(trainer.components.transformer)
     assert stats is not None and stats.fallback is None and stats.blocks == 2
     assert _lora_diff(plain.lora_path, compiled.lora_path) < 1e-4
+
+
+def test_the_planner_reads_the_real_21_transformer_and_plans_24_gb():
+    """The real 2.1 transformer (32 blocks, 4096 wide, on the meta device) with an r16 LoRA on the "all" preset: the
+    planner counts its blocks and plans a 1024^2 edit with one reference (4,096 target + 4,096 reference + about
+    100 text tokens) into 24 GiB; 7 B bf16 weights (about 14 GiB) fit without offloading."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from qwen_edit_core import speed
+    from qwen_edit_core.adapters import lora
+    from qwen_edit_core.model.families import QWEN_IMAGE_21
+    from qwen_edit_core.model.tiny21 import transformer_config
+    with torch.device("meta"):
+        model = QwenImage21Transformer2DModel(**transformer_config("real")).to(torch.bfloat16)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16, targets=QWEN_IMAGE_21.lora_targets["all"]))
+    sizes = speed.model_sizes(model)
+    assert sizes["n_blocks"] == 32 and sizes["dim"] == 4096
+    weights = (32 * sizes["block_params"] + sizes["other_params"]) * 2
+    assert 6.5e9 * 2 < weights < 8e9 * 2
+    plan = speed.plan_for_budget(24, tokens=4096 * 2 + 100, **sizes)
+    assert plan.estimate.total <= 24 * 2**30 and plan.offload_blocks == 0
