@@ -34,8 +34,8 @@ from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
-    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta,
-    lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora)
+    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta, fused_mlp_names,
+    lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora, unfuse_mlp)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def check_against(transformer, weights: LoraWeights) -> LoraWeights:
     """Resolve underscored names, then check every layer's module exists and its shapes fit. Returns the
     resolved weights; raises ValueError naming the first mismatches and the expected shapes."""
     modules = adaptable_modules(transformer)
-    weights = map_to_modules(weights, list(modules))
+    # ComfyUI's fused 2.1 MLP names resolve too, then split onto gate_layer and proj
+    weights = unfuse_mlp(map_to_modules(weights, list(modules) + fused_mlp_names(list(modules))))
     problems = []
     for name, layer in weights.layers.items():
         module = modules.get(name)
