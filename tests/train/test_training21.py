@@ -394,3 +394,87 @@ def test_the_planner_reads_the_real_21_transformer_and_plans_24_gb():
     assert 6.5e9 * 2 < weights < 8e9 * 2
     plan = speed.plan_for_budget(24, tokens=4096 * 2 + 100, **sizes)
     assert plan.estimate.total <= 24 * 2**30 and plan.offload_blocks == 0
+
+
+def test_cli_tiny_cache_train_and_sample_a_21_lora(refs_dir, tmp_path):
+    """`qwen-edit tiny --variant image-2.1`, then `cache` and `train` on a dataset of 1 to 3 references per pair; the
+    second `cache` reuses every entry; the trained LoRA samples with `qwen-edit sample`."""
+    import yaml
+
+    from qwen_edit_core.cli import main
+    model = tmp_path / "tiny21"
+    assert main(["tiny", str(model), "--variant", "image-2.1", "--seed", "2"]) == 0
+    out = tmp_path / "o"
+    cfg = {"model": {"pretrained_model_name_or_path": str(model), "lora": {"rank": 4, "targets": "all"}},
+           "data": {"folder": str(refs_dir), "vae_area": SIDE * SIDE, "batch_size": 3},
+           "cache": {"dir": str(tmp_path / "cache")}, "train": {"output_dir": str(out), "max_steps": 2}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["cache", str(path)]) == 0
+    entries = sorted((tmp_path / "cache").rglob("*.safetensors"))
+    assert len(entries) == 3
+    assert main(["cache", str(path)]) == 0 and sorted((tmp_path / "cache").rglob("*.safetensors")) == entries
+    assert main(["train", str(path)]) == 0
+    lora_file = out / "lora.safetensors"
+    assert load_file(lora_file) and any(".img_mlp.gate_layer." in k for k in load_file(lora_file))
+    picture = tmp_path / "edit.png"
+    assert main(["sample", "--model", str(model), "--image", str(refs_dir / "r2_control_1.png"), "--image",
+                 str(refs_dir / "r2_control_2.png"), "--prompt", "combine them", "--lora", str(lora_file),
+                 "--steps", "2", "--vae-area", str(SIDE * SIDE), "--out", str(picture)]) == 0
+    assert Image.open(picture).mode == "RGBA"
+
+
+def _launch(config: dict, tmp_path, *args: str, tail: tuple[str, ...] = ()):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    path = tmp_path / f"c{len(list(tmp_path.glob('c*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([accelerate, "launch", *args, "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qwen_edit_core.cli", "train",
+                           str(path), *tail], capture_output=True, text=True, timeout=900, env=env)
+
+
+def _cfg(model_dir, data_dir, out, cache) -> dict:
+    return {"model": {"pretrained_model_name_or_path": str(model_dir), "lora": {"rank": 4, "alpha": 4.0, "targets": "all"}},
+            "data": {"folder": str(data_dir), "vae_area": SIDE * SIDE, "batch_size": 2},
+            "cache": {"dir": str(cache)}, "train": {"output_dir": str(out), "max_steps": 3, "seed": 3},
+            "optimizer": {"lr": 1e-3}}
+
+
+@pytest.mark.slow  # accelerate launch: two processes
+def test_data_parallel_two_processes_equal_one_process(tiny_21_dir, refs_dir, tmp_path):
+    """Two CPU processes (each its share of a global batch of 2 pairs with different reference counts) train the
+    LoRA of one process within 1e-5: the 2.1 model is not DDP-wrapped (one forward per token layout), its LoRA
+    gradients are averaged once per step."""
+    proc = _launch(_cfg(tiny_21_dir, refs_dir, tmp_path / "ddp", tmp_path / "cache"), tmp_path, "--multi_gpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training on 2 processes (data parallel)" in proc.stderr
+    single = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "one", cache_dir=tmp_path / "cache",
+                                               train={"max_steps": 3, "seed": 3})).fit()
+    assert _lora_diff(single.lora_path, tmp_path / "ddp" / "lora.safetensors") < 1e-5
+
+
+@pytest.mark.slow  # accelerate launch: two processes
+def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_21_dir, refs_dir, tmp_path):
+    """FSDP2 over two CPU processes (examples/fsdp2.yaml: each 2.1 block its own unit) trains the LoRA of one
+    process within 1e-5, and resuming its step-2 checkpoint gives the same LoRA."""
+    from pathlib import Path
+    fsdp = str(Path(__file__).resolve().parents[2] / "examples" / "fsdp2.yaml")
+    cfg = _cfg(tiny_21_dir, refs_dir, tmp_path / "fsdp", tmp_path / "cache")
+    cfg["train"].update(max_steps=4, checkpoint_every=2)
+    full = _launch(cfg, tmp_path, "--config_file", fsdp)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "FSDP: frozen base sharded over 2 processes" in full.stderr
+    single = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "one", cache_dir=tmp_path / "cache",
+                                               train={"max_steps": 4, "seed": 3})).fit()
+    assert _lora_diff(single.lora_path, tmp_path / "fsdp" / "lora.safetensors") < 1e-5
+    cfg["train"]["output_dir"] = str(tmp_path / "resumed")
+    step2 = tmp_path / "fsdp" / "checkpoints" / "step-0000002"
+    resumed = _launch(cfg, tmp_path, "--config_file", fsdp, tail=("--resume", str(step2)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _lora_diff(tmp_path / "fsdp" / "lora.safetensors", tmp_path / "resumed" / "lora.safetensors") == 0.0
