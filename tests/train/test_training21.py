@@ -478,3 +478,37 @@ def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_21_dir, re
     resumed = _launch(cfg, tmp_path, "--config_file", fsdp, tail=("--resume", str(step2)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _lora_diff(tmp_path / "fsdp" / "lora.safetensors", tmp_path / "resumed" / "lora.safetensors") == 0.0
+
+
+def test_preview_sigma_lists_from_the_config_and_preview_lines():
+    """A preview's `sigmas` (a preset or a list) sets its steps (the list's length) and, for a preset, its CFG; a
+    preview line takes `sigmas=PRESET` or `sigmas=1,0.5`; a rising list is named."""
+    from qwen_edit_core import load_config
+    from qwen_edit_core.train.validation import parse_previews, previews_from_config
+    config = load_config(overrides={"predict": {"true_cfg_scale": 4.0}, "train": {"validation_previews": [
+        {"sigmas": "qwen21-dmd-6step"}, {"sigmas": [1.0, 0.6, 0.3]}, {"sigmas": [1.0, 0.5], "cfg": 2.5}]}})
+    preset, listed, given = previews_from_config(config)
+    assert preset.settings.sigmas == (1.0, 0.9375, 0.875, 0.75, 0.5, 0.25)
+    assert (preset.settings.num_inference_steps, preset.settings.true_cfg_scale) == (6, 1.0)
+    assert preset.label == "sigmas qwen21-dmd-6step"
+    assert listed.settings.sigmas == (1.0, 0.6, 0.3) and listed.settings.true_cfg_scale == 4.0
+    assert listed.label == "diffusers 3 steps (sigma list)"
+    assert given.settings.true_cfg_scale == 2.5
+    assert parse_previews(["diffusers sigmas=qwen21-dmd-6step", "diffusers sigmas=1,0.5"]) == [
+        {"schedule": "diffusers", "loras": [], "sigmas": "qwen21-dmd-6step"},
+        {"schedule": "diffusers", "loras": [], "sigmas": (1.0, 0.5)}]
+    with pytest.raises(ValueError, match="sigmas '0.5,1' is not a preset"):
+        parse_previews(["diffusers sigmas=0.5,1"])
+
+
+def test_more_references_than_21_takes_are_named_before_any_weight_loads(tiny_21_dir, tmp_path):
+    from qwen_edit_core.data.dataset import DatasetError
+    folder = tmp_path / "eleven"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(1, 12):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"a_control_{i}.png")
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / "a.png")
+    (folder / "a.txt").write_text("x")
+    with pytest.raises(DatasetError, match="has 11 control images; a Qwen-Image-2.1 model takes at most 10"):
+        QwenImageEditTrainer(train_config(tiny_21_dir, folder, tmp_path / "o")).dataset()
