@@ -41,6 +41,8 @@ class TrainBatch21:
     img_shapes: list[list[tuple[int, int, int]]]
     generators: list[torch.Generator]
     loss_masks: list[torch.Tensor | None] = field(default_factory=list)
+    #: per sample: its token layout (image shapes and slot mask), read on the CPU before the batch moved
+    layouts: list[tuple] = field(default_factory=list)
 
 
 def is_21_item(item) -> bool:
@@ -53,7 +55,7 @@ def collate21(items: Sequence[dict], generators: Sequence[torch.Generator], *, c
     """Per-sample 2.1 cache tensors -> a batch. Caption dropout swaps in the empty caption's embeddings and slot
     mask (encoded with the same references); control dropout zeroes the reference latents. The two draws come
     from the sample's generator in the 2025 path's order."""
-    targets, refs, embeds, slots, shapes, masks = [], [], [], [], [], []
+    targets, refs, embeds, slots, shapes, masks, layouts = [], [], [], [], [], [], []
     for item, gen in zip(items, generators):
         drop_caption = torch.rand((), generator=gen).item() < caption_dropout
         drop_control = torch.rand((), generator=gen).item() < control_dropout
@@ -66,18 +68,19 @@ def collate21(items: Sequence[dict], generators: Sequence[torch.Generator], *, c
         targets.append(target.to(device, torch.float32))
         embeds.append(item[f"{prefix}_embeds"].to(device, dtype))
         n_slots = target.shape[0] // TOKENS_PER_SLOT
-        slots.append(torch.cat([item[f"{prefix}_slots"].bool(), torch.ones(n_slots, dtype=torch.bool)]).to(device))
+        mask = torch.cat([item[f"{prefix}_slots"].cpu().bool(), torch.ones(n_slots, dtype=torch.bool)])
         shapes.append(stored[1:] + stored[:1])
+        layouts.append((tuple(shapes[-1]), mask.shape[0], bytes(mask.to(torch.uint8).numpy())))
+        slots.append(mask.to(device))
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    return TrainBatch21(targets, refs, embeds, slots, shapes, list(generators), masks)
+    return TrainBatch21(targets, refs, embeds, slots, shapes, list(generators), masks, layouts)
 
 
 def layout_groups(batch: TrainBatch21) -> list[list[int]]:
     """Sample indices grouped by token layout (slot mask and image shapes), in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
-    for j, (slots, shapes) in enumerate(zip(batch.slots, batch.img_shapes)):
-        key = (tuple(shapes), slots.shape[0], bytes(slots.cpu().to(torch.uint8).numpy()))
-        groups.setdefault(key, []).append(j)
+    for j, layout in enumerate(batch.layouts):
+        groups.setdefault(layout, []).append(j)
     return list(groups.values())
 
 
