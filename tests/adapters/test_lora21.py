@@ -141,8 +141,8 @@ def test_a_comfyui_fused_layout_file_loads_into_ours_with_comfyuis_effect(base, 
     hidden = inner * base.config.mlp_ratio
     file = {}
     for b in range(base.config.num_layers):
-        for name, out_f, in_f in ((f"attn.to_q", inner, inner), (f"img_mlp.gate_up", 2 * hidden, inner),
-                                  (f"img_mlp.out", inner, hidden)):
+        for name, out_f, in_f in (("attn.to_q", inner, inner), ("img_mlp.gate_up", 2 * hidden, inner),
+                                  ("img_mlp.out", inner, hidden)):
             key = f"diffusion_model.transformer_blocks.{b}.{name}"
             file[f"{key}.lora_down.weight"] = torch.randn(3, in_f) * 0.1
             file[f"{key}.lora_up.weight"] = torch.randn(out_f, 3) * 0.1
