@@ -511,3 +511,12 @@ def test_more_references_than_21_takes_are_named_before_any_weight_loads(tiny_21
     (folder / "a.txt").write_text("x")
     with pytest.raises(DatasetError, match="has 11 control images; a Qwen-Image-2.1 model takes at most 10"):
         QwenImageEditTrainer(train_config(tiny_21_dir, folder, tmp_path / "o")).dataset()
+
+
+def test_held_out_pairs_are_sampled_with_the_21_sampler(tiny_21_dir, refs_dir, tmp_path):
+    result = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "o", predict={"true_cfg_scale": 1.0},
+                                               train={"max_steps": 2, "validation_every": 2, "validation_pairs": 1,
+                                                      "validation_steps": 2})).fit()
+    (row,) = result.validation_metrics
+    assert row[0] == 2 and all(np.isfinite(v) for v in row[1:3])
+    assert len(list((tmp_path / "o" / "validation" / "heldout" / "step-0000002").glob("*.png"))) == 1
