@@ -438,6 +438,18 @@ def _launch(config: dict, tmp_path, *args: str, tail: tuple[str, ...] = ()):
                            str(path), *tail], capture_output=True, text=True, timeout=900, env=env)
 
 
+def _pairs_for_two_processes(folder):
+    """Four pairs, 1, 2, 1, 2 references (64x64), captions of four lengths: full batches of 2 in each bucket."""
+    rng = np.random.default_rng(5)
+    folder.mkdir(parents=True)
+    for n, k in enumerate((1, 2, 1, 2)):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"q{n}.png")
+        for i in range(1, k + 1):
+            Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"q{n}_control_{i}.png")
+        (folder / f"q{n}.txt").write_text("combine " + "them " * (n + 1))
+    return folder
+
+
 def _cfg(model_dir, data_dir, out, cache) -> dict:
     return {"model": {"pretrained_model_name_or_path": str(model_dir), "lora": {"rank": 4, "alpha": 4.0, "targets": "all"}},
             "data": {"folder": str(data_dir), "vae_area": SIDE * SIDE, "batch_size": 2},
@@ -446,10 +458,11 @@ def _cfg(model_dir, data_dir, out, cache) -> dict:
 
 
 @pytest.mark.slow  # accelerate launch: two processes
-def test_data_parallel_two_processes_equal_one_process(tiny_21_dir, refs_dir, tmp_path):
-    """Two CPU processes (each its share of a global batch of 2 pairs with different reference counts) train the
+def test_data_parallel_two_processes_equal_one_process(tiny_21_dir, tmp_path):
+    """Two CPU processes (each its share of a global batch of 2 pairs, captions of different lengths) train the
     LoRA of one process within 1e-5: the 2.1 model is not DDP-wrapped (one forward per token layout), its LoRA
     gradients are averaged once per step."""
+    refs_dir = _pairs_for_two_processes(tmp_path / "pairs")
     proc = _launch(_cfg(tiny_21_dir, refs_dir, tmp_path / "ddp", tmp_path / "cache"), tmp_path, "--multi_gpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training on 2 processes (data parallel)" in proc.stderr
@@ -459,11 +472,12 @@ def test_data_parallel_two_processes_equal_one_process(tiny_21_dir, refs_dir, tm
 
 
 @pytest.mark.slow  # accelerate launch: two processes
-def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_21_dir, refs_dir, tmp_path):
+def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_21_dir, tmp_path):
     """FSDP2 over two CPU processes (examples/fsdp2.yaml: each 2.1 block its own unit) trains the LoRA of one
     process within 1e-5, and resuming its step-2 checkpoint gives the same LoRA."""
     from pathlib import Path
     fsdp = str(Path(__file__).resolve().parents[2] / "examples" / "fsdp2.yaml")
+    refs_dir = _pairs_for_two_processes(tmp_path / "pairs")
     cfg = _cfg(tiny_21_dir, refs_dir, tmp_path / "fsdp", tmp_path / "cache")
     cfg["train"].update(max_steps=4, checkpoint_every=2)
     full = _launch(cfg, tmp_path, "--config_file", fsdp)
