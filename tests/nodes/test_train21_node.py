@@ -32,7 +32,7 @@ def test_train_node_trains_a_21_lora_on_the_graphs_model(env, tiny_21_dir):
         (folder / f"p{k}.txt").write_text("combine them")
     with torch.inference_mode():
         (model,) = nodes.QwenEditModelLoader().load("", "cpu", "cpu", "cpu", "float32", path=str(tiny_21_dir))
-        (data, _) = nodes.QwenEditDataset().load(str(folder), False)
+        data, _ = nodes.QwenEditDataset().load(str(folder), False)["result"]
         transformer = model.components.transformer
         before = {n: p.detach().clone() for n, p in transformer.named_parameters()}
         (job,) = nodes.QwenEditTrain().start(model, data, "lora21", 2, 1e-3, 4, 4.0, "all", 1, 64, 0, False, 0,
