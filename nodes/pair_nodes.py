@@ -21,13 +21,18 @@ def _rows(name: str, tensor: torch.Tensor | None, count: int) -> list:
     return [tensor[min(i, tensor.shape[0] - 1)] for i in range(count)]
 
 
-def comfy_pairs(before, after, caption, mask=None, before_2=None, before_3=None) -> list[NewPair]:
-    """ComfyUI IMAGE batches (B, H, W, 3) and MASK (B, H, W) or (H, W), 1 = edited -> one NewPair per row."""
+#: the control inputs in order: before, before_2 .. before_10 (Qwen-Image-2.1 takes up to 10 references)
+BEFORE_INPUTS = ("before",) + tuple(f"before_{i}" for i in range(2, 11))
+
+
+def comfy_pairs(before, after, caption, mask=None, before_2=None, before_3=None, **more) -> list[NewPair]:
+    """ComfyUI IMAGE batches (B, H, W, 3) and MASK (B, H, W) or (H, W), 1 = edited -> one NewPair per row; `more`:
+    before_4 .. before_10."""
     count = after.shape[0]
     if mask is not None and mask.ndim == 2:
         mask = mask[None]
-    controls = [_rows(n, t, count) for n, t in (("before", before), ("before_2", before_2),
-                                                  ("before_3", before_3)) if t is not None]
+    given = {"before": before, "before_2": before_2, "before_3": before_3, **more}
+    controls = [_rows(n, given.get(n), count) for n in BEFORE_INPUTS if given.get(n) is not None]
     masks = _rows("mask", mask, count)
     targets = image_to_pils(after)
     return [NewPair(tuple(image_to_pils(row[None])[0] for row in rows), target, caption,
@@ -72,11 +77,13 @@ class QwenEditSavePair:
                               "copy; InvertMask first if yours marks what to keep"}),
             "before_2": ("IMAGE", {"tooltip": "a second control image (Edit Plus 2509/2511 models take 1 to 3)"}),
             "before_3": ("IMAGE", {"tooltip": "a third control image (Edit Plus 2509/2511 models take 1 to 3)"}),
+            **{name: ("IMAGE", {"tooltip": f"control image {name.split('_')[1]}, in order (Qwen-Image-2.1 models "
+                                           "take 1 to 10 references)"}) for name in BEFORE_INPUTS[3:]},
         }}
 
-    def save(self, before, after, caption, folder, name_prefix, mask=None, before_2=None, before_3=None):
+    def save(self, before, after, caption, folder, name_prefix, mask=None, before_2=None, before_3=None, **more):
         path = _folder(folder)
-        written, report = add_pairs(path, comfy_pairs(before, after, caption, mask, before_2, before_3),
+        written, report = add_pairs(path, comfy_pairs(before, after, caption, mask, before_2, before_3, **more),
                                     name_prefix)
         masked = sum(w.mask is not None for w in written)
         total = len(report.examples)

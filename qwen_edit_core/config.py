@@ -138,12 +138,11 @@ class ValidationPreview:
     """One validation preview: a named schedule, its steps/CFG/shift and LoRA files stacked for it only."""
     #: "diffusers", "comfyui" or "lightning" (qwen_edit_core/sample/schedules.py)
     schedule: Schedule = "diffusers"
-    #: null: the schedule's (lightning 4), else train.validation_steps
-    steps: int | None = None
-    #: null: the schedule's (lightning 1.0), else predict.true_cfg_scale
-    cfg: float | None = None
-    #: null: the schedule's shift
-    shift: float | None = None
+    steps: int | None = None  # null: the schedule's (lightning 4), else train.validation_steps
+    cfg: float | None = None  # null: the schedule's (lightning 1.0) or sigma preset's, else predict.true_cfg_scale
+    shift: float | None = None  # null: the schedule's shift
+    #: an explicit sigma list or a preset name (sample/schedules.py SIGMA_PRESETS); its length is the steps
+    sigmas: tuple[float, ...] | str = ()
     #: LoRA files active in this preview only ([{path, strength}]), beside the trained LoRA and model.lora.stack
     loras: tuple[LoraStackItem, ...] = ()
     #: the grid label; empty: "<schedule> <steps> steps"

@@ -47,11 +47,13 @@ def meta_transformer(model_dir: Path | None):
     the model directory has no transformer config (a transformer given as one file)."""
     if model_dir is None or not (Path(model_dir) / "transformer" / "config.json").is_file():
         return None
+    import diffusers
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
+    config = diffusers.QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer")
+    # the family's class (Qwen-Image-2.1 has its own), as config.json names it
+    cls = getattr(diffusers, config.get("_class_name", ""), None) or diffusers.QwenImageTransformer2DModel
     with init_empty_weights():
-        return QwenImageTransformer2DModel.from_config(
-            QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
+        return cls.from_config(config)
 
 
 @dataclass(frozen=True)
@@ -74,13 +76,14 @@ def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...
     import torch
 
     from qwen_edit_core.adapters import lora
+    from qwen_edit_core.model.families import family_of_model
     from qwen_edit_core.train.run import lora_spec
     # ComfyUI runs nodes under inference mode, and peft refuses to inject into inference tensors
     with torch.inference_mode(False):
         meta = meta_transformer(model_dir)
         if meta is None:
             return None
-        lora.inject_lora(meta, lora_spec(config))
+        lora.inject_lora(meta, lora_spec(config, family_of_model(meta)))
     return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}
 
 

@@ -5,7 +5,9 @@ are peft's own (adapters/kinds.py); their files use the keys stock ComfyUI reads
 
 The file we write: `diffusion_model.<module path>.lora_down.weight` (= peft lora_A, (r, in)),
 `.lora_up.weight` (= lora_B, (out, r)) and `.alpha` (float32 scalar), plus safetensors metadata. Module paths
-are diffusers' (`transformer_blocks.0.attn.to_q`), which are also ComfyUI's for Qwen-Image.
+are diffusers' (`transformer_blocks.0.attn.to_q`), which are also ComfyUI's for Qwen-Image. Qwen-Image-2.1 files
+use the bare module path (no prefix), and ComfyUI's fused 2.1 MLP (`img_mlp.gate_up`) is read onto our split
+`gate_layer` / `proj` (lora_files.key_prefix, unfuse_mlp; docs/DESIGN.md, "Contracts").
 - Stock ComfyUI (comfy/lora.py `model_lora_keys_unet` + `load_lora`, comfy/weight_adapter/lora.py) maps
   `diffusion_model.P` to the weight `diffusion_model.P.weight` and applies `W += strength * alpha / rank *
   up @ down`, with rank = down.shape[0]; without an `.alpha` key the scale is 1. It never reads metadata.
@@ -34,8 +36,8 @@ from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
-    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta,
-    lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora)
+    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta, fused_mlp_names,
+    lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora, unfuse_mlp)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,11 @@ _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora
 
 
 # -- targets and injection -----------------------------------------------------------------------------------
-def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
+def resolve_targets(spec: str | Sequence[str], presets=None) -> tuple[str, ...]:
     """A preset name ("attn", "attn-img", "all"), a comma-separated string, or a list of module-name suffixes
-    (preset names inside a list expand). Whether each suffix matches a module is checked by `inject_lora`."""
+    (preset names inside a list expand). Whether each suffix matches a module is checked by `inject_lora`.
+    `presets`: a model family's `lora_targets` (default: the 2025 family's)."""
+    TARGET_PRESETS = dict(presets) if presets is not None else globals()["TARGET_PRESETS"]
     if isinstance(spec, str):
         if spec in TARGET_PRESETS:
             return TARGET_PRESETS[spec]
@@ -168,7 +172,8 @@ def check_against(transformer, weights: LoraWeights) -> LoraWeights:
     """Resolve underscored names, then check every layer's module exists and its shapes fit. Returns the
     resolved weights; raises ValueError naming the first mismatches and the expected shapes."""
     modules = adaptable_modules(transformer)
-    weights = map_to_modules(weights, list(modules))
+    # ComfyUI's fused 2.1 MLP names resolve too, then split onto gate_layer and proj
+    weights = unfuse_mlp(map_to_modules(weights, list(modules) + fused_mlp_names(list(modules))))
     problems = []
     for name, layer in weights.layers.items():
         module = modules.get(name)

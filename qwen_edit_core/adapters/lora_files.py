@@ -212,6 +212,38 @@ def map_to_modules(weights: LoraWeights, module_names: Sequence[str]) -> LoraWei
     return LoraWeights(layers, weights.metadata, False)
 
 
+#: ComfyUI's Qwen-Image-2.1 model fuses each block's SwiGLU input projections into one `img_mlp.gate_up` weight,
+#: [gate_layer; proj] stacked on the output axis (docs/MODEL.md); LoRAs trained on that layout name it
+FUSED_MLP, FUSED_HALVES = "img_mlp.gate_up", ("img_mlp.gate_layer", "img_mlp.proj")
+
+
+def fused_mlp_names(module_names: Sequence[str]) -> list[str]:
+    """The fused `...img_mlp.gate_up` paths of a model whose blocks hold `gate_layer` and `proj` (2.1)."""
+    names = set(module_names)
+    gate, proj = FUSED_HALVES
+    return [n[: -len(gate)] + FUSED_MLP for n in module_names
+            if n.endswith("." + gate) and n[: -len(gate)] + proj in names]
+
+
+def unfuse_mlp(weights: LoraWeights) -> LoraWeights:
+    """A LoRA on the fused `img_mlp.gate_up` as two LoRAs on `gate_layer` and `proj`: the same down, the up's
+    first and second halves of rows (DoRA scales split alike), so each half's delta is the rows of the fused delta
+    ComfyUI applies to it. LoKr/LoHa layers on the fused weight are refused (their delta does not split)."""
+    layers = {}
+    for name, layer in weights.layers.items():
+        if not name.endswith("." + FUSED_MLP) and name != FUSED_MLP:
+            layers[name] = layer
+            continue
+        if layer.kind != "lora":
+            raise ValueError(f"{name}: a {layer.kind} layer on ComfyUI's fused 2.1 MLP weight cannot be split into "
+                             "gate_layer and proj; train it on the split layers (this project's layout)")
+        half, base = layer.up.shape[0] // 2, name[: -len(FUSED_MLP)]
+        scales = (None, None) if layer.dora_scale is None else (layer.dora_scale[:half], layer.dora_scale[half:])
+        for suffix, rows, dora in zip(FUSED_HALVES, (slice(0, half), slice(half, None)), scales):
+            layers[base + suffix] = LoraLayer(layer.down, layer.up[rows].contiguous(), layer.alpha, dora)
+    return LoraWeights(layers, weights.metadata, weights.underscored)
+
+
 # -- writing ---------------------------------------------------------------------------------------------------
 def module_path(name: str) -> str:
     """A module's path without peft's `base_layer` parts (adapters of several kinds nest on one layer)."""
@@ -271,11 +303,22 @@ def layer_file_tensors(layer, adapter_name: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def key_prefix(transformer) -> str:
+    """The prefix of a saved file's keys: `diffusion_model.` (2025 family); none for Qwen-Image-2.1, whose
+    `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused `gate_up` weight only under a bare, `transformer.`
+    or `lycoris_` name (comfy/lora.py), and whose bare keys diffusers' Qwen converter reads (it prepends
+    `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/DESIGN.md,
+    "LoRA files"."""
+    from qwen_edit_core.model.families import family_of_model
+    return "" if family_of_model(transformer).references == "in-text" else "diffusion_model."
+
+
 def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """ComfyUI-layout tensors of one adapter (float32 copies on the CPU), keys `diffusion_model.P.<suffix>`:
+    """ComfyUI-layout tensors of one adapter (float32 copies on the CPU), keys `<key_prefix>P.<suffix>`:
     LoRA `lora_down.weight`, `lora_up.weight` and `alpha` = scale * rank (so `alpha / rank * up @ down` is the
     delta peft applies), plus `dora_scale` for DoRA; LoKr and LoHa factors (`layer_file_tensors`)."""
-    return {f"diffusion_model.{path}.{suffix}": tensor
+    prefix = key_prefix(transformer)
+    return {f"{prefix}{path}.{suffix}": tensor
             for path, layer in adapter_layers(transformer, adapter_name).items()
             for suffix, tensor in layer_file_tensors(layer, adapter_name).items()}
 
@@ -306,7 +349,8 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
     if not tensors:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
     metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    metadata.update({"format": "comfyui-lora", "architecture": "qwen-image", "type": spec.type,
+    from qwen_edit_core.model.families import family_of_model
+    metadata.update({"format": "comfyui-lora", "architecture": family_of_model(transformer).name, "type": spec.type,
                      "dora": str(spec.dora).lower(), "rank": str(spec.rank),
                      "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),
                      "base_identity": str(base_identity), "steps": str(int(steps))})

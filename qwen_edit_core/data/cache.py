@@ -19,6 +19,9 @@ On-disk format (format version 1).
     `img_shapes`            (1 + n, 3) int64, packed units: (1, h // 2, w // 2) of each latent above
     `loss_mask`             (h // 2 * w // 2,) float32, only when the pair has a mask (key field mask_hash):
                             the mask area-averaged onto the target's token grid
+  A Qwen-Image-2.1 entry (key field `family` "qwen-image-2.1") has C = 64, `img_shapes` in latent tokens
+  ((1, h, w): 2.1 reads latents unpatched) and two more tensors: `prompt_slots` (S,) and `empty_prompt_slots`
+  (S0,) bool, True at the vision slots the transformer fills with the controls' (references') latent tokens.
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
   (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
   `format_version` included, and `tensors_sha256`: the sha256 of every tensor's name, dtype, shape and bytes
@@ -60,9 +63,9 @@ _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float
                   "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                   "U8": torch.uint8, "BOOL": torch.bool}
 CHECKSUM_FIELD = "tensors_sha256"
-_STRING_FIELDS = ("caption", "component_identity", "template", "dtype", "mask_hash")
+_STRING_FIELDS = ("caption", "component_identity", "template", "dtype", "mask_hash", "family")
 #: key fields that entries written before they existed lack (their default applies)
-_OPTIONAL_FIELDS = ("mask_hash",)
+_OPTIONAL_FIELDS = ("mask_hash", "family")
 _INT_FIELDS = ("vae_area", "vl_area", "prefix_len", "format_version")
 
 
@@ -85,6 +88,9 @@ class CacheKey:
     format_version: int = CACHE_FORMAT_VERSION
     #: sha256 of the pair's mask file ("" without a mask): the entry then holds `loss_mask`
     mask_hash: str = ""
+    #: the model family whose tensor layout the entry holds (model/families.py name); "" = the 2025 Qwen-Image
+    #: family. Part of the digest and checked on read, so an entry of one family is never trained on by another.
+    family: str = ""
 
     def __post_init__(self):
         # Normalize lists (from JSON or a caller) to tuples so equal keys compare and hash equal.
@@ -110,10 +116,12 @@ class CacheKey:
 
     def canonical(self) -> str:
         """A canonical JSON of every field (sorted keys): the text hashed by `digest`. An empty `mask_hash` is
-        left out, so entries of pairs without a mask keep the names they had before masks existed."""
+        left out, so entries of pairs without a mask keep the names they had before masks existed; so is an empty
+        `family` (the 2025 family's entries keep their names)."""
         fields = dataclasses.asdict(self)
-        if not fields["mask_hash"]:
-            del fields["mask_hash"]
+        for name in _OPTIONAL_FIELDS:
+            if not fields[name]:
+                del fields[name]
         return json.dumps(fields, sort_keys=True, ensure_ascii=False)
 
     def digest(self) -> str:

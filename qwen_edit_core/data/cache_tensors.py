@@ -18,6 +18,10 @@ CACHE_FORMAT_VERSION = 2
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
 CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
 EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
+#: what a Qwen-Image-2.1 entry adds (key field `family`): each prompt's vision-slot mask, (S,) bool
+SLOT_TENSORS = ("prompt_slots", "empty_prompt_slots")
+#: latent pixels per img_shapes unit along each side, by key family ("" = the 2025 family's 2x2 patches)
+PATCH = {"": 2, "qwen-image-2.1": 1}
 #: the optional float32 tensor of an entry whose key has a mask_hash: (target tokens,) loss-weight fractions
 LOSS_MASK = "loss_mask"
 
@@ -59,8 +63,11 @@ def prepare_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> dict[
 def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | None:
     """What is wrong with an entry's tensors for `key` (None if nothing). Works on meta tensors too, except
     that `img_shapes` must hold its values."""
+    if key.family not in PATCH:
+        return f"of model family {key.family!r}, which this code does not train ({', '.join(map(repr, PATCH))})"
     latents = ("target_latents",) + control_names(key.n_controls)
-    expected = set(CACHE_TENSORS) | set(latents) | ({LOSS_MASK} if key.mask_hash else set())
+    slots = SLOT_TENSORS if key.family else ()
+    expected = set(CACHE_TENSORS) | set(latents) | set(slots) | ({LOSS_MASK} if key.mask_hash else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         return f"missing tensors {missing}" if missing else f"holding unexpected tensors {unexpected}"
@@ -68,7 +75,8 @@ def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | N
     for name in latents + EMBEDDING_TENSORS:
         if tensors[name].dtype != dtype:
             return f"holding {name} of dtype {tensors[name].dtype}, not {dtype}"
-    return _check_embeddings(tensors) or _check_latents(tensors, latents) or _check_loss_mask(tensors)
+    return (_check_embeddings(tensors) or _check_slots(tensors, slots)
+            or _check_latents(tensors, latents, PATCH[key.family]) or _check_loss_mask(tensors))
 
 def _check_loss_mask(tensors: Mapping[str, torch.Tensor]) -> str | None:
     if LOSS_MASK not in tensors:
@@ -86,7 +94,14 @@ def _check_embeddings(tensors: Mapping[str, torch.Tensor]) -> str | None:
         return f"holding prompt embeddings of widths {prompt.shape[1]} and {empty.shape[1]}"
     return None
 
-def _check_latents(tensors: Mapping[str, torch.Tensor], latents: tuple[str, ...]) -> str | None:
+def _check_slots(tensors: Mapping[str, torch.Tensor], slots: tuple[str, ...]) -> str | None:
+    for name, embeds in zip(slots, EMBEDDING_TENSORS):
+        mask, length = tensors[name], tensors[embeds].shape[0]
+        if mask.dtype != torch.bool or tuple(mask.shape) != (length,):
+            return f"holding {name} {mask.dtype} {tuple(mask.shape)}, not bool ({length},) like {embeds}"
+    return None
+
+def _check_latents(tensors: Mapping[str, torch.Tensor], latents: tuple[str, ...], patch: int) -> str | None:
     channels = tensors["target_latents"].shape[0] if tensors["target_latents"].dim() else None
     for name in latents:
         shape = tuple(tensors[name].shape)
@@ -95,8 +110,8 @@ def _check_latents(tensors: Mapping[str, torch.Tensor], latents: tuple[str, ...]
     shapes = tensors["img_shapes"]
     if shapes.dtype != torch.int64 or tuple(shapes.shape) != (len(latents), 3):
         return f"holding img_shapes {shapes.dtype} {tuple(shapes.shape)}, not int64 ({len(latents)}, 3)"
-    # img_shapes is in packed units (2x2 latent patches); it must describe the stored latents.
-    expected = [[1, tensors[n].shape[2] // 2, tensors[n].shape[3] // 2] for n in latents]
+    # img_shapes is in token units (2x2 latent patches, or latent pixels for 2.1); it must describe the latents.
+    expected = [[1, tensors[n].shape[2] // patch, tensors[n].shape[3] // patch] for n in latents]
     if shapes.tolist() != expected:
         return f"holding img_shapes {shapes.tolist()} for latents that pack to {expected}"
     return None

@@ -19,6 +19,7 @@ from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identi
 from qwen_edit_core.data.dataset import EditExample, load_rgb
 from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,14 @@ class EncodeSettings:
 
     @property
     def prefix_len(self) -> int:
-        return variants.get(self.variant).drop
+        """Template tokens dropped from the embeddings; 0 where the processor counts them (Qwen-Image-2.1: its
+        system turn, which the processor's files, part of the encoder identity, decide)."""
+        return variants.get(self.variant).drop or 0
+
+    @property
+    def family(self):
+        """The variant's model family (model/families.py)."""
+        return variants.get(self.variant).family
 
 
 def buckets(example: EditExample, settings: EncodeSettings) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
@@ -87,7 +95,8 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
                     target_bucket=target_bucket, control_buckets=control_buckets,
                     template=variants.get(settings.variant).encoding,
                     prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."),
-                    mask_hash=hash_file(example.mask) if example.mask is not None else "")
+                    mask_hash=hash_file(example.mask) if example.mask is not None else "",
+                    family="" if settings.family is QWEN_IMAGE else settings.family.name)
 
 
 def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor_dir=None) -> str:
@@ -107,8 +116,12 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
 
     Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
     its own bucket. `empty_prompt_embeds` (`EMPTY_PROMPT`, same control images) serve caption dropout. A pair
-    with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32).
+    with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32). A Qwen-Image-2.1
+    example is encoded by data/example_tensors21.py.
     """
+    if settings.family.references == "in-text":
+        from qwen_edit_core.data.example_tensors21 import encode_example21
+        return encode_example21(components, example, settings)
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)
     controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]

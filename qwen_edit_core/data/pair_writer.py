@@ -38,15 +38,15 @@ from qwen_edit_core.data.captions import caption_text_problem
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
 from qwen_edit_core.data.masks import ASPECT_TOLERANCE
 from qwen_edit_core.model import variants
-from qwen_edit_core.model.families import QWEN_IMAGE
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
 
 log = logging.getLogger(__name__)
 
 #: digits of the running number in PREFIX_00001
 NUMBER_DIGITS = 5
-#: the most control images a trainable variant takes (Edit Plus: 3; Qwen-Image-2.1 samples only, not trained yet)
-MAX_CONTROLS = max(v.max_controls or 1 for v in variants.VARIANTS.values() if v.family is QWEN_IMAGE)
+#: the most control images a trainable variant takes (Qwen-Image-2.1: 10 references; Edit Plus: 3); training
+#: refuses a pair with more than its model takes (train.run.load_examples)
+MAX_CONTROLS = max(v.max_controls or 1 for v in variants.VARIANTS.values())
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def pair_problems(pair: NewPair) -> list[str]:
     """Everything wrong with a pair before it is written (empty: fine)."""
     problems = [] if pair.controls else ["a pair needs at least one control (before) image"]
     if len(pair.controls) > MAX_CONTROLS:
-        problems.append(f"a pair takes at most {MAX_CONTROLS} control (before) images (Edit Plus), got "
+        problems.append(f"a pair takes at most {MAX_CONTROLS} control (before) images (Qwen-Image-2.1), got "
                         f"{len(pair.controls)}")
     named = [(f"control image {i + 1}" if len(pair.controls) > 1 else "control (before) image", image)
              for i, image in enumerate(pair.controls)]

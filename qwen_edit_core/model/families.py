@@ -103,3 +103,9 @@ QWEN_IMAGE_21 = Family(
     licence="Qwen Research License (non-commercial research and evaluation only)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
+
+
+def family_of_model(model) -> Family:
+    """The family whose transformer class `model` is (or derives from); the 2025 family for anything else."""
+    names = {c.__name__ for c in type(model).__mro__}
+    return next((f for f in FAMILIES.values() if f.transformer_class in names), QWEN_IMAGE)

@@ -62,22 +62,31 @@ class Distributed:
         self.rank = self.accelerator.process_index if self.accelerator else 0
         self.is_main = self.rank == 0
         self.fsdp = self.accelerator is not None and sharding.is_fsdp()
+        #: LoRA gradients averaged by one all-reduce per optimizer step instead of DDP's hooks (set by `wrap`)
+        self.manual = self.fsdp
         if self.world > 1 and self.is_main:
             log.info("training on %d processes (%s)", self.world, "FSDP2" if self.fsdp else "data parallel")
 
     def wrap(self, model):
+        """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A Qwen-Image-2.1 model is
+        never DDP-wrapped: its micro-batch runs one forward per token layout (train/batch21.py), which DDP's
+        once-per-backward hooks refuse, so its LoRA gradients are averaged in `sync_gradients` (as under FSDP)."""
+        from qwen_edit_core.model.families import family_of_model
         if self.fsdp:
             return sharding.shard_frozen_base(model, self.accelerator.device, self.world)
+        if self.accelerator is not None and family_of_model(model).references == "in-text":
+            self.manual = True
+            return model
         return self.accelerator.prepare_model(model) if self.accelerator else model
 
     def no_sync(self, model, last_micro: bool):
-        if self.accelerator is None or last_micro or self.fsdp:  # FSDP: gradients averaged in `sync_gradients`
+        if self.accelerator is None or last_micro or self.manual:  # gradients averaged in `sync_gradients`
             return contextlib.nullcontext()
         return model.no_sync()
 
     def sync_gradients(self, params) -> None:
         """Average the LoRA gradients over processes where the wrapper does not (FSDP keeps the LoRA whole)."""
-        if self.fsdp:
+        if self.manual:
             sharding.average_gradients(list(params), self.world)
 
     def mean_tensor(self, value: torch.Tensor) -> float:

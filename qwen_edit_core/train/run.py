@@ -46,10 +46,6 @@ def model_files(config: Config) -> dict:
 
 def encode_settings(config: Config, variant: str) -> EncodeSettings:
     """How examples are encoded (areas, dtype) for a model variant (model/variants.py name)."""
-    from qwen_edit_core.model import variants
-    if variants.get(variant).drop is None:  # the cache key and batches need a fixed template prefix length
-        raise ValueError(f"training a {variants.get(variant).title} model (variant {variant!r}) is not available yet; "
-                         "it samples (qwen-edit sample, the Sampler nodes); train on an Edit-2509/2511 model")
     d = config.data
     return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
                           dtype=resolve_dtype(config.model.dtype, component="model.dtype"),
@@ -79,10 +75,15 @@ def encoder_plan(config: Config) -> DevicePlan:
                                     "transformer": local_device(config.train.device)}, dtype=config.model.dtype)
 
 
-def lora_spec(config: Config) -> lora_mod.LoraSpec:
-    """The LoRA to train, from `model.lora`."""
+def lora_spec(config: Config, family=None) -> lora_mod.LoraSpec:
+    """The LoRA to train, from `model.lora`; preset target names resolve to `family`'s modules (default: the
+    configured model's family)."""
     lora = config.model.lora
-    return lora_mod.LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora_mod.resolve_targets(lora.targets),
+    if family is None:
+        model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
+        family = variants.get(config.model.variant or comp.detect_variant(model_dir)).family
+    targets = lora_mod.resolve_targets(lora.targets, family.lora_targets)
+    return lora_mod.LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=targets,
                              dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
 
 
@@ -270,7 +271,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                   progress=progress, cancel=cancel)
         del encoders
         release()  # free the encoders before the transformer loads
-    spec, keys = lora_spec(config), [buckets(ex, settings) for ex in examples]
+    spec, keys = lora_spec(config, settings.family), [buckets(ex, settings) for ex in examples]
     inputs = (_cached_inputs if config.cache.enabled else _realtime_inputs)(
         config, plan, examples, val_example, model_dir, settings, shared,
         lambda: training_plan(config, plan.transformer, model_dir, keys, spec))  # before the transformer's weights

@@ -27,8 +27,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: the FSDP unit: one transformer block (60 of them in the real model)
+#: the FSDP unit: one transformer block (60 in the 2025 model, 32 in Qwen-Image-2.1); the accelerate config may name
+#: either family's block class: the unit is always the trained model's own block
 BLOCK_CLASS = "QwenImageTransformerBlock"
+BLOCK_CLASSES = (BLOCK_CLASS, "QwenImage21TransformerBlock")
 
 
 def is_fsdp() -> bool:
@@ -78,8 +80,9 @@ def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) 
                          "shard, so every process would hold all of them. Turn train.fp8_base off (and load a "
                          "bf16 transformer file), or train with data parallel (plain `accelerate launch`)")
     wrap = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", BLOCK_CLASS)
-    if wrap != BLOCK_CLASS:
-        raise ValueError(f"fsdp_transformer_layer_cls_to_wrap {wrap!r}: the unit must be {BLOCK_CLASS}")
+    if wrap not in BLOCK_CLASSES:
+        raise ValueError(f"fsdp_transformer_layer_cls_to_wrap {wrap!r}: the unit must be the transformer block "
+                         f"({' or '.join(BLOCK_CLASSES)}; this model's is {type(model.transformer_blocks[0]).__name__})")
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard")
     mesh = init_device_mesh(torch.device(device).type, (world,))
     lora = {p for p in model.parameters() if p.requires_grad}

@@ -20,9 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen_edit_core import speed
-from qwen_edit_core.model import encode
+from qwen_edit_core.model import encode, encode21
+from qwen_edit_core.model.encode21 import PromptWithSlots
+from qwen_edit_core.model.families import QWEN_IMAGE_21
 from qwen_edit_core.config import ValidationPreview
-from qwen_edit_core.sample import sampler, schedules
+from qwen_edit_core.sample import sampler, sampler21, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.model.templates import EMPTY_PROMPT
@@ -53,6 +55,21 @@ def conditioning_from_entry(tensors: dict, device, dtype) -> sampler.Conditionin
                                 width=cols * encode.LATENT_MULTIPLE, height=rows * encode.LATENT_MULTIPLE)
 
 
+def conditioning21_from_entry(tensors: dict, device, dtype) -> sampler21.Conditioning21:
+    """2.1 sampler conditioning from a 2.1 cache entry: the caption and the empty caption (the negative) with
+    their slot masks plus the target's slots, the references' tokens, [references..., target] shapes."""
+    shapes = [tuple(s) for s in tensors["img_shapes"].tolist()]
+    _, rows, cols = shapes[0]
+
+    def prompt(name: str) -> PromptWithSlots:
+        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
+        return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
+    refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
+    return sampler21.Conditioning21(prompt("prompt"), prompt("empty_prompt"),
+                                    torch.cat(refs, dim=1).to(device, dtype) if refs else None, shapes[1:] + shapes[:1],
+                                    width=cols * QWEN_IMAGE_21.token_pixels, height=rows * QWEN_IMAGE_21.token_pixels)
+
+
 @dataclass(frozen=True)
 class Preview:
     """One validation preview: its grid label, sampler settings and LoRA files ((path, strength)) for it only."""
@@ -71,17 +88,25 @@ def previews_from_config(config) -> list[Preview]:
     previews, problems = [], []
     for number, item in enumerate(items, 1):
         where = f"train.validation_previews[{number - 1}]"
-        steps, cfg = schedules.steps_and_cfg(item.schedule, item.steps, item.cfg, config.train.validation_steps,
-                                             config.predict.true_cfg_scale)
+        try:
+            grid, preset_cfg = schedules.resolve_sigmas(item.sigmas)
+        except ValueError as err:
+            problems.append(f"{where}: {err}")
+            grid, preset_cfg = None, None
+        steps, cfg = schedules.steps_and_cfg(item.schedule, len(grid) if grid else item.steps,
+                                             item.cfg if item.cfg is not None else preset_cfg,
+                                             config.train.validation_steps, config.predict.true_cfg_scale)
         settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=EMPTY_PROMPT,
-                                          seed=config.train.seed, schedule=item.schedule, shift=item.shift)
+                                          seed=config.train.seed, schedule=item.schedule, shift=item.shift, sigmas=grid)
         try:
             settings.validate()
         except ValueError as err:
             problems.append(f"{where}: {err}")
         loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)
         problems += [f"{where}: LoRA file {path!r} does not exist" for path, _ in loras if not Path(path).is_file()]
-        previews.append(Preview(item.label or f"{item.schedule} {steps} steps", settings, loras))
+        label = f"sigmas {item.sigmas}" if isinstance(item.sigmas, str) and item.sigmas else \
+            f"{item.schedule} {steps} steps{' (sigma list)' if grid else ''}"
+        previews.append(Preview(item.label or label, settings, loras))
     if problems:
         raise ValueError(_problems("validation previews", problems))
     return previews
@@ -142,6 +167,8 @@ PREVIEW_KEYS = {
     "cfg": (lambda v: _checked(float(v), lambda x: math.isfinite(x) and x >= 0), "a finite number >= 0 (<= 1: no CFG)"),
     "shift": (lambda v: _checked(float(v), lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
     "label": (lambda v: _checked(v.replace("_", " "), bool), "a non-empty text (_ for spaces)"),
+    "sigmas": (lambda v: v if v in schedules.SIGMA_PRESETS else schedules.check_sigmas(v.split(",")),
+               f"a preset ({', '.join(schedules.SIGMA_PRESETS)}) or decreasing sigmas in (0, 1] joined by commas"),
 }
 
 
@@ -217,14 +244,19 @@ class Validator:
         from qwen_edit_core.adapters import lora
         transformer = self.components.transformer
         param = next(transformer.parameters())
-        cond = conditioning_from_entry(self.tensors, param.device, transformer.img_in.weight.dtype)
+        in_text = "prompt_slots" in self.tensors  # a Qwen-Image-2.1 entry: its own sampler (sample/sampler21.py)
+        make, denoise = (conditioning21_from_entry, sampler21.denoise) if in_text else \
+            (conditioning_from_entry, sampler.denoise)
+        cond = make(self.tensors, param.device, transformer.img_in.weight.dtype)
         transformer.eval()
         tensors = {"size": torch.tensor([cond.width, cond.height])}
         try:
             for i, preview in enumerate(self.previews):
+                if in_text:
+                    sampler21.check_settings(preview.settings)
                 if preview.loras:
                     lora.activate_with_trained(transformer, self.stack + preview.loras)
-                tensors[f"latents_{i}"] = sampler.denoise(self.components, cond, preview.settings).cpu().contiguous()
+                tensors[f"latents_{i}"] = denoise(self.components, cond, preview.settings).cpu().contiguous()
                 if preview.loras:
                     lora.activate_with_trained(transformer, self.stack)
         finally:
@@ -233,7 +265,8 @@ class Validator:
             return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step-{step:07d}.safetensors"
-        save_file(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews])})
+        save_file(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews]),
+                                           "family": QWEN_IMAGE_21.name if in_text else ""})
         self.latent_files.append(path)
         if self.components.vae is not None:
             self.images.append(decode_file(self.components.vae, path))
@@ -252,12 +285,14 @@ def decode_file(vae, path: Path) -> Path:
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         labels = json.loads((f.metadata() or {}).get("labels", "[]"))
+        unpack = encode21.unpack if (f.metadata() or {}).get("family") == QWEN_IMAGE_21.name else \
+            (lambda tokens, w, h: encode.unpack(tokens, h, w))
     data = load_file(path)
     width, height = data["size"].tolist()
     images = []
     for i in range(len(labels)):
-        pixels = encode.decode_latents(vae, encode.unpack(data[f"latents_{i}"], height, width))
-        images.append((encode.postprocess(pixels)[0].numpy() * 255).round().astype("uint8"))
+        pixels = encode.decode_latents(vae, unpack(data[f"latents_{i}"], width, height))
+        images.append((encode.postprocess(pixels)[0, ..., :3].numpy() * 255).round().astype("uint8"))
     png = path.with_suffix(".png")
     labelled_grid(images, labels).save(png)
     return png

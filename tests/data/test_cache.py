@@ -421,7 +421,17 @@ def test_component_identity_of_tokenizers_single_files_and_absent_parts(tmp_path
 def test_key_is_dataclass_of_plain_fields():
     assert [f.name for f in dataclasses.fields(CacheKey)] == [
         "image_hashes", "caption", "component_identity", "vae_area", "vl_area", "target_bucket", "control_buckets",
-        "template", "prefix_len", "dtype", "format_version", "mask_hash"]
+        "template", "prefix_len", "dtype", "format_version", "mask_hash", "family"]
+
+
+def test_the_2025_familys_entries_keep_their_names_and_21_entries_get_their_own():
+    """An empty `family` (the 2025 family) is left out of the hashed text, as an empty mask_hash is, so entries
+    written before the field existed keep their names; a 2.1 key hashes it and differs."""
+    import json
+    key = _key()
+    assert "family" not in json.loads(key.canonical())
+    other = dataclasses.replace(key, family="qwen-image-2.1")
+    assert json.loads(other.canonical())["family"] == "qwen-image-2.1" and other.digest() != key.digest()
 
 
 # --- stored data: checksum and finite values ---------------------------------------------------------------------

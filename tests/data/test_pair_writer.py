@@ -83,17 +83,21 @@ def test_every_problem_is_reported_and_nothing_is_written(tmp_path):
     assert written[0].mask is not None
 
 
-def test_four_controls_and_captions_with_control_characters_are_refused(tmp_path):
+def test_eleven_controls_and_captions_with_control_characters_are_refused(tmp_path):
     folder = tmp_path / "pairs"
-    pairs = [NewPair(tuple(_pil(seed=k) for k in range(4)), _pil(), "x"),
+    pairs = [NewPair(tuple(_pil(seed=k) for k in range(11)), _pil(), "x"),
              NewPair((_pil(),), _pil(), "make it\x00 blue"), NewPair((_pil(),), _pil(), "make it \x1b[31mred")]
     with pytest.raises(ValueError) as err:
         add_pairs(folder, pairs)
     message = str(err.value)
-    assert "pair 1: a pair takes at most 3 control (before) images (Edit Plus), got 4" in message
+    assert "pair 1: a pair takes at most 10 control (before) images (Qwen-Image-2.1), got 11" in message
     assert "pair 2: caption holds the control character U+0000 at character 7" in message
     assert "pair 3: caption holds the control character U+001B" in message
     assert not folder.exists()
+    # ten references (Qwen-Image-2.1's most) are written in order and read back as one pair
+    written, report = add_pairs(tmp_path / "ten", [NewPair(tuple(_pil(seed=k) for k in range(10)), _pil(), "x")])
+    assert [len(e.controls) for e in report.examples] == [10]
+    assert [p.name for p in report.examples[0].controls] == [f"pair_00001_control_{i}.png" for i in range(1, 11)]
     # a caption with a line break is text for the writer as for the dataset reader: written and read back
     written, report = add_pairs(folder, [NewPair((_pil(),), _pil(), "make the sky\nblue")])
     assert report.examples[0].caption == "make the sky\nblue"

@@ -70,11 +70,12 @@ def test_21_detection_lora_targets_and_blocks(tiny_21_dir, caplog):
             assert any(n.endswith(suffix) for n in names), (preset, suffix)
 
 
-def test_training_a_21_model_is_refused_with_what_works(tiny_21_dir):
+def test_a_21_model_encodes_for_training_under_its_family(tiny_21_dir):
     from qwen_edit_core import load_config
+    from qwen_edit_core.model.families import QWEN_IMAGE_21
     from qwen_edit_core.train.run import encode_settings
-    with pytest.raises(ValueError, match="not available yet.*Edit-2509/2511"):
-        encode_settings(load_config(), "image-2.1")
+    settings = encode_settings(load_config(), "image-2.1")
+    assert settings.family is QWEN_IMAGE_21 and settings.prefix_len == 0
 
 
 def test_comfyui_21_and_convrot_files_are_refused_with_what_to_use(tiny_21_dir, tmp_path):

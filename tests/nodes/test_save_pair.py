@@ -95,3 +95,20 @@ def test_save_pair_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="caption is empty"):
         node.save(_images(), _images(), " ", str(folder), "pair")
     assert not folder.exists()
+
+
+def test_ten_ordered_references_for_qwen_image_21(tmp_path):
+    """before, before_2 .. before_10 (appended after before_3, ids unchanged) write one pair of 10 controls in order."""
+    node = nodes.QwenEditSavePair()
+    optional = list(node.INPUT_TYPES()["optional"])
+    assert optional == ["mask", "before_2", "before_3"] + [f"before_{i}" for i in range(4, 11)]
+    assert all(spec[1]["tooltip"] for spec in node.INPUT_TYPES()["optional"].values())
+    more = {f"before_{i}": _images(seed=10 + i) for i in range(2, 11)}
+    node.save(_images(seed=1), _images(seed=2), "x", str(tmp_path / "ten"), "ref", **more)
+    (example,) = load_dataset(tmp_path / "ten").examples
+    assert len(example.controls) == 10
+    import numpy as np
+    from PIL import Image
+    for i, path in enumerate(example.controls[1:], start=2):
+        expected = (more[f"before_{i}"][0].numpy() * 255).round().astype(np.uint8)
+        assert np.array_equal(np.asarray(Image.open(path)), expected)
