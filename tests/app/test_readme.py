@@ -1,9 +1,10 @@
 """The command blocks of README.md and docs/*.md run as written, in reading order, so they cannot drift.
 
 The pages are read in the order a user meets them (README.md, then `DOC_ORDER`, then any other docs/ page by
-name). Blocks fenced `bash` run line by line from the repository root with `HOME` in the test's folder (so the
-README's `export WORK=$HOME/...` writes there): `export` sets the variable, `.venv/bin/qwen-edit ...` runs
-in-process through the CLI's `main` (variables expanded as the shell would). Blocks fenced `python` run
+name, then BENCHMARKS.md, the speed reference the README links). Blocks fenced `bash` run line by line from the
+repository root with `HOME` in the test's folder (so the README's `export WORK=$HOME/...` writes there):
+`export` sets the variable, `.venv/bin/qwen-edit ...` runs in-process through the CLI's `main` (variables
+expanded as the shell would). Blocks fenced `python` run
 in-process in one namespace per block. Left out, each for a stated reason:
 
 - `make ...` lines: `make demo` is what the pages assume was run first (tests/app/test_demo.py runs the same
@@ -32,7 +33,7 @@ SKIPPED = {"demo", "bench"}
 RUN = {"bash", "python"}
 NOT_RUN = {"console", "py"}
 #: how a command line starts (a fence without a language must hold none: diagrams and file trees only)
-COMMAND_STARTS = (".venv/", "qwen-edit ", "python ", "make ", "accelerate ", "torchrun ", "from qwen_edit_core",
+COMMAND_STARTS = (".venv/", "qwen-edit ", "python ", "make ", "accelerate ", "torchrun ", "bash ", "from qwen_edit_core",
                   "import qwen_edit_core")
 #: the docs/ pages in reading order (each may use what an earlier one made); others follow by name
 DOC_ORDER = ("TRAINING.md", "SAMPLING.md", "COMFYUI.md", "MEMORY.md", "GUARANTEES.md", "TOY_MODEL.md")
@@ -40,11 +41,11 @@ FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", flags=re.S | re.M)
 
 
 def pages() -> list[Path]:
-    """README.md, then the docs/ pages in reading order."""
+    """README.md, then the docs/ pages in reading order, then BENCHMARKS.md."""
     docs = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (p.name not in DOC_ORDER,
                                                                DOC_ORDER.index(p.name) if p.name in DOC_ORDER else 0,
                                                                p.name))
-    return [ROOT / "README.md", *docs]
+    return [ROOT / "README.md", *docs, ROOT / "BENCHMARKS.md"]
 
 
 def blocks(page: Path) -> list[tuple[str, str, str]]:
