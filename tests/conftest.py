@@ -104,3 +104,6 @@ def fp32_atol(scale: float, roundings: int) -> float:
 #: roundings along a short sampler run on the tiny model (3 steps x 2 blocks x ~10 matmuls, norms and
 #: attention reductions, plus the VAE decoder's ~20 layers), rounded up to a power of two
 TINY_SAMPLER_ROUNDINGS = 128
+#: roundings along one forward of the tiny transformer (2 blocks x ~10 matmuls, norms and attention
+#: reductions, plus the input and output projections), rounded up to a power of two
+TINY_FORWARD_ROUNDINGS = 32
