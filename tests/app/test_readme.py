@@ -27,6 +27,8 @@ import pytest
 
 from qwen_edit_core import cli
 
+from conftest import KEEPS_THE_SHAPES
+
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ".venv/bin/qwen-edit"
 SKIPPED = {"demo", "bench"}
@@ -128,10 +130,11 @@ def _picture(path) -> np.ndarray:
 def test_doc_command_blocks_run_verbatim(tmp_path, monkeypatch):
     """Every `bash` and `python` block of the README and docs/ runs, in reading order; the README's pictures
     show what it says they show (the known edit and the learned inversion, each closer to its own target
-    than to the unedited picture)."""
+    than to the unedited picture, with the shapes kept)."""
     from PIL import Image
 
     from qwen_edit_core.data import synthetic
+    from qwen_edit_core.demo import edge_similarity
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -155,6 +158,8 @@ def test_doc_command_blocks_run_verbatim(tmp_path, monkeypatch):
         target = np.asarray(edits[edit](control), dtype=np.float64) / 255.0
         picture = _picture(work / out)
         assert _psnr(picture, target) > _psnr(picture, np.asarray(control) / 255.0), f"{out} does not show {edit!r}"
+        # and keeps the shapes (the demo's measure and threshold: tests/app/test_demo.py)
+        assert edge_similarity(picture, target) >= KEEPS_THE_SHAPES, f"{out}: the shapes are lost"
 
 
 @pytest.mark.parametrize("command, shown", [("demo", "(default: 300)"),
