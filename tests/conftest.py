@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: The demo's after pictures keep the shapes of their controls: their edge similarity to the inverted targets
 #: (`demo.edge_similarity`) reaches this. Measured on the demo's four held-out pairs: before the LoRA (the toy
-#: model copying the control for the unknown prompt) 0.58-0.64; after the demo's LoRA 0.52-0.62; after a
+#: model copying the control for the unknown prompt) 0.58-0.64; after the demo's LoRA 0.51-0.60; after a
 #: rank-16 LoRA whose pictures showed the colours inverted but the shapes dissolved into blocks 0.22-0.32.
 KEEPS_THE_SHAPES = 0.45
 

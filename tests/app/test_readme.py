@@ -162,7 +162,7 @@ def test_doc_command_blocks_run_verbatim(tmp_path, monkeypatch):
         assert edge_similarity(picture, target) >= KEEPS_THE_SHAPES, f"{out}: the shapes are lost"
 
 
-@pytest.mark.parametrize("command, shown", [("demo", "(default: 300)"),
+@pytest.mark.parametrize("command, shown", [("demo", "(default: 250)"),
                                             ("pairs", "(default: 128)"), ("tiny", "(default: edit)")])
 def test_help_shows_defaults(capsys, command, shown):
     with pytest.raises(SystemExit):
