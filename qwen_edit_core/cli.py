@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
-    p.add_argument("--steps", type=int, default=300, help="LoRA training steps")
+    p.add_argument("--steps", type=int, default=250, help="LoRA training steps")
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")

@@ -1,9 +1,10 @@
 """The command blocks of README.md and docs/*.md run as written, in reading order, so they cannot drift.
 
 The pages are read in the order a user meets them (README.md, then `DOC_ORDER`, then any other docs/ page by
-name). Blocks fenced `bash` run line by line from the repository root with `HOME` in the test's folder (so the
-README's `export WORK=$HOME/...` writes there): `export` sets the variable, `.venv/bin/qwen-edit ...` runs
-in-process through the CLI's `main` (variables expanded as the shell would). Blocks fenced `python` run
+name, then BENCHMARKS.md, the speed reference the README links). Blocks fenced `bash` run line by line from the
+repository root with `HOME` in the test's folder (so the README's `export WORK=$HOME/...` writes there):
+`export` sets the variable, `.venv/bin/qwen-edit ...` runs in-process through the CLI's `main` (variables
+expanded as the shell would). Blocks fenced `python` run
 in-process in one namespace per block. Left out, each for a stated reason:
 
 - `make ...` lines: `make demo` is what the pages assume was run first (tests/app/test_demo.py runs the same
@@ -26,13 +27,15 @@ import pytest
 
 from qwen_edit_core import cli
 
+from conftest import KEEPS_THE_SHAPES
+
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ".venv/bin/qwen-edit"
 SKIPPED = {"demo", "bench"}
 RUN = {"bash", "python"}
 NOT_RUN = {"console", "py"}
 #: how a command line starts (a fence without a language must hold none: diagrams and file trees only)
-COMMAND_STARTS = (".venv/", "qwen-edit ", "python ", "make ", "accelerate ", "torchrun ", "from qwen_edit_core",
+COMMAND_STARTS = (".venv/", "qwen-edit ", "python ", "make ", "accelerate ", "torchrun ", "bash ", "from qwen_edit_core",
                   "import qwen_edit_core")
 #: the docs/ pages in reading order (each may use what an earlier one made); others follow by name
 DOC_ORDER = ("TRAINING.md", "SAMPLING.md", "COMFYUI.md", "MEMORY.md", "GUARANTEES.md", "TOY_MODEL.md")
@@ -40,11 +43,11 @@ FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", flags=re.S | re.M)
 
 
 def pages() -> list[Path]:
-    """README.md, then the docs/ pages in reading order."""
+    """README.md, then the docs/ pages in reading order, then BENCHMARKS.md."""
     docs = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (p.name not in DOC_ORDER,
                                                                DOC_ORDER.index(p.name) if p.name in DOC_ORDER else 0,
                                                                p.name))
-    return [ROOT / "README.md", *docs]
+    return [ROOT / "README.md", *docs, ROOT / "BENCHMARKS.md"]
 
 
 def blocks(page: Path) -> list[tuple[str, str, str]]:
@@ -127,10 +130,11 @@ def _picture(path) -> np.ndarray:
 def test_doc_command_blocks_run_verbatim(tmp_path, monkeypatch):
     """Every `bash` and `python` block of the README and docs/ runs, in reading order; the README's pictures
     show what it says they show (the known edit and the learned inversion, each closer to its own target
-    than to the unedited picture)."""
+    than to the unedited picture, with the shapes kept)."""
     from PIL import Image
 
     from qwen_edit_core.data import synthetic
+    from qwen_edit_core.demo import edge_similarity
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -154,9 +158,11 @@ def test_doc_command_blocks_run_verbatim(tmp_path, monkeypatch):
         target = np.asarray(edits[edit](control), dtype=np.float64) / 255.0
         picture = _picture(work / out)
         assert _psnr(picture, target) > _psnr(picture, np.asarray(control) / 255.0), f"{out} does not show {edit!r}"
+        # and keeps the shapes (the demo's measure and threshold: tests/app/test_demo.py)
+        assert edge_similarity(picture, target) >= KEEPS_THE_SHAPES, f"{out}: the shapes are lost"
 
 
-@pytest.mark.parametrize("command, shown", [("demo", "(default: 300)"),
+@pytest.mark.parametrize("command, shown", [("demo", "(default: 250)"),
                                             ("pairs", "(default: 128)"), ("tiny", "(default: edit)")])
 def test_help_shows_defaults(capsys, command, shown):
     with pytest.raises(SystemExit):

@@ -55,3 +55,12 @@ def test_readme_install_section_names_the_three_ways():
                    "pip install -r requirements.txt", "git clone"):
         assert needle in section, f"README install section lacks {needle!r}"
     assert "pip install diffusers peft accelerate" not in readme
+
+
+def test_ci_runs_the_fast_suite_then_the_slow_tests():
+    """`make test` leaves the slow tests out to stay a fast inner loop; CI must run them (`make test-slow`)."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-2:] == ["make test", "make test-slow"], commands
+    makefile = (ROOT / "Makefile").read_text()
+    assert '-m "not slow"' in makefile and "-m slow" in makefile
