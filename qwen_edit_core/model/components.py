@@ -292,6 +292,20 @@ class Components:
                                "(QwenImageEditTrainer.load_model or the loader nodes)")
 
 
+def check_file_family(transformer_file: str | Path | None, family: Family, variant: str) -> None:
+    """Refuse a transformer file of the other model family than the directory's (its header says which: the
+    scheduler, processor and encoders come from the directory), naming both."""
+    if not transformer_file or not Path(transformer_file).is_file():
+        return
+    from qwen_edit_core.model import file_stream, single_file21
+    file_21 = single_file21.is_21(file_stream.read_header(Path(transformer_file)))
+    if file_21 != (family.name == single_file21.FAMILY):
+        kind = "Qwen-Image-2.1" if file_21 else "Qwen-Image-Edit (2025)"
+        raise ModelNotFoundError(f"transformer file {str(transformer_file)!r} is a {kind} transformer, but the model "
+                                 f"directory is {family.title} ({variant}); give a model directory of the file's "
+                                 "family (its scheduler, processor and encoders are read from the directory)")
+
+
 def load_components(name_or_path: str | Path, plan, *, which=("transformer", "vae", "text_encoder"),
                     quantize_transformer: str = "none", quantize_text_encoder: str = "none",
                     transformer_file: str | Path | None = None, vae_file: str | Path | None = None,
@@ -319,6 +333,7 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                        text_encoder_file=Path(text_encoder_file) if text_encoder_file else None,
                        comfyui_dir=Path(comfyui_dir) if comfyui_dir else None)
     family = variants.get(comps.variant).family
+    check_file_family(transformer_file, family, comps.variant)
     log.info("%s: licence %s", family.title, family.licence)
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
