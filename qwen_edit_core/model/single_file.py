@@ -301,9 +301,13 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
     """AutoencoderKLQwenImage from one file. `config` defaults to the real Qwen-Image VAE's (diffusers' class
-    defaults, latents_mean/std included) with base_dim and z_dim read from the weights."""
+    defaults, latents_mean/std included) with base_dim and z_dim read from the weights. A Qwen-Image-2.1 VAE file
+    loads as AutoencoderKLQwenImage21 (`vae_file21`; `config` gives only its latent statistics)."""
     from diffusers import AutoencoderKLQwenImage
 
+    from qwen_edit_core.model import vae_file21
+    if Path(path).is_file() and vae_file21.is_21(checked_header(path, "VAE")):  # ComfyUI's 2.1 VAE (its layout)
+        return vae_file21.load_vae_file(path, device=device, dtype=dtype, statistics=config)
     with torch.inference_mode(False):
         tensors = read_vae_state_dict(path)
         if config is None:

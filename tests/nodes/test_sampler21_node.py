@@ -59,6 +59,35 @@ def test_loader_detects_21_from_the_directory_and_from_comfyuis_file(model21, en
                                              transformer_file="qwen_image_2.1_fp32.safetensors")
 
 
+def test_component_loaders_detect_21_and_take_comfyuis_vae_file(model21, env, monkeypatch):
+    from qwen_edit_core.model import vae_file21
+    vae = model21.components.vae
+    folder = env / "vae"
+    folder.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in vae_file21.to_comfy(vae.state_dict(), vae.config).items()},
+              folder / "qwen_image_2.1_vae.safetensors")
+    monkeypatch.setattr(nodes.model_nodes.comfy_runtime, "folder_file_path", lambda kind, name: folder / name)
+    with torch.inference_mode():
+        transformer = nodes.QwenEditTransformerLoader().load(TINY_21_MODEL, "cpu", "float32", "none")[0]
+        (from_file,) = nodes.QwenEditVAELoader().load(TINY_21_MODEL, "cpu", "float32",
+                                                      vae_file="qwen_image_2.1_vae.safetensors")
+        (te,) = nodes.QwenEditTextEncoderLoader().load(TINY_21_MODEL, "cpu", "float32", "none")
+        (scheduler,) = nodes.QwenEditSchedulerLoader().load(TINY_21_MODEL)
+        (assembled,) = nodes.QwenEditAssembleModel().assemble(transformer, from_file, te, scheduler)
+        with pytest.raises(Exception, match="Qwen-Image-2.1 vae, but the model directory is Qwen-Image"):
+            nodes.QwenEditVAELoader().load(TINY_MODEL, "cpu", "float32", vae_file="qwen_image_2.1_vae.safetensors")
+    comps = assembled.components
+    assert [type(m).__name__ for m in (comps.transformer, comps.vae, comps.text_encoder.model)] == [
+        type(m).__name__ for m in (model21.components.transformer, vae, model21.components.text_encoder.model)]
+    assert type(comps.vae).__name__ == "AutoencoderKLQwenImage21" and comps.variant == "image-2.1"
+    assert all(torch.equal(comps.vae.state_dict()[k], v) for k, v in vae.state_dict().items())
+    image = _batch(1, SIDE, SIDE, 3)
+    with torch.inference_mode():
+        got = nodes.QwenEditSampler().sample(assembled, image, *ARGS)
+        expected = nodes.QwenEditSampler().sample(model21, image, *ARGS)
+    assert (got[0] - expected[0]).abs().max() <= 1e-5 and (got[2] - expected[2]).abs().max() <= 1e-5  # RGB, alpha
+
+
 def test_sampler_takes_ordered_references_and_returns_image_and_mask(model21):
     batch = _batch(2, 64, 96, 1)  # two references of one size: the image input's batch
     other = _batch(1, 96, 48, 2)  # a third of another size, with transparency, through Reference Images
