@@ -62,6 +62,9 @@ def test_prefixed_bf16_file_is_exact_and_defaults_to_the_released_statistics(tin
     reference = load_vae(tiny_21_dir, device=CPU, dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.items())
     assert loaded.config.latents_mean[:2] == [0.5126, 0.7721] and len(loaded.config.latents_std) == 64
+    own = next((tiny_21_dir / "vae").glob("*.safetensors"))  # diffusers' own names are read too
+    same = load_vae(tiny_21_dir, device=CPU, dtype=torch.bfloat16, vae_file=own).state_dict()
+    assert all(torch.equal(same[k], v) for k, v in reference.items())
 
 
 def test_sampling_with_the_vae_file_matches_the_directory(tiny_21_dir, tmp_path):
