@@ -10,6 +10,7 @@ from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditMod
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
                            QwenEditSampler, QwenEditSpeed)
 from .pair_nodes import QwenEditSavePair
+from .sample21 import QwenEditReferenceImages
 from .train_compact import QwenEditTrainLoRA, QwenEditTrainOptions
 from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
                           QwenEditTrainStatus)
@@ -20,7 +21,8 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditEncodePrompt, QwenEditEncodeImage, QwenEditDecodeLatent, QwenEditSampler, QwenEditSampleConditioning,
     QwenEditSpeed,
     QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus,
-    QwenEditStopTraining, QwenEditJobs, QwenEditSavePair, QwenEditTrainLoRA, QwenEditTrainOptions)}
+    QwenEditStopTraining, QwenEditJobs, QwenEditSavePair, QwenEditTrainLoRA, QwenEditTrainOptions,
+    QwenEditReferenceImages)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
@@ -46,6 +48,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditStopTraining": "Qwen Edit: Stop Training",
     "QwenEditJobs": "Qwen Edit: Training Jobs",
     "QwenEditSavePair": "Qwen Edit: Save Pair To Dataset (before/after + mask)",
+    "QwenEditReferenceImages": "Qwen Edit: Reference Images (Qwen-Image-2.1, in order)",
 }
 
 comfy_runtime.register_folders()

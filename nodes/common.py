@@ -15,6 +15,7 @@ from . import comfy_runtime
 CATEGORY = "Qwen Edit"
 TOY_MODEL = "qwen-edit-toy (built-in, pretrained: edits 128 px pictures)"
 TINY_MODEL = "qwen-edit-tiny (built-in, random weights)"
+TINY_21_MODEL = "qwen-image-2.1-tiny (built-in, random weights)"
 DTYPES = ["float32", "bfloat16", "float16"]
 
 MODEL = "QWEN_EDIT_MODEL"
@@ -24,6 +25,7 @@ TEXT_ENCODER = "QWEN_EDIT_TEXT_ENCODER"
 SCHEDULER = "QWEN_EDIT_SCHEDULER"
 CONDITIONING = "QWEN_EDIT_CONDITIONING"
 LATENT = "QWEN_EDIT_LATENT"
+REFERENCES = "QWEN_EDIT_REFERENCES"
 DATASET = "QWEN_EDIT_DATASET"
 JOB = "QWEN_EDIT_JOB"
 
@@ -69,7 +71,7 @@ def device_choices() -> list[str]:
 
 
 def model_choices() -> list[str]:
-    return [TOY_MODEL, TINY_MODEL] + comfy_runtime.model_dirs()
+    return [TOY_MODEL, TINY_MODEL, TINY_21_MODEL] + comfy_runtime.model_dirs()
 
 
 def resolve_model(name: str, path: str = "") -> Path:
@@ -80,11 +82,12 @@ def resolve_model(name: str, path: str = "") -> Path:
     if name == TOY_MODEL:
         from qwen_edit_core.model.toy import ensure_toy
         return ensure_toy(comfy_runtime.default_model_root() / "qwen-edit-toy")
-    if name == TINY_MODEL:
+    if name in (TINY_MODEL, TINY_21_MODEL):
         from qwen_edit_core.model.tiny import build_tiny
-        target = comfy_runtime.default_model_root() / "qwen-edit-tiny"
+        folder, variant = ("qwen-edit-tiny", "edit") if name == TINY_MODEL else ("qwen-image-2.1-tiny", "image-2.1")
+        target = comfy_runtime.default_model_root() / folder
         if not (target / "model_index.json").is_file():
-            build_tiny(target)
+            build_tiny(target, variant=variant)
         return target
     found = comfy_runtime.model_dir_path(name)
     if found is None:

@@ -127,7 +127,9 @@ class QwenEditTransformerLoader(TracksLoads):
         directory = comp.resolve_model_dir(resolve_model(model, path))
         file = _transformer_file(transformer_file)
         if file is not None:
+            from qwen_edit_core.model.family_files import check_file_family
             from qwen_edit_core.model.single_file import load_transformer_file
+            check_file_family({"transformer": file}, comp.family_of(directory), comp.detect_variant(directory))
             module = load_transformer_file(file, device=_resolve(device, "transformer"), dtype=resolve_dtype(dtype))
         else:
             module = comp.load_transformer(directory, device=_resolve(device, "transformer"),
@@ -139,7 +141,7 @@ class QwenEditVAELoader(TracksLoads):
     CATEGORY = f"{CATEGORY}/loaders"
     SEARCH_ALIASES = ["load vae", "qwen image vae"]
     DESCRIPTION = ("Loads only the Qwen-Image VAE on one device (from the model folder or a file of "
-                   "ComfyUI's vae folder).")
+                   "ComfyUI's vae folder, read as the model folder's family: Qwen-Image or Qwen-Image-2.1).")
     RETURN_TYPES = (VAE,)
     RETURN_NAMES = ("vae",)
 
@@ -148,12 +150,10 @@ class QwenEditVAELoader(TracksLoads):
         return hidden_id(_model_inputs({"device": _device("VAE"), "dtype": DTYPE}, vae_file=True))
 
     def load(self, model, device, dtype, path="", vae_file=None):
-        file = _vae_file(vae_file)
-        if file is not None:
-            from qwen_edit_core.model.single_file import load_vae_file
-            return ((load_vae_file(file, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype)), file),)
+        file = _vae_file(vae_file)  # the model's family (from its directory) decides how the file is read
         directory = comp.resolve_model_dir(resolve_model(model, path))
-        return ((comp.load_vae(directory, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype)), None),)
+        return ((comp.load_vae(directory, device=_resolve(device, "vae"), dtype=resolve_dtype(dtype), vae_file=file),
+                 file),)
 
 
 class QwenEditTextEncoderLoader(TracksLoads):

@@ -15,8 +15,10 @@ from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
-from . import comfy_runtime, loaded_models
-from .common import CATEGORY, CONDITIONING, LATENT, MODEL, TIPS, device_choices, image_to_pils
+from qwen_edit_core.model import variants
+
+from . import comfy_runtime, loaded_models, sample21
+from .common import CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
 # Widget specs several nodes share (same names, defaults and ranges everywhere).
@@ -57,6 +59,14 @@ SCHEDULE = (list(schedules.SCHEDULES), {
     "tooltip": "diffusers: the pipelines' schedule and true CFG; comfyui: what stock ComfyUI renders (its model "
                "sampling, simple scheduler, Euler, plain CFG and noise), to preview a LoRA as ComfyUI users see "
                "it; lightning: few-step Lightning LoRAs (fixed shift 3; run 4 or 8 steps at CFG 1)"})
+SIGMAS = ("STRING", {
+    "default": "",
+    "tooltip": "an explicit sigma list instead of the schedule's: comma-separated, decreasing, in (0, 1], e.g. "
+               "'1.0, 0.75, 0.5, 0.25' (its length is the step count), or a preset: "
+               + ", ".join(f"{name} ({about})" for name, (_, _, about) in schedules.SIGMA_PRESETS.items())
+               + ". Few-step adapters need their own list; empty: the schedule's"})
+REFERENCES_IN = (REFERENCES, {"tooltip": "Qwen-Image-2.1: more reference images, in order, after the image input's "
+                                         "batch (Reference Images nodes; up to 10 in all, any sizes)"})
 SHIFT_VALUE = ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.01, "round": 0.01,
                          "tooltip": "0: the schedule's own shift; > 0: a fixed shift, e.g. 3 (comfyui: the shift "
                                     "of ComfyUI's ModelSamplingAuraFlow node)"})
@@ -73,9 +83,11 @@ def _controls(image, image2=None, image3=None) -> list:
 
 def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative="", cfg_mode="batched",
               vae_area=1024, vl_area=384, schedule="diffusers", shift=0.0,
-              control_size="pipeline") -> sampler.SampleSettings:
+              control_size="pipeline", sigmas="") -> sampler.SampleSettings:
     negative = negative if negative.strip() else EMPTY_PROMPT  # a blank box is the reference's negative prompt
-    return sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=cfg, negative_prompt=negative, seed=seed,
+    grid, _ = schedules.resolve_sigmas(sigmas)
+    return sampler.SampleSettings(num_inference_steps=len(grid) if grid else steps, sigmas=grid, true_cfg_scale=cfg,
+                                  negative_prompt=negative, seed=seed,
                                   width=width or None, height=height or None, cfg_mode=cfg_mode,
                                   shift_mode="fixed" if shift_mode.startswith("fixed") else "dynamic",
                                   vae_area=vae_area * vae_area, vl_area=vl_area * vl_area, schedule=schedule,
@@ -160,17 +172,21 @@ STOCK_LATENT = "stock LATENT (raw Qwen-Image VAE latents): decodes with ComfyUI'
 
 
 class QwenEditSampler:
-    """Edit an image (1 to 3 for Edit Plus) with true CFG. One CFG device: cond and uncond batched; two devices:
-    both branches at once, the uncond one on a replica on `uncond_device`."""
+    """Edit an image (1 to 3 for Edit Plus; Qwen-Image-2.1: up to 10 ordered references, the image batch then the
+    references input) with true CFG. One CFG device: cond and uncond batched; two devices: both branches at once,
+    the uncond one on a replica on `uncond_device`."""
 
     CATEGORY = f"{CATEGORY}/sampling"
     SEARCH_ALIASES = ["ksampler", "sample", "image edit", "true cfg", "generate"]
     DESCRIPTION = ("Edits the control image following the prompt, with true CFG (cond and uncond branches). "
                    "Put the uncond branch on a second GPU with uncond_device, or run the transformer on every "
-                   "GPU at once with parallel.")
-    RETURN_TYPES = ("IMAGE", "LATENT")  # the LATENT came later: outputs are added last
-    RETURN_NAMES = ("image", "latent")
-    OUTPUT_TOOLTIPS = ("the edited image", STOCK_LATENT)
+                   "GPU at once with parallel. Qwen-Image-2.1: every picture of the image batch, then the "
+                   "references input, is a reference (up to 10, in order); use CFG 1 (the model is "
+                   "CFG-distilled); the mask output is the picture's transparency.")
+    RETURN_TYPES = ("IMAGE", "LATENT", "MASK")  # outputs are added last
+    RETURN_NAMES = ("image", "latent", "mask")
+    OUTPUT_TOOLTIPS = ("the edited image", STOCK_LATENT,
+                       "1 - alpha of the picture (Qwen-Image-2.1 decodes RGBA); zeros for opaque models")
     FUNCTION = "sample"
 
     @classmethod
@@ -183,18 +199,38 @@ class QwenEditSampler:
                          "control_size": (["pipeline", "target"], {
             "tooltip": "target: controls resized to the output size, which is the first control's own size when "
                        "a multiple of 16 (no rescale); for LoRAs trained with control_size target (pixel-aligned "
-                       "pairs). pipeline: as diffusers"}), "parallel": PARALLEL},
+                       "pairs). pipeline: as diffusers"}), "parallel": PARALLEL,
+                         "sigmas": SIGMAS, "references": REFERENCES_IN},
             "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, image, prompt, negative_prompt, steps, true_cfg_scale, seed, width, height, shift_mode,
                uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
-               control_size="pipeline", parallel=False):
+               control_size="pipeline", parallel=False, sigmas="", references=None):
         loaded_models.use(model)
+        in_text = variants.get(model.components.variant).family.references == "in-text"
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size)
+                                 vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size,
+                                 sigmas=sigmas)
+            if in_text:
+                _check_21(uncond_device, parallel)
+                pictures = [p for img in (image, image2, image3) if img is not None
+                            for p in sample21.rgba_pictures(img)]
+                return sample21.run(model, prompt, pictures + list(references or ()), settings, unique_id,
+                                    preview_due)
+            if references:
+                raise ValueError("references are Qwen-Image-2.1's; this model takes its control images through "
+                                 "image, image2 and image3")
             cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
-            return _run(model, cond, settings, uncond_device, unique_id, parallel)
+            picture, latent = _run(model, cond, settings, uncond_device, unique_id, parallel)
+            return (picture, latent, torch.zeros(picture.shape[:3]))
+
+
+def _check_21(uncond_device: str, parallel: bool) -> None:
+    """Refuse the multi-GPU settings the 2.1 loop does not have, naming what to set."""
+    if parallel or uncond_device != "same":
+        raise ValueError("Qwen-Image-2.1 samples on its model's device (its prefix cache and block-causal layout "
+                         "are not split across devices yet): set uncond_device to same and parallel off")
 
 
 class QwenEditEncodePrompt:
@@ -240,12 +276,13 @@ class QwenEditSampleConditioning:
                              "conditioning": (CONDITIONING, {"tooltip": "from Encode Prompt + Image"}),
                              "steps": STEPS, "true_cfg_scale": CFG, "seed": SEED, "shift_mode": SHIFT,
                              "uncond_device": UNCOND},
-                "optional": {"schedule": SCHEDULE, "shift": SHIFT_VALUE, "parallel": PARALLEL},
+                "optional": {"schedule": SCHEDULE, "shift": SHIFT_VALUE, "parallel": PARALLEL, "sigmas": SIGMAS},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None,
-               schedule="diffusers", shift=0.0, parallel=False):
-        settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift)
+               schedule="diffusers", shift=0.0, parallel=False, sigmas=""):
+        settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift,
+                             sigmas=sigmas)
         loaded_models.use(model)
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)

@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
-    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT, help="memory: simulated variant")
+    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
+                   help="memory: simulated variant; sample: image-2.1 runs only Qwen-Image-2.1's prefix-cache table")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
     p.add_argument("--controls", type=int, default=None, help="memory: control images (default 1 Edit, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")

@@ -19,7 +19,7 @@ OUT = HERE.parent / "example_workflows"
 sys.path.insert(0, str(HERE.parent))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
-from nodes.common import TOY_MODEL  # noqa: E402
+from nodes.common import TINY_21_MODEL, TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
 from workflows.layout import TITLE, frontend_sizes, note_size, place, view  # noqa: E402
 
@@ -264,6 +264,27 @@ WORKFLOWS = {
                                                               "folder": "qwen_edit_masked_pairs"},
              "links": {"before": (2, "example_control"), "after": (7, "IMAGE"), "mask": (5, "MASK")}}]),
         (RESULTS, [{"id": 9, "type": "PreviewImage", "links": {"images": (7, "IMAGE")}}])]),
+    "qwen_image21_sample_references": ("Qwen-Image-2.1: edit with ordered reference images", (
+        "Samples Qwen-Image-2.1 with two reference images in order: the demo picture (the Sampler's image "
+        "input; a batch adds each of its pictures) and its inverted copy (Reference Images: chain one per "
+        "picture size, up to 10 references in all). The Sampler returns the picture and its transparency as a "
+        "MASK (2.1 decodes RGBA). As shipped it runs the built-in tiny 2.1 model (random weights: its pictures "
+        "are noise) with the 6-step DMD sigma list at CFG 1.\n\nChange first: in Load Model pick your "
+        "Qwen-Image-2.1 folder of models/qwen_edit (or its diffusion_models file), devices cuda:0 and dtype "
+        "bfloat16; the pictures (Load Image nodes; connect a Load Image's MASK to Reference Images for "
+        "transparency) and the prompt; vae_side 1024; sigmas empty with steps 40 for the base model, or the "
+        "list your few-step adapter was made for. Qwen-Image-2.1 is under the Qwen Research License "
+        "(non-commercial research and evaluation)."), [
+        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TINY_21_MODEL}}]),
+        (DATA, [DEMO_DATA, {"id": 3, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
+                {"id": 4, "type": "QwenEditReferenceImages", "links": {"image": (3, "IMAGE")}}]),
+        (SAMPLING, [{"id": 5, "type": "QwenEditSampler",
+                     "widgets": {**SAMPLE, "prompt": "put the second picture's colours on the first",
+                                 "sigmas": "qwen21-dmd-6step", "vae_side": 64},
+                     "links": {"model": (1, "model"), "image": (2, "example_control"),
+                               "references": (4, "references")}}]),
+        (RESULTS, [{"id": 6, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_sample"},
+                    "links": {"images": (5, "image")}}])]),
     "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
         "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
         "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "

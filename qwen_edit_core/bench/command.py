@@ -10,6 +10,9 @@ def run_bench(args) -> None:
         report = run(rounds=args.rounds)
         if report.recovered < report.injected:
             raise SystemExit(1)
+    elif args.what == "sample" and args.variant == "image-2.1":  # only the 2.1 family's prefix-cache table
+        from qwen_edit_core.bench.sample21 import run
+        run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
     elif args.what == "sample":
         from qwen_edit_core.bench.sample import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)

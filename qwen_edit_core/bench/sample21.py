@@ -48,12 +48,13 @@ def components(real_size: bool, device: torch.device, dtype: torch.dtype):
     return comps
 
 
-def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
-    """Time the 2.1 sampler with and without the prefix cache; returns the printed table."""
+def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3, side: int | None = None) -> str:
+    """Time the 2.1 sampler with and without the prefix cache; returns the printed table. `side`: the output's
+    area is side^2 (default 1024 real size, 512 tiny)."""
     from qwen_edit_core.sample import sampler, sampler21
     dev = resolve_device(device, component="bench device")
     dtype = torch.bfloat16 if real_size else torch.float32
-    side = 1024 if real_size else 512
+    side = side or (1024 if real_size else 512)
     comps = components(real_size, dev, dtype)
     rng = np.random.default_rng(0)
     refs = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in REFERENCES]

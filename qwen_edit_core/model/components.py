@@ -110,11 +110,22 @@ def require_safetensors(folder: Path, component: str) -> None:
             "safetensors release of the model")
 
 
+def family_of(model_dir: Path) -> Family:
+    """The model family (families.py) of a diffusers directory, from model_index.json's pipeline class (the 2025
+    family without one, as a bare component folder)."""
+    index = Path(model_dir) / "model_index.json"
+    if not index.is_file():
+        return QWEN_IMAGE
+    pipeline = json.loads(index.read_text()).get("_class_name", "")
+    found = next((v.family for v in variants.VARIANTS.values() if v.pipeline_class == pipeline), None)
+    return found or variants.get(detect_variant(model_dir)).family  # unknown: raises naming the accepted classes
+
+
 def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
-                     family: Family = QWEN_IMAGE):
+                     family: Family | None = None):
     """The family's transformer (QwenImageTransformer2DModel, ...) from `model_dir/transformer`, frozen, on
-    `device` in `dtype`."""
-    QwenImageTransformer2DModel = family.class_of("transformer")
+    `device` in `dtype`; the family defaults to the directory's."""
+    QwenImageTransformer2DModel = (family or family_of(model_dir)).class_of("transformer")
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
@@ -124,8 +135,16 @@ def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtyp
         return _finish(model, device, qconfig is not None)
 
 
-def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, family: Family = QWEN_IMAGE):
-    """The family's VAE (AutoencoderKLQwenImage, ...) from `model_dir/vae`, frozen, on `device` in `dtype`."""
+def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, family: Family | None = None,
+             vae_file: str | Path | None = None):
+    """The family's VAE (AutoencoderKLQwenImage, ...) from `model_dir/vae`, or from `vae_file` (ComfyUI's layouts;
+    one of the other family than the directory's is refused), frozen, on `device` in `dtype`; the family
+    defaults to the directory's."""
+    family = family or family_of(model_dir)
+    if vae_file:
+        from qwen_edit_core.model import family_files
+        family_files.check_file_family({"vae": vae_file}, family, family.name)
+        return family_files.load_vae_file(vae_file, model_dir, family, device=device, dtype=dtype)
     AutoencoderKLQwenImage = family.class_of("vae")
     with torch.inference_mode(False):
         require_safetensors(Path(model_dir) / "vae", "vae")
@@ -192,9 +211,14 @@ def read_processor(source: Path, family: Family = QWEN_IMAGE):
 
 def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
                       text_encoder_file: str | Path | None = None,
-                      comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE) -> TextEncoder:
+                      comfyui_dir: str | Path | None = None, family: Family | None = None) -> TextEncoder:
     """Qwen2.5-VL from `model_dir/text_encoder` (or from one `text_encoder_file`, ComfyUI's text_encoders layout)
-    and its processor (`load_processor`: `model_dir/processor`, else ComfyUI's bundled tokenizer)."""
+    and its processor (`load_processor`: `model_dir/processor`, else ComfyUI's bundled tokenizer); the family
+    defaults to the directory's (Qwen-Image 2025 without one). Qwen-Image-2.1 takes no text encoder file."""
+    family = family or (family_of(model_dir) if model_dir is not None else QWEN_IMAGE)
+    if text_encoder_file:
+        from qwen_edit_core.model.family_files import check_text_encoder_file
+        check_text_encoder_file(text_encoder_file, family)
     Qwen2_5_VLForConditionalGeneration = family.class_of("text_encoder")
     if text_encoder_file and quantize != "none":
         raise ValueError(f"text_encoder: quantize={quantize!r} is not available for a single text encoder file "
@@ -319,16 +343,16 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                        text_encoder_file=Path(text_encoder_file) if text_encoder_file else None,
                        comfyui_dir=Path(comfyui_dir) if comfyui_dir else None)
     family = variants.get(comps.variant).family
+    from qwen_edit_core.model.family_files import check_file_family
+    check_file_family({"transformer": transformer_file, "vae": vae_file, "text_encoder": text_encoder_file}, family,
+                      comps.variant)  # headers only
     log.info("%s: licence %s", family.title, family.licence)
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,
                                                comfyui_dir=comfyui_dir, family=family)
-    if "vae" in which and vae_file:
-        from qwen_edit_core.model.single_file import load_vae_file
-        comps.vae = load_vae_file(vae_file, device=plan.vae, dtype=plan.dtype)
-    elif "vae" in which:
-        comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype, family=family)
+    if "vae" in which:
+        comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype, family=family, vae_file=vae_file)
     if "transformer" in which and transformer_plan is not None and quantize_transformer == "none" \
             and family is QWEN_IMAGE:  # the planned loader builds QwenImageTransformer2DModel
         from qwen_edit_core.model.planned_load import load_transformer_planned

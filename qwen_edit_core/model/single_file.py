@@ -143,10 +143,10 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
     """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
-    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (model/families.py)
-        raise SingleFileError(f"{source}: a Qwen-Image-2.1 transformer (ComfyUI's qwen_image_2.1_*.safetensors); 2.1 "
-                              "single files are not read yet: give the 2.1 diffusers directory (--model, "
-                              "model.pretrained_model_name_or_path) without a transformer file")
+    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (model/single_file21.py)
+        raise SingleFileError(f"{source}: a Qwen-Image-2.1 transformer (ComfyUI's qwen_image_2.1_*.safetensors), not "
+                              "a Qwen-Image-Edit one: give it with a Qwen-Image-2.1 model directory (its variant is "
+                              "image-2.1), which loads it as 2.1")
     needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
     missing = [k for k in needed if k not in tensors]
     if missing:
@@ -159,7 +159,7 @@ def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "
     shapes = {"in_channels": in_channels, "attention_head_dim": head_dim, "num_attention_heads": width // head_dim,
               "joint_attention_dim": tensors["txt_in.weight"].shape[1],
               "out_channels": tensors["proj_out.weight"].shape[0] // 4}
-    known = json.loads(ARCHITECTURES.read_text())
+    known = {n: c for n, c in json.loads(ARCHITECTURES.read_text()).items() if "_family" not in c}  # 2025 family
     for name, config in known.items():
         if all(config[k] == v for k, v in shapes.items()):
             config = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -244,9 +244,12 @@ def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8
 
     from qwen_edit_core import speed
 
+    from qwen_edit_core.model import single_file21
     # ComfyUI calls loaders under inference mode: tensors read there could never be trained (LoRA) on.
     with torch.inference_mode(False):
         raw, names, flags = _read_header(path)  # meta tensors: shapes and dtypes only
+        if single_file21.is_21(raw):
+            return single_file21.load_transformer_file(path, device=device, dtype=dtype)
         config = detect_config(raw, flags, source=str(path))
         keep = keeps_fp8(fp8, raw, device)
         with init_empty_weights():
@@ -298,9 +301,13 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
     """AutoencoderKLQwenImage from one file. `config` defaults to the real Qwen-Image VAE's (diffusers' class
-    defaults, latents_mean/std included) with base_dim and z_dim read from the weights."""
+    defaults, latents_mean/std included) with base_dim and z_dim read from the weights. A Qwen-Image-2.1 VAE file
+    loads as AutoencoderKLQwenImage21 (`vae_file21`; `config` gives only its latent statistics)."""
     from diffusers import AutoencoderKLQwenImage
 
+    from qwen_edit_core.model import vae_file21
+    if Path(path).is_file() and vae_file21.is_21(checked_header(path, "VAE")):  # ComfyUI's 2.1 VAE (its layout)
+        return vae_file21.load_vae_file(path, device=device, dtype=dtype, statistics=config)
     with torch.inference_mode(False):
         tensors = read_vae_state_dict(path)
         if config is None:

@@ -157,7 +157,7 @@ def _image(seed=0, h=64, w=96):
 
 def test_sampler_and_encode_nodes_in_inference_mode(model):
     with torch.inference_mode():
-        (image, _) = nodes.QwenEditSampler().sample(model, _image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic",
+        (image, _, _) = nodes.QwenEditSampler().sample(model, _image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic",
                                                   "same", 64)
         (cond,) = nodes.QwenEditEncodePrompt().encode(model, _image(), "make it blue", " ", 0, 0, 64)
         (again, _) = nodes.QwenEditSampleConditioning().sample(model, cond, 2, 3.0, 1, "dynamic", "same")
@@ -170,7 +170,7 @@ def test_sampler_and_encode_nodes_in_inference_mode(model):
 
 def test_split_cfg_node_equals_batched(model):
     with torch.inference_mode():
-        (batched, _) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
+        (batched, _, _) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
                                                     64)
         # Two CFG devices: here both are the CPU, so the uncond branch runs on a replica in its own thread.
         handle = ModelHandle(model.components)
@@ -194,8 +194,8 @@ def test_parallel_sampler_node_equals_in_process_and_keeps_its_workers(model, mo
     monkeypatch.setenv(workers.DEVICES_ENV, "cpu,cpu")
     try:
         with torch.inference_mode():
-            (plain, _) = nodes.QwenEditSampler().sample(model, *args)
-            (first, _) = nodes.QwenEditSampler().sample(model, *args, parallel=True)
+            (plain, _, _) = nodes.QwenEditSampler().sample(model, *args)
+            (first, _, _) = nodes.QwenEditSampler().sample(model, *args, parallel=True)
             pool = workers.shared_pool(model.components.transformer, ["cpu", "cpu"], tag=model.loras)
             pids = list(pool.pids)
             (cond,) = nodes.QwenEditEncodePrompt().encode(model, _image(), "make it blue", " ", 0, 0, 64)
@@ -298,9 +298,9 @@ def test_speed_node_applies_fp8_and_the_attention_kernel_to_a_fresh_model(env):
     with torch.inference_mode():
         (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
         args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
-        (plain, _) = nodes.QwenEditSampler().sample(handle, *args)
+        (plain, _, _) = nodes.QwenEditSampler().sample(handle, *args)
         (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
-        (image, _) = nodes.QwenEditSampler().sample(fast, *args)
+        (image, _, _) = nodes.QwenEditSampler().sample(fast, *args)
     assert fast.attention == "math" and perf.has_fp8(fast.components.transformer)
     assert float((image - plain).abs().mean()) < 0.002
     spec = nodes.QwenEditSpeed.INPUT_TYPES()["required"]
@@ -316,9 +316,9 @@ def test_speed_node_leaves_its_input_model_unchanged(env):
         (handle,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
         (fast,) = nodes.QwenEditSpeed().apply(handle, True, False, "math")
         nodes.QwenEditSampler().sample(fast, *args)
-        (after, _) = nodes.QwenEditSampler().sample(handle, *args)
+        (after, _, _) = nodes.QwenEditSampler().sample(handle, *args)
         (fresh,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
-        (reference, _) = nodes.QwenEditSampler().sample(fresh, *args)
+        (reference, _, _) = nodes.QwenEditSampler().sample(fresh, *args)
     assert torch.equal(after, reference)
     assert not perf.has_fp8(handle.components.transformer) and handle.attention == "auto"
     assert fast.components.transformer is not handle.components.transformer

@@ -69,7 +69,7 @@ def test_stock_latent_decodes_to_the_same_picture(model):
 def test_sampler_latent_output_is_its_image(model):
     args = (_image(), "make it blue", " ", 2, 3.0, 1, 0, 0, "dynamic", "same", 64)
     with torch.inference_mode():
-        image, stock = nodes.QwenEditSampler().sample(model, *args)
+        image, stock, _ = nodes.QwenEditSampler().sample(model, *args)
         (decoded,) = nodes.QwenEditDecodeLatent().decode(model, samples=stock)
     assert stock["samples"].shape == (1, 16, 1, 8, 8)
     assert torch.allclose(decoded, image, atol=1e-5)

@@ -119,7 +119,7 @@ def test_the_train_node_defaults_are_the_safe_ones():
 def _sampled(model) -> torch.Tensor:
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        (_, latent) = nodes.QwenEditSampler().sample(model, image, "invert the colors", " ", 2, 3.0, 1, 64, 64,
+        (_, latent, _) = nodes.QwenEditSampler().sample(model, image, "invert the colors", " ", 2, 3.0, 1, 64, 64,
                                                      "dynamic", "same", 64)
     return latent["samples"]
 

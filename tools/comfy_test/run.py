@@ -4,7 +4,7 @@ nobody waiting), the live view in headless Chromium on ComfyUI's own frontend (w
 LoRA/LoKr/LoHa/DoRA files through stock LoraLoaderModelOnly (lora_check.py).
 
     python tools/comfy_test/run.py --comfyui-dir ~/ComfyUI [--python ~/ComfyUI/venv/bin/python]
-                                   [--only workflows,lifecycle,browser] [--out comfy_test_out]
+                                   [--only workflows,lifecycle,browser] [--workflows NAME,...] [--out comfy_test_out]
 
 Runs on the CPU with the built-in tiny model; needs nothing but a ComfyUI checkout whose Python has the
 pack's requirements installed (and Debian's `chromium` for the browser check). Exits non-zero on a failure.
@@ -40,7 +40,10 @@ def check_workflows(args) -> list[str]:
     workflow, and the next one runs), then any failure is raised. Each keeps its picture as its template
     thumbnail (thumbnails.py; into example_workflows/ with --write-thumbnails)."""
     results, failures = [], []
-    for path in WORKFLOWS:
+    chosen = [p for p in WORKFLOWS if not args.workflows or p.stem in args.workflows.split(",")]
+    if not chosen:
+        raise ValueError(f"--workflows {args.workflows}: none of {[p.stem for p in WORKFLOWS]}")
+    for path in chosen:
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             started = time.monotonic()
             try:
@@ -63,7 +66,7 @@ def check_workflows(args) -> list[str]:
             results += [f"{path.name}: {line}" for line in edits]
             log.info("\n".join(results[-1 - len(edits):]))
     if failures:
-        raise RuntimeError(f"{len(failures)} of {len(WORKFLOWS)} workflows failed ({len(results)} ok: "
+        raise RuntimeError(f"{len(failures)} of {len(chosen)} workflows failed ({len(results)} ok: "
                            f"{[r.split(':')[0] for r in results]}):\n" + "\n".join(failures))
     return results
 
@@ -165,6 +168,9 @@ def main(argv=None) -> int:
                              "1920x1080 is readable), frontend (the live view inside a subgraph and with the Vue "
                              "node renderer; labelled text boxes); sizes re-measures workflows/frontend/node_sizes.json; "
                              "first_workflow saves the README's screenshot of the first workflow")
+    parser.add_argument("--workflows", default="",
+                        help="the workflows check runs only these example_workflows/ names (comma-separated stems, "
+                             "e.g. qwen_image21_sample_references; default: every shipped workflow)")
     parser.add_argument("--out", type=Path, default=Path("comfy_test_out"), help="logs and the screenshot")
     parser.add_argument("--write-thumbnails", action="store_true",
                         help="the workflows check copies each workflow's picture into example_workflows/<name>.jpg")

@@ -1,0 +1,127 @@
+"""Qwen-Image-2.1 as ComfyUI ships it: the transformer as one safetensors file (ComfyUI's diffusion_models
+folder, e.g. `qwen_image_2.1_bf16.safetensors`), read into diffusers' `QwenImage21Transformer2DModel`.
+
+The layout, from ComfyUI's and diffusers' own source (docs/MODEL.md gives the commits):
+- the module names are diffusers' (`comfy/ldm/qwen_image21/model.py` names its modules as diffusers'
+  `transformer_qwenimage21.py` does), optionally under the `model.diffusion_model.` prefix of a file
+  saved from a ComfyUI model;
+- except the MLP: ComfyUI builds the SwiGLU with `fused_mlp` and stores `img_mlp.gate_up.weight`, the gate and
+  up projections stacked on the output axis, gate rows first (`[gate_layer; proj]`: diffusers'
+  `convert_qwen_image21_transformer_checkpoint_to_diffusers` splits it the same way); a file with the split
+  `img_mlp.proj` / `gate_layer` is read as it is (ComfyUI's `model_detection.py` accepts both);
+- `txt_in.text_norm.weight` marks a 2.1 transformer (the 2025 models have `txt_norm`).
+The architecture is read from the shapes (blocks, heads, widths, MLP ratio) and matched by head size against the
+2.1 configs shipped in `model/architectures/transformer_architectures.json` (the rotary axes are not in the
+weights). Scaled fp8 layers are upcast at load; other quantized formats (ComfyUI's int8 "convrot", nvfp4) are
+refused naming the format (`single_file.check_quant_formats`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from qwen_edit_core.model import file_stream, single_file
+
+log = logging.getLogger(__name__)
+
+#: a key only the 2.1 transformer has
+MARKER = "txt_in.text_norm.weight"
+FUSED = "img_mlp.gate_up.weight"
+FAMILY = "qwen-image-2.1"
+
+
+def is_21(tensors) -> bool:
+    """Whether a transformer file's keys (prefixes stripped or not) are a Qwen-Image-2.1 transformer's."""
+    return any(k == MARKER or k.endswith("." + MARKER) for k in tensors)
+
+
+def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's fused `img_mlp.gate_up.weight` (gate rows first) -> diffusers' `gate_layer` and `proj`; other
+    tensors unchanged."""
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith(FUSED):
+            gate, up = value.chunk(2, dim=0)
+            out[key.replace("gate_up", "gate_layer")] = gate
+            out[key.replace("gate_up", "proj")] = up
+        else:
+            out[key] = value
+    return out
+
+
+def fuse(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' 2.1 state dict in ComfyUI's layout (`img_mlp.gate_up` = [gate_layer; proj]); the inverse of
+    `split_fused`, for writing a file ComfyUI reads."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("img_mlp.gate_layer.weight"):
+            out[key.replace("gate_layer", "gate_up")] = torch.cat(
+                [value, state[key.replace("gate_layer", "proj")]], dim=0)
+        elif not key.endswith("img_mlp.proj.weight"):
+            out[key] = value
+    return out
+
+
+def _architecture(head_dim: int, source: str) -> tuple[str, dict]:
+    """The shipped 2.1 config (name, config) with this head size."""
+    known = {n: c for n, c in json.loads(single_file.ARCHITECTURES.read_text()).items() if c.get("_family") == FAMILY}
+    for name, config in known.items():
+        if config["attention_head_dim"] == head_dim:
+            return name, {k: v for k, v in config.items() if not k.startswith("_")}
+    shipped = ", ".join(f"{n} ({c['attention_head_dim']})" for n, c in known.items())
+    raise single_file.SingleFileError(
+        f"{source}: a Qwen-Image-2.1 transformer with {head_dim}-wide attention heads, which no shipped 2.1 "
+        f"architecture has (known: {shipped}, in {single_file.ARCHITECTURES.name})")
+
+
+def detect_config(tensors: dict[str, torch.Tensor], source: str = "file") -> dict:
+    """The diffusers config of a 2.1 transformer state dict (diffusers names; the fused MLP may be kept)."""
+    needed = ("img_in.weight", "proj_out.weight", MARKER, "transformer_blocks.0.attn.norm_q.weight")
+    missing = [k for k in needed if k not in tensors]
+    mlp = tensors.get(f"transformer_blocks.0.{FUSED}", tensors.get("transformer_blocks.0.img_mlp.proj.weight"))
+    if missing or mlp is None:
+        raise single_file.SingleFileError(
+            f"{source}: an incomplete Qwen-Image-2.1 transformer (missing {missing or ['the blocks MLP']}); expected "
+            "ComfyUI's qwen_image_2.1 diffusion model file or diffusers' QwenImage21Transformer2DModel weights")
+    width, in_channels = tensors["img_in.weight"].shape
+    head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
+    name, config = _architecture(head_dim, source)
+    rows = mlp.shape[0] // (2 if f"transformer_blocks.0.{FUSED}" in tensors else 1)
+    layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k)))
+    config.update(in_channels=in_channels, out_channels=tensors["proj_out.weight"].shape[0], num_layers=layers,
+                  attention_head_dim=head_dim, num_attention_heads=width // head_dim,
+                  context_in_dim=tensors[MARKER].shape[0], mlp_ratio=rows // width)
+    config["axes_dims_rope"] = tuple(config["axes_dims_rope"])
+    log.info("%s: Qwen-Image-2.1 transformer (%s rotary axes), %d blocks, width %d", source, name, layers, width)
+    return config
+
+
+def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
+    """A frozen QwenImage21Transformer2DModel from one ComfyUI safetensors file, on `device` in `dtype`, streamed
+    one module at a time (`file_stream`); scaled fp8 weights are upcast to `dtype`."""
+    from accelerate import init_empty_weights
+    from diffusers import QwenImage21Transformer2DModel
+
+    with torch.inference_mode(False):  # ComfyUI calls loaders under inference mode
+        header = single_file.checked_header(path, "transformer")  # refuses convrot, nvfp4, ...
+        names, _ = single_file.transformer_names(header)
+        raw = {names[k]: header[k] for k in names}
+        config = detect_config(raw, source=str(path))
+        with init_empty_weights():
+            model = QwenImage21Transformer2DModel(**config).requires_grad_(False)
+
+        def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return split_fused(single_file.dequantize(tensors, dtype))
+
+        single_file.check_state_dict(convert(raw), model.state_dict(),
+                                     f"{path}: does not match the detected Qwen-Image-2.1 architecture")
+        file_stream.stream_into(model, Path(path), names, convert, torch.device(device))
+        model.to(device)
+        if any(v.dtype in single_file._FP8 for v in raw.values()):
+            log.info("%s: scaled fp8 weights upcast to %s", path, dtype)
+        return model.eval().requires_grad_(False)

@@ -1,0 +1,31 @@
+"""`qwen-edit bench sample`'s Qwen-Image-2.1 table: for CFG 1 and true CFG it times the denoising loop with the
+prefix K/V cache (the default) and without, and prints the speed-up beside the cached result's distance to the
+uncached one (fp32: equal up to rounding). The table's form is asserted, never a timing."""
+
+from __future__ import annotations
+
+import re
+
+from qwen_edit_core.bench import sample21
+
+
+def test_prints_the_prefix_cache_speed_up_with_equal_results():
+    table = sample21.run(steps=2, repeats=1, side=128)
+    lines = table.splitlines()
+    assert "prefix K/V cache (default) vs none" in lines[0] and "speed-up" in lines[1]
+    rows = [[cell.strip() for cell in line.split("|")] for line in lines[3:]]
+    assert [(r[0], r[1]) for r in rows] == [("1.0", "off"), ("1.0", "on"), ("4.0", "off"), ("4.0", "on")]
+    for cfg_row in rows[1::2]:
+        assert re.fullmatch(r"\d+\.\d\d", cfg_row[4]) and float(cfg_row[4]) > 0  # the speed-up, printed
+        assert float(cfg_row[5]) <= 1e-4  # cached and uncached fp32 results agree
+
+
+def test_variant_image_21_runs_only_the_21_table(monkeypatch):
+    from qwen_edit_core import cli
+    from qwen_edit_core.bench import sample
+    calls = []
+    monkeypatch.setattr(sample21, "run", lambda **kw: calls.append(("2.1", kw)) or "")
+    monkeypatch.setattr(sample, "run", lambda **kw: calls.append(("both", kw)) or "")
+    cli.main(["bench", "sample", "--variant", "image-2.1", "--steps", "2", "--repeats", "1"])
+    cli.main(["bench", "sample", "--steps", "2"])
+    assert [c[0] for c in calls] == ["2.1", "both"] and calls[0][1]["steps"] == 2 and calls[0][1]["repeats"] == 1
