@@ -101,7 +101,8 @@ def cmd_sample(args) -> None:
     loras = [_lora_arg(spec) for spec in args.lora or []]
     trainer.check_predict(loras=[path for path, _ in loras], out_file=args.out, num_inference_steps=args.steps,
                           true_cfg_scale=args.cfg, width=args.width, height=args.height,
-                          images=images)  # before any weight loads
+                          images=images, prompts={"--prompt": args.prompt,
+                                                  "--negative-prompt": args.negative_prompt or ""})  # before loading
     trainer.load_model()
     for path, strength in loras:
         trainer.load_lora(path, scale=strength)

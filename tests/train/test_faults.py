@@ -276,6 +276,10 @@ def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_d
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert main(args + ["--lora", str(tmp_path / "junk.safetensors")]) == 2
     assert "not a readable safetensors" in capsys.readouterr().err
+    assert main(args + ["--prompt", "word " * 300]) == 2  # over 1,024 tokens, counted by the tokenizer alone
+    assert re.search(r"--prompt is \d{4} tokens; the text encoder takes at most 1024", capsys.readouterr().err)
+    assert main(args + ["--negative-prompt", "word " * 300]) == 2
+    assert "--negative-prompt is" in capsys.readouterr().err
 
 
 def test_cli_sample_checks_the_control_images_before_loading(tiny_plus_dir, tiny_edit_dir, pairs_dir, tmp_path,
