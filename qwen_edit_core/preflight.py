@@ -140,13 +140,13 @@ def cache_dir(config: Config) -> tuple[Path, str]:
 def written_places(config: Config) -> list[tuple[Path, str, str]]:
     """(folder, config key, what goes there) for every folder a training run writes, the output directory
     first: the output directory (LoRA, loss log), the embedding cache, the checkpoints and the validation
-    images (when validation is on)."""
+    images and metrics (when previews or held-out pairs are on)."""
     out = Path(config.train.output_dir)
     places = [(out, "train.output_dir", "training outputs")]
     if config.cache.enabled:
         places.append((*cache_dir(config), "the embedding cache"))
     places.append((out / "checkpoints", "train.output_dir (its checkpoints/)", "checkpoints"))
-    if config.train.validation_every and config.train.validation_image:
+    if config.train.validation_every and (config.train.validation_image or config.train.validation_pairs):
         places.append((out / "validation", "train.output_dir (its validation/)", "validation images"))
     return places
 

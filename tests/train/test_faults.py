@@ -205,6 +205,14 @@ def test_a_file_where_the_checkpoints_folder_goes_is_refused_before_weights(tiny
                                                r"\(train.output_dir \(its checkpoints/\)\): a file of that name is "
                                                r"in the way \(not a folder\)"):
         QwenImageEditTrainer(config).fit()
+    # held-out validation pairs write validation/ (metrics, pictures): probed the same way
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "validation").write_text("not a folder")
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "p",
+                          train={"validation_every": 2, "validation_pairs": 1})
+    with pytest.raises(OutputWriteError, match=r"could not write validation images to '.*/p/validation' "
+                                               r"\(train.output_dir \(its validation/\)\): a file of that name"):
+        QwenImageEditTrainer(config).fit()
 
 
 _READ_ONLY_MOUNT = """
