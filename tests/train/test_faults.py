@@ -59,7 +59,16 @@ def _cli_cfg(model, data, out, cache, **train):
 def test_cli_refuses_bad_steps_before_anything(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
     path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache", max_steps=-5))
     assert main(["train", str(path)]) == 2
-    assert "train.max_steps: -5 must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "train.max_steps: -5 must be >= 1" in err and "Traceback" not in err
+
+
+def test_resume_without_a_checkpoint_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
+    with pytest.raises(FileNotFoundError, match=r"--resume: no complete checkpoint under '.*/o/checkpoints'"):
+        QwenImageEditTrainer(config).fit(resume=True)
+    with pytest.raises(FileNotFoundError, match=r"--resume '.*/elsewhere': no complete checkpoint there"):
+        QwenImageEditTrainer(config).fit(resume=tmp_path / "elsewhere")
 
 
 def test_nan_lora_to_continue_from_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
@@ -323,6 +332,11 @@ def test_batch_larger_than_the_data_warns(tiny_edit_dir, pairs_dir, tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
         QwenImageEditTrainer(config).check_fit()
     assert "data.batch_size 8 is larger than the dataset (4 samples)" in caplog.text
+    caplog.clear()
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "p", data={"batch_size": 2}, train={"max_steps": 3000})
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
+        QwenImageEditTrainer(config).check_fit()
+    assert "train.max_steps 3000 is 1500 passes over 4 samples (more than 1000): check max_steps" in caplog.text
 
 
 # --- clear I/O errors -------------------------------------------------------------------------------------------
