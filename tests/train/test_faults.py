@@ -490,6 +490,17 @@ def _damage(path: Path, how: str) -> None:
         save_file({}, path)
     elif how == "truncated":
         path.write_bytes(data[: len(data) - 1000])
+    elif how == "bad dtype":  # a header naming a dtype no reader knows (offsets stay valid)
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header[min(k for k in header if k != "__metadata__")]["dtype"] = "Q99"
+        raw = json.dumps(header).encode()
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    elif how == "wrong shape":  # a valid file whose first tensor has one more row than the config gives
+        tensors = load_file(path)
+        first = min(tensors)
+        tensors[first] = torch.zeros(tensors[first].shape[0] + 1, *tensors[first].shape[1:])
+        save_file(tensors, path)
     else:  # "missing tensor": a valid file lacking one tensor the model needs
         tensors = load_file(path)
         tensors.pop(sorted(tensors)[0])
@@ -503,7 +514,9 @@ def _damage(path: Path, how: str) -> None:
     ("vae", "truncated", r"it is truncated"),
     ("text_encoder", "huge header", r"its header claims"),
     ("vae", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
-    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing")])
+    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
+    ("transformer", "bad dtype", r"its header is not readable \(tensor '.*' has dtype 'Q99'; readable: "),
+    ("vae", "wrong shape", r"1 tensor\(s\) have another shape than its config.json gives \(.* is \[\d+")])
 def test_a_damaged_model_file_is_named_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights,
                                                       component, how, problem):
     model = tmp_path / "model"
