@@ -287,7 +287,31 @@ def test_a_signal_saves_a_checkpoint_and_exits_128_plus_its_number(tiny_edit_dir
     err = seen + rest.decode(errors="replace")
     assert proc.returncode == code, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err and signame in err
+    assert len(saved) == 1 and saved[0].step >= 3
+    assert f"{signame}: stopped (the checkpoint of step {saved[0].step} is saved; continue with --resume)" in err
+
+
+def test_a_signal_before_training_says_nothing_was_saved(tiny_edit_dir, pairs_dir, tmp_path, caplog, monkeypatch):
+    """A signal while the run loads or caches (here: as the run starts) stops it at once through the CLI's
+    signal handler, exits 128 + its number, and does not claim a checkpoint it never wrote."""
+    import logging
+    import signal
+
+    import qwen_edit_core.api as api
+
+    def fit(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled inside os.kill: the handler raises here
+        raise AssertionError("SIGTERM before training did not stop the run at once")
+    monkeypatch.setattr(api.QwenImageEditTrainer, "fit", fit)
+    before = signal.getsignal(signal.SIGTERM)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{pretrained_model_name_or_path: {tiny_edit_dir}}}\ndata: {{folder: {pairs_dir}}}\n"
+                    f"train: {{output_dir: {tmp_path / 'o'}}}\n")
+    with caplog.at_level(logging.ERROR, logger="qwen_edit_core.cli"):
+        assert main(["train", str(path)]) == 143
+    assert "SIGTERM: stopped (before any training step: no checkpoint was needed" in caplog.text
+    assert "is saved" not in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
 
 
 def _mixed_pairs(folder, controls=1):
