@@ -141,3 +141,6 @@ def test_an_unknown_enum_value_does_not_hide_the_other_bad_values(tmp_path):
                      "be > 0", "train.max_steps: -5 must be >= 1", "unknown config key 'train.lerning_rate'",
                      "train.lora_name", "data.batch_size: expected an integer, got 'two'"):
         assert expected in message
+    with pytest.raises(ConfigError) as err:  # a value named for its type is not named again for its range
+        _load(tmp_path, "optimizer:\n  betas: [a, 0.9]\n")
+    assert str(err.value) == "optimizer.betas[0]: expected a number, got 'a'"
