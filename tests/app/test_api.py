@@ -125,8 +125,6 @@ def test_a_1mp_controls_vision_tokens_do_not_count_against_the_prompt_limit(tiny
     from qwen_edit_core.model.components import load_processor, load_text_encoder
     from qwen_edit_core.model.text_encoder_file import QWEN_IMAGE_PROCESSOR
     processor = load_processor(tiny_edit_dir)
-    processor.image_processor.min_pixels = QWEN_IMAGE_PROCESSOR["min_pixels"]
-    processor.image_processor.max_pixels = QWEN_IMAGE_PROCESSOR["max_pixels"]
     processor.image_processor.size = {"shortest_edge": QWEN_IMAGE_PROCESSOR["min_pixels"],
                                       "longest_edge": QWEN_IMAGE_PROCESSOR["max_pixels"]}
     te = load_text_encoder(tiny_edit_dir, device=torch.device("cpu"), dtype=torch.float32)
