@@ -20,6 +20,7 @@ from qwen_edit_core.adapters import lora as lora_mod
 from qwen_edit_core.common.files import OutputLock
 from qwen_edit_core.config import Config
 from qwen_edit_core.model.components import Components, detect_variant, load_components, resolve_model_dir
+from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_device
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import predict as predict_mod
@@ -175,20 +176,24 @@ class QwenImageEditTrainer:
 
     def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int | None = None,
                       true_cfg_scale: float | None = None,
-                      width: int | None = None, height: int | None = None, images=None) -> None:
+                      width: int | None = None, height: int | None = None, images=None,
+                      prompts: dict[str, str] | None = None) -> None:
         """Preflight of sampling without loading any weight: the sampling settings, the control `images` (how
-        many the model takes, the image limits), the LoRA files (readable, finite, matching the transformer) and
+        many the model takes, the image limits), the `prompts` ({what: text}: at most the text encoder's 1,024
+        tokens, counted by the tokenizer alone), the LoRA files (readable, finite, matching the transformer) and
         the output file's folder (writable)."""
         predict_mod.settings(self.config.predict, schedule=None, shift=None, num_inference_steps=num_inference_steps,
                              true_cfg_scale=true_cfg_scale, negative_prompt="", seed=None, width=width,
                              height=height).validate()
         model_dir = resolve_model_dir(self.config.model.pretrained_model_name_or_path)
+        variant = self.config.model.variant
+        if not variant and model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
+            variant = detect_variant(model_dir)
         if images is not None:
-            variant = self.config.model.variant
-            if not variant and model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
-                variant = detect_variant(model_dir)
             sampler.check_controls(images, variant)
-        preflight.sampling(model_dir, loras, out_file, self.config)
+        if variant and variants.get(variant).drop is None:
+            prompts = None  # Qwen-Image-2.1's encoder (model/encode21.py) sets no such limit
+        preflight.sampling(model_dir, loras, out_file, self.config, prompts)
 
     def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and

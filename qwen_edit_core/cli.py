@@ -101,7 +101,8 @@ def cmd_sample(args) -> None:
     loras = [_lora_arg(spec) for spec in args.lora or []]
     trainer.check_predict(loras=[path for path, _ in loras], out_file=args.out, num_inference_steps=args.steps,
                           true_cfg_scale=args.cfg, width=args.width, height=args.height,
-                          images=images)  # before any weight loads
+                          images=images, prompts={"--prompt": args.prompt,
+                                                  "--negative-prompt": args.negative_prompt or ""})  # before loading
     trainer.load_model()
     for path, strength in loras:
         trainer.load_lora(path, scale=strength)
@@ -151,7 +152,9 @@ def cmd_train(args) -> None:
         result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
-        raise Interrupted(stop.received or signal.SIGINT)
+        saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
+                 else "no training step had finished: nothing to save; run it again")
+        raise Interrupted(stop.received or signal.SIGINT, saved)
 
 
 #: `qwen-edit train` flags that override one config key each: (flag dest, section, key)
@@ -374,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except KeyboardInterrupt as err:
         signum = getattr(err, "signum", signal.SIGINT)
-        log.error("%s: stopped (a training run saved its checkpoint; continue with --resume)",
-                  signal.Signals(signum).name)
+        log.error("%s: stopped (%s)", signal.Signals(signum).name,
+                  getattr(err, "saved", "") or "before any training step: no checkpoint was needed; run it again")
         return 128 + signum
     except _user_errors() as err:
         if args.verbose:

@@ -371,8 +371,8 @@ def check_ranges(config: Config, problems: Sequence[str] = ()) -> None:
         value = config
         for part in path.split("."):
             value = getattr(value, part)
-        if not test(value):
-            bad.append(f"{path}: {show(value)} must be {rule}")
+        if not test(value) and not any(p.startswith((f"{path}:", f"{path}[")) for p in problems):
+            bad.append(f"{path}: {show(value)} must be {rule}")  # (a value already named by its type: once)
     bad += name_problems(config)
     lora = config.model.lora
     if lora.dora and lora.type != "lora":

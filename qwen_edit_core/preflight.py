@@ -6,7 +6,7 @@ output directory (created, writable, free space for what the run writes: `output
 run writes (cache, checkpoints, validation), the LoRA to continue from and the LoRAs kept active (model.lora.stack,
 the previews'; readable, finite, matching the transformer's module names and shapes), the validation previews'
 settings, the batch against the data, the process count `accelerate launch` gave; `sampling`
-checks the LoRA files to apply and the output file's folder. The transformer's module names come from a
+checks the prompts' lengths (the tokenizer alone), the LoRA files to apply and the output file's folder. The transformer's module names come from a
 meta-device model built from its config.json (no weights, no memory).
 """
 
@@ -143,13 +143,13 @@ def cache_dir(config: Config) -> tuple[Path, str]:
 def written_places(config: Config) -> list[tuple[Path, str, str]]:
     """(folder, config key, what goes there) for every folder a training run writes, the output directory
     first: the output directory (LoRA, loss log), the embedding cache, the checkpoints and the validation
-    images (when validation is on)."""
+    images and metrics (when previews or held-out pairs are on)."""
     out = Path(config.train.output_dir)
     places = [(out, "train.output_dir", "training outputs")]
     if config.cache.enabled:
         places.append((*cache_dir(config), "the embedding cache"))
     places.append((out / "checkpoints", "train.output_dir (its checkpoints/)", "checkpoints"))
-    if config.train.validation_every and config.train.validation_image:
+    if config.train.validation_every and (config.train.validation_image or config.train.validation_pairs):
         places.append((out / "validation", "train.output_dir (its validation/)", "validation images"))
     return places
 
@@ -233,12 +233,28 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
         check_lora_files(paths, meta_transformer(model_dir), keys)
 
 
+def check_prompts(config: Config, model_dir: Path | None, prompts: dict[str, str]) -> None:
+    """EncodeError when a prompt ({what: text}) is over the text encoder's limit, counted by the model's tokenizer
+    alone (no weights), as the dataset's captions are."""
+    from qwen_edit_core.model.components import caption_token_counter
+    from qwen_edit_core.model.encode import EncodeError
+    from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
+    from qwen_edit_core.train.run import model_files
+    count = caption_token_counter(model_dir, model_files(config)["comfyui_dir"]) if prompts else None
+    for what, text in prompts.items():
+        tokens = count(text or "") if count else 0
+        if tokens > MAX_SEQUENCE_LENGTH:
+            raise EncodeError(f"{what} is {tokens} tokens; the text encoder takes at most {MAX_SEQUENCE_LENGTH}: "
+                              "shorten it")
+
+
 def sampling(model_dir: Path | None, loras: Sequence[str | Path], out_file: str | Path | None = None,
-             config: Config | None = None) -> None:
-    """Every sampling check that needs no weights: the model's weight files (given its `config`), LoRA files
-    and the output file's folder."""
+             config: Config | None = None, prompts: dict[str, str] | None = None) -> None:
+    """Every sampling check that needs no weights: the model's weight files (given its `config`), the prompts'
+    lengths ({what: text}, given the `config`), LoRA files and the output file's folder."""
     if config is not None:
         check_weights(config, model_dir)
+        check_prompts(config, model_dir, prompts or {})
     if loras:
         check_lora_files(loras, meta_transformer(model_dir))
     if out_file is not None:

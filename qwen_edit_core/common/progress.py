@@ -59,11 +59,12 @@ class CancelToken:
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by signal `signum`; a command exits with 128 + signum (130 for SIGINT, 143 for SIGTERM)."""
+    """A run stopped by signal `signum`; a command exits with 128 + signum (130 for SIGINT, 143 for SIGTERM).
+    `saved` says what the run kept (a training run's checkpoint), empty when it stopped before keeping any."""
 
-    def __init__(self, signum: int = signal.SIGINT):
+    def __init__(self, signum: int = signal.SIGINT, saved: str = ""):
         super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
+        self.signum, self.saved = int(signum), saved
 
 
 class SignalStop:

@@ -1,10 +1,10 @@
 """A pair's caption: reading its file, the one rule for caption text (shared by the dataset reader and the pair
 writer), and its length in tokens, counted by the tokenizer alone while the dataset is validated.
 
-The text encoder takes at most `MAX_SEQUENCE_LENGTH` (1,024) tokens after the template prefix, the control
-images' tokens included, so a caption with more tokens than that can never be encoded. Counting needs only the
-tokenizer (milliseconds to load), so an over-long caption is reported by file before any model loads, with
-every other problem of the dataset. A caption over MAX_CAPTION_BYTES is refused without being tokenized (a
+The text encoder takes a prompt of at most `MAX_SEQUENCE_LENGTH` (1,024) tokens of its own text (the control
+images' vision tokens come on top and are not counted), so a longer caption can never be encoded. Counting
+needs only the tokenizer (milliseconds to load), so an over-long caption is reported by file before any model
+loads, with every other problem of the dataset. A caption over MAX_CAPTION_BYTES is refused without being tokenized (a
 1 MB caption would take seconds to tokenize and is over the limit whatever its tokens).
 """
 
@@ -76,5 +76,4 @@ def caption_length_problem(path: Path, text: str, count_tokens: Callable[[str], 
     tokens = count_tokens(text)
     if tokens <= limit:
         return None
-    return Problem(path, f"caption is {tokens} tokens; the text encoder takes at most {limit} (the control "
-                         "images' tokens count too): shorten it")
+    return Problem(path, f"caption is {tokens} tokens; the text encoder takes at most {limit}: shorten it")

@@ -32,7 +32,9 @@ EDIT_DROP = 64
 EDIT_PLUS_DROP = 64
 T2I_DROP = 34
 
-#: The text encoder's position limit used by the pipelines (tokens after the template prefix is dropped).
+#: The longest prompt, in tokens of the prompt's own text: diffusers' text-to-image pipeline truncates its prompt
+#: there (`tokenizer_max_length = 1024`) and the edit pipelines refuse a larger `max_sequence_length`. The control
+#: images' vision tokens come on top (1,369 for one control at 1 MP) and are not limited by it.
 MAX_SEQUENCE_LENGTH = 1024
 
 #: The one "empty" prompt: caption dropout's empty caption, the default negative prompt of sampling and

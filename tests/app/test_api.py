@@ -117,6 +117,28 @@ def test_prompt_over_the_encoder_limit_is_refused(tiny_edit_dir):
         trainer.encode_prompt("word " * 1100, Image.new("RGB", (32, 32)))
 
 
+def test_a_1mp_controls_vision_tokens_do_not_count_against_the_prompt_limit(tiny_edit_dir):
+    """With the real model's image-processor settings a 1024^2 Edit control is 1,369 vision tokens, so a short
+    prompt is about 1,380 tokens after the template prefix: encoded (diffusers truncates nothing), while the
+    limit still refuses a prompt whose own text is over 1,024 tokens, before the text encoder runs."""
+    from qwen_edit_core.model import encode
+    from qwen_edit_core.model.components import load_processor, load_text_encoder
+    from qwen_edit_core.model.text_encoder_file import QWEN_IMAGE_PROCESSOR
+    processor = load_processor(tiny_edit_dir)
+    processor.image_processor.size = {"shortest_edge": QWEN_IMAGE_PROCESSOR["min_pixels"],
+                                      "longest_edge": QWEN_IMAGE_PROCESSOR["max_pixels"]}
+    te = load_text_encoder(tiny_edit_dir, device=torch.device("cpu"), dtype=torch.float32)
+    control = Image.new("RGB", (1024, 1024), (90, 120, 200))
+    (embeds,) = encode.encode_prompts(te.model, processor, ["invert the colors"], [[control]], "edit",
+                                      device=torch.device("cpu"))
+    assert embeds.shape[0] > 1369 + 3
+    words = "word " * 300
+    tokens = len(processor.tokenizer(words, add_special_tokens=False)["input_ids"])
+    assert tokens > 1024
+    with pytest.raises(encode.EncodeError, match=f"prompt 0 is {tokens} tokens; the text encoder takes at most 1024"):
+        encode.encode_prompts(None, processor, [words], [[control]], "edit", device=torch.device("cpu"))
+
+
 def test_cli_sample_writes_an_image(tiny_edit_dir, tmp_path):
     src = _write_image(tmp_path / "in.png")
     out = tmp_path / "out.png"

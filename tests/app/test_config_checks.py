@@ -95,11 +95,17 @@ def test_one_file_name_rule_for_lora_names_job_names_and_pair_prefixes(tmp_path)
     with pytest.raises(ValueError, match=r"job name '../escaped' holds a folder separator"):
         JobRegistry().start(load_config(), name=bad)
     assert file_name_problem("my_lora-v2 final") is None
+    assert file_name_problem("é" * 100) is None and "longer than 200 bytes" in file_name_problem("é" * 100 + "x")
+    with pytest.raises(ConfigError, match=r"train\.lora_name: 'x{20}.* is longer than 200 bytes"):
+        load_config(overrides={"train": {"lora_name": "x" * 201}})
 
 
 def test_a_preview_label_is_one_line_of_text(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.validation_previews\[0\]\.label: .* one line"):
         load_config(overrides={"train": {"validation_previews": [{"label": "two\nlines"}]}})
+    with pytest.raises(ConfigError, match=r"label: .* is longer than 200 characters"):
+        load_config(overrides={"train": {"validation_previews": [{"label": "x" * 201}]}})
+    assert load_config(overrides={"train": {"validation_previews": [{"label": "x" * 200}]}})
 
 
 def _alias_bomb(levels: int) -> str:
@@ -135,3 +141,6 @@ def test_an_unknown_enum_value_does_not_hide_the_other_bad_values(tmp_path):
                      "be > 0", "train.max_steps: -5 must be >= 1", "unknown config key 'train.lerning_rate'",
                      "train.lora_name", "data.batch_size: expected an integer, got 'two'"):
         assert expected in message
+    with pytest.raises(ConfigError) as err:  # a value named for its type is not named again for its range
+        _load(tmp_path, "optimizer:\n  betas: [a, 0.9]\n")
+    assert str(err.value) == "optimizer.betas[0]: expected a number, got 'a'"

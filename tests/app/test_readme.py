@@ -188,3 +188,23 @@ def test_the_readme_run_is_the_demo_run(tmp_path, monkeypatch):
     pairs = [args for language, code, _ in blocks(ROOT / "README.md") if language == "bash"
              for args in shell_commands(code) if args[:2] == [PREFIX, "pairs"]]
     assert pairs and pairs[0][pairs[0].index("--count") + 1] == str(demo.N_TRAIN)
+
+
+def test_every_guarantee_names_tests_that_exist():
+    """docs/GUARANTEES.md lists nothing that a test does not check: every section, and every bullet of a
+    section, names at least one test function, and every test function and file it names exists."""
+    text = (ROOT / "docs" / "GUARANTEES.md").read_text()
+    tests = ROOT / "tests"
+    defined = {m for path in tests.rglob("test_*.py") for m in re.findall(r"^def (test_\w+)", path.read_text(),
+                                                                              flags=re.M)}
+    files = set(re.findall(r"\b(tests/[\w/]+\.py)", text))
+    assert files and all((ROOT / f).is_file() for f in files), sorted(f for f in files if not (ROOT / f).is_file())
+    named = set(re.findall(r"\b(test_\w+)\b(?!\.py)", text))
+    assert named and not named - defined, sorted(named - defined)
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert len(sections) >= 10
+    for section in sections:
+        bullets = re.split(r"^- ", section, flags=re.M)
+        parts = bullets[1:] if len(bullets) > 1 else bullets
+        for part in parts:
+            assert re.search(r"\btest_\w+\b(?!\.py)", part), f"names no test: {part[:200]!r}"

@@ -202,7 +202,7 @@ def test_empty_after_skipping_is_an_error(tmp_path):
 
 def test_links_leaving_the_dataset_folder_are_refused_by_name(tmp_path):
     data, outside = tmp_path / "data", tmp_path / "outside"
-    for name in ("a", "b", "c", "d"):
+    for name in ("a", "b", "c", "d", "e", "f"):
         _pair(data, name)
     _caption(outside / "secret.txt", "root:x:0:0:root:/root:/bin/bash")
     (data / "a.txt").unlink()
@@ -212,12 +212,18 @@ def test_links_leaving_the_dataset_folder_are_refused_by_name(tmp_path):
     (data / "b.png").symlink_to(outside / "picture.png")
     (data / "c.txt").unlink()
     (data / "c.txt").symlink_to(data / "d.txt")  # a link inside the dataset is fine
+    (data / "e_control.png").unlink()
+    (data / "e_control.png").symlink_to(outside / "picture.png")
+    Image.new("L", (80, 64), 255).save(outside / "mask.png")
+    (data / "f_mask.png").symlink_to(outside / "mask.png")
     with pytest.raises(DatasetError) as err:
         load_dataset(data)
     message = str(err.value)
-    assert "2 problem(s)" in message
+    assert "4 problem(s)" in message
     assert f"is a link to '{outside / 'secret.txt'}', outside the dataset folder" in _line_for(message, "a.txt")
     assert f"is a link to '{outside / 'picture.png'}', outside the dataset folder" in _line_for(message, "b.png")
+    assert f"is a link to '{outside / 'picture.png'}', outside" in _line_for(message, "e_control.png")
+    assert f"is a link to '{outside / 'mask.png'}', outside" in _line_for(message, "f_mask.png")
     report = load_dataset(data, skip_invalid=True)
     assert [e.name for e in report.examples] == ["c", "d"] and "root:x" not in report.examples[0].caption
 

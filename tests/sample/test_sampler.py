@@ -106,6 +106,8 @@ def test_sampling_refuses_the_controls_training_refuses_and_logs_rounding(tiny_e
     from qwen_edit_core.data.dataset import load_dataset
     import inspect
     assert inspect.signature(load_dataset).parameters["min_side"].default == geometry.MIN_SIDE
+    assert geometry.MAX_PIXELS == 64_000_000  # 64 MP, for training pairs and sampling controls alike
+    assert inspect.signature(load_dataset).parameters["max_pixels"].default == geometry.MAX_PIXELS
 
 
 def test_a_non_finite_latent_raises_instead_of_writing_an_image(comps):

@@ -59,7 +59,16 @@ def _cli_cfg(model, data, out, cache, **train):
 def test_cli_refuses_bad_steps_before_anything(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights):
     path = _yaml(tmp_path, _cli_cfg(tiny_edit_dir, pairs_dir, tmp_path / "o", tmp_path / "cache", max_steps=-5))
     assert main(["train", str(path)]) == 2
-    assert "train.max_steps: -5 must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "train.max_steps: -5 must be >= 1" in err and "Traceback" not in err
+
+
+def test_resume_without_a_checkpoint_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")
+    with pytest.raises(FileNotFoundError, match=r"--resume: no complete checkpoint under '.*/o/checkpoints'"):
+        QwenImageEditTrainer(config).fit(resume=True)
+    with pytest.raises(FileNotFoundError, match=r"--resume '.*/elsewhere': no complete checkpoint there"):
+        QwenImageEditTrainer(config).fit(resume=tmp_path / "elsewhere")
 
 
 def test_nan_lora_to_continue_from_is_refused_before_weights(tiny_edit_dir, pairs_dir, tmp_path, no_weights):
@@ -205,6 +214,14 @@ def test_a_file_where_the_checkpoints_folder_goes_is_refused_before_weights(tiny
                                                r"\(train.output_dir \(its checkpoints/\)\): a file of that name is "
                                                r"in the way \(not a folder\)"):
         QwenImageEditTrainer(config).fit()
+    # held-out validation pairs write validation/ (metrics, pictures): probed the same way
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "validation").write_text("not a folder")
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "p",
+                          train={"validation_every": 2, "validation_pairs": 1})
+    with pytest.raises(OutputWriteError, match=r"could not write validation images to '.*/p/validation' "
+                                               r"\(train.output_dir \(its validation/\)\): a file of that name"):
+        QwenImageEditTrainer(config).fit()
 
 
 _READ_ONLY_MOUNT = """
@@ -276,6 +293,10 @@ def test_cli_sample_checks_steps_and_loras_before_loading(tiny_edit_dir, pairs_d
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert main(args + ["--lora", str(tmp_path / "junk.safetensors")]) == 2
     assert "not a readable safetensors" in capsys.readouterr().err
+    assert main(args + ["--prompt", "word " * 300]) == 2  # over 1,024 tokens, counted by the tokenizer alone
+    assert re.search(r"--prompt is \d{4} tokens; the text encoder takes at most 1024", capsys.readouterr().err)
+    assert main(args + ["--negative-prompt", "word " * 300]) == 2
+    assert "--negative-prompt is" in capsys.readouterr().err
 
 
 def test_cli_sample_checks_the_control_images_before_loading(tiny_plus_dir, tiny_edit_dir, pairs_dir, tmp_path,
@@ -311,6 +332,11 @@ def test_batch_larger_than_the_data_warns(tiny_edit_dir, pairs_dir, tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
         QwenImageEditTrainer(config).check_fit()
     assert "data.batch_size 8 is larger than the dataset (4 samples)" in caplog.text
+    caplog.clear()
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "p", data={"batch_size": 2}, train={"max_steps": 3000})
+    with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
+        QwenImageEditTrainer(config).check_fit()
+    assert "train.max_steps 3000 is 1500 passes over 4 samples (more than 1000): check max_steps" in caplog.text
 
 
 # --- clear I/O errors -------------------------------------------------------------------------------------------
@@ -464,6 +490,17 @@ def _damage(path: Path, how: str) -> None:
         save_file({}, path)
     elif how == "truncated":
         path.write_bytes(data[: len(data) - 1000])
+    elif how == "bad dtype":  # a header naming a dtype no reader knows (offsets stay valid)
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header[min(k for k in header if k != "__metadata__")]["dtype"] = "Q99"
+        raw = json.dumps(header).encode()
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    elif how == "wrong shape":  # a valid file whose first tensor has one more row than the config gives
+        tensors = load_file(path)
+        first = min(tensors)
+        tensors[first] = torch.zeros(tensors[first].shape[0] + 1, *tensors[first].shape[1:])
+        save_file(tensors, path)
     else:  # "missing tensor": a valid file lacking one tensor the model needs
         tensors = load_file(path)
         tensors.pop(sorted(tensors)[0])
@@ -477,7 +514,9 @@ def _damage(path: Path, how: str) -> None:
     ("vae", "truncated", r"it is truncated"),
     ("text_encoder", "huge header", r"its header claims"),
     ("vae", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
-    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing")])
+    ("transformer", "missing tensor", r"does not match its config.json: 1 tensor\(s\) the model needs are missing"),
+    ("transformer", "bad dtype", r"its header is not readable \(tensor '.*' has dtype 'Q99'; readable: "),
+    ("vae", "wrong shape", r"1 tensor\(s\) have another shape than its config.json gives \(.* is \[\d+")])
 def test_a_damaged_model_file_is_named_before_weights(tiny_edit_dir, pairs_dir, tmp_path, capsys, no_weights,
                                                       component, how, problem):
     model = tmp_path / "model"

@@ -22,3 +22,12 @@ def test_soak_sigterm_and_read_only_checkpoints_recover_bit_exactly(tmp_path):
     notes = dict((kind, note) for kind, note, _ in report.rows)
     assert "exit 143" in notes["sigterm-step"], notes
     assert "read-only" in notes["read-only"] and "OutputWriteError: could not write checkpoint" in notes["read-only"]
+
+
+@pytest.mark.slow
+def test_soak_kills_inside_a_cache_write_and_a_step_recover_bit_exactly(tmp_path):
+    """SIGKILL inside a cache entry's write (the entry is whole in its temporary file, not yet renamed) and during
+    a training step: each run, resumed, ends with the uninterrupted run's LoRA bit for bit."""
+    from qwen_edit_core.bench.soak import soak
+    report = soak(rounds=1, faults=("kill-cache", "kill-step"), seed=1, work=tmp_path)
+    assert report.injected == 2 and report.recovered == 2 and report.max_diff == 0.0, report.rows

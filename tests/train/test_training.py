@@ -177,33 +177,46 @@ def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tm
     assert _max_diff(_lora(single.lora_path), _lora(tmp_path / "ddp" / "lora.safetensors")) < 1e-5
 
 
-def test_a_multi_process_launch_that_started_one_process_says_so(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
-                                                                 caplog):
-    """`accelerate launch --num_processes 2 --cpu` runs the script once: the process sees the launcher's
-    variables of a multi-process launch and no WORLD_SIZE, and the run warns before any weight loads, naming
-    the launch that works on the CPU."""
-    import logging
+@pytest.mark.slow  # accelerate launch: several processes
+def test_accelerate_launch_starts_one_process_with_cpu_and_the_check_tells_them_apart(tmp_path):
+    """`accelerate launch --num_processes 2 --cpu` runs the script once, `--multi_gpu` twice: the one process of
+    the first sees the launcher's variables of a multi-process launch and no WORLD_SIZE, and `launch_mismatch`
+    says so for it alone (the variables `test_a_multi_process_launch_that_started_one_process_says_so` sets)."""
     from qwen_edit_core.train.distributed import launch_mismatch
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    script = tmp_path / "env.py"
-    script.write_text("import json, os; print(json.dumps(dict(os.environ)))")
+    script = tmp_path / "env.py"  # each process writes its environment to a file of its own
+    script.write_text("import json, os, sys; open(os.path.join(sys.argv[1], f'{os.getpid()}.json'), 'w').write("
+                      "json.dumps(dict(os.environ)))")
     runs = {}
     for flags in (["--cpu"], ["--multi_gpu"]):
+        out = tmp_path / flags[0].strip("-")
+        out.mkdir()
         proc = subprocess.run([accelerate, "launch", *flags, "--num_processes", "2", "--num_machines", "1",
-                               "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+                               "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out)],
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[flags[0]] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        runs[flags[0]] = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     assert len(runs["--cpu"]) == 1 and len(runs["--multi_gpu"]) == 2  # what accelerate really starts
     assert "--multi_gpu --num_processes N" in launch_mismatch(runs["--cpu"][0])
+    assert {k: runs["--cpu"][0].get(k) for k in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE")} == \
+        {"ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": None} and "MASTER_ADDR" in runs["--cpu"][0]
     assert all(launch_mismatch(env) is None for env in runs["--multi_gpu"])
+
+
+def test_a_multi_process_launch_that_started_one_process_says_so(tiny_edit_dir, pairs_dir, tmp_path, monkeypatch,
+                                                                 caplog):
+    """A process started by accelerate's plain launcher for `--num_processes 2` (its variables: the mixed
+    precision and a rendezvous address, no WORLD_SIZE; the slow test above records them from the real launcher)
+    warns before any weight loads, naming the launch that works on the CPU; a launch outside accelerate does not."""
+    import logging
+    from qwen_edit_core.train.distributed import launch_mismatch
     assert launch_mismatch({}) is None  # not launched by accelerate
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for key in ("ACCELERATE_MIXED_PRECISION", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, runs["--cpu"][0][key])
+    for key, value in (("ACCELERATE_MIXED_PRECISION", "no"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(key, value)
     with caplog.at_level(logging.WARNING, logger="qwen_edit_core.preflight"):
         QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o")).check_fit()
-    assert "started only this one" in caplog.text
+    assert "started only this one" in caplog.text and "--multi_gpu --num_processes N" in caplog.text
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -274,7 +287,31 @@ def test_a_signal_saves_a_checkpoint_and_exits_128_plus_its_number(tiny_edit_dir
     err = seen + rest.decode(errors="replace")
     assert proc.returncode == code, err[-2000:]
     saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].step >= 3 and "--resume" in err and signame in err
+    assert len(saved) == 1 and saved[0].step >= 3
+    assert f"{signame}: stopped (the checkpoint of step {saved[0].step} is saved; continue with --resume)" in err
+
+
+def test_a_signal_before_training_says_nothing_was_saved(tiny_edit_dir, pairs_dir, tmp_path, caplog, monkeypatch):
+    """A signal while the run loads or caches (here: as the run starts) stops it at once through the CLI's
+    signal handler, exits 128 + its number, and does not claim a checkpoint it never wrote."""
+    import logging
+    import signal
+
+    import qwen_edit_core.api as api
+
+    def fit(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled inside os.kill: the handler raises here
+        raise AssertionError("SIGTERM before training did not stop the run at once")
+    monkeypatch.setattr(api.QwenImageEditTrainer, "fit", fit)
+    before = signal.getsignal(signal.SIGTERM)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{pretrained_model_name_or_path: {tiny_edit_dir}}}\ndata: {{folder: {pairs_dir}}}\n"
+                    f"train: {{output_dir: {tmp_path / 'o'}}}\n")
+    with caplog.at_level(logging.ERROR, logger="qwen_edit_core.cli"):
+        assert main(["train", str(path)]) == 143
+    assert "SIGTERM: stopped (before any training step: no checkpoint was needed" in caplog.text
+    assert "is saved" not in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
 
 
 def _mixed_pairs(folder, controls=1):
