@@ -92,7 +92,7 @@ class QwenEditModelLoader(TracksLoads):
     @classmethod
     def INPUT_TYPES(cls):
         return hidden_id(_with_instance(_model_inputs({
-            "transformer_device": _device("transformer (20 B parameters: ~41 GiB in bf16)"),
+            "transformer_device": _device("transformer (20 B parameters: ~38 GiB in bf16)"),
             "vae_device": _device("VAE (~0.25 GB)"),
             "text_encoder_device": _device("text encoder (Qwen2.5-VL 7B: ~16 GB in bf16)"),
             "dtype": DTYPE}, transformer_file=True, vae_file=True, text_encoder_file=True)))

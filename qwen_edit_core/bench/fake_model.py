@@ -129,8 +129,13 @@ def fake_mode() -> FakeTensorMode:
 
 
 def transformer_config(variant: str, num_layers: int | None = None) -> dict:
-    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511)."""
+    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511); only Qwen-Image's
+    architecture is simulated (the product's levers and planner serve it)."""
+    from qwen_edit_core.model.families import QWEN_IMAGE
     from qwen_edit_core.model.tiny import transformer_config as real_config
+    if variants.get(variant).family is not QWEN_IMAGE:
+        simulated = ", ".join(n for n in variants.NAMES if variants.get(n).family is QWEN_IMAGE)
+        raise ValueError(f"bench memory: variant {variant!r} is not simulated; simulated: {simulated}")
     cfg = real_config("real", num_layers=num_layers)
     if variants.get(variant).zero_cond_t:
         cfg["zero_cond_t"] = True

@@ -13,8 +13,9 @@ is read, the model is built on the meta device (shapes only), and each module's 
 So the device holds, at any moment, the resident weights placed so far plus one module's tensors being
 converted (at most about 0.4 GiB for the real model's largest linear: bf16 in, fp32 temporaries, fp8 out).
 
-Under FSDP2 (several processes sharding the base) the training run keeps the load-then-shard path:
-train/run.py `training_plan` returns no plan and the transformer is loaded whole before it is sharded.
+Under FSDP2 (several processes sharding the base) each process streams the transformer into host memory
+(`train.sharding.host_plan`: plan.device is the host); sharding then moves it to the device one block at a
+time, keeping each process's share (train/sharding.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ The speed levers under FSDP2 (`check_levers`, called before any weight loads):
 - block offload (`train.offload_blocks`): refused. FSDP2 owns each block's frozen weights (a sharded copy, the
   whole gathered just before the block runs and freed after), so the offloader would move tensors FSDP2 replaces
   on every call; sharding already divides the resident weights by the number of processes.
+
+Loading: each process reads the transformer into host memory (`host_plan`, the planned loader), never whole
+onto its device. `fully_shard` moves a unit's frozen tensors to the device and keeps this process's shard
+(torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_move_states_to_device`, then the unit's parameters are
+sharded), one block after the other, so the device holds the shards made so far plus one whole block; the
+LoRA, which FSDP2 leaves alone, is moved to the device afterwards.
 """
 
 from __future__ import annotations
@@ -58,6 +64,15 @@ def check_levers(config) -> None:
                          f"FSDP2 does not shard, so every process would hold all of them; turn it off{why}")
 
 
+def host_plan(dtype: torch.dtype):
+    """The transformer's plan in a process of an FSDP2 run: every weight read into host memory in `dtype` (no
+    fp8, no offload: both refused under FSDP2), so the device receives only what `shard_frozen_base` keeps. Not
+    a training plan: the levers are planned afterwards for this process's share (`speed.configure_training`
+    with `shards`)."""
+    from qwen_edit_core import speed
+    return speed.WeightPlan(device=torch.device("cpu"), dtype=dtype)
+
+
 def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
     """Shard `model`'s frozen weights with FSDP2 (`fully_shard`, in place): one unit per transformer block plus
     the root for the rest; the trainable (LoRA) parameters are `ignored_params`, whole on every process.
@@ -86,9 +101,13 @@ def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) 
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard")
     mesh = init_device_mesh(torch.device(device).type, (world,))
     lora = {p for p in model.parameters() if p.requires_grad}
-    for block in model.transformer_blocks:
+    for block in model.transformer_blocks:  # each block moved to the device, then sharded (module doc)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=lora)
     fully_shard(model, mesh=mesh, ignored_params=lora)
+    with torch.no_grad():  # FSDP2 leaves ignored parameters where they are: the host after a host load
+        for param in lora:
+            if param.device != torch.device(device):
+                param.data = param.data.to(device)
     log.info("FSDP: frozen base sharded over %d processes in %d block units; LoRA whole on each process",
              world, len(model.transformer_blocks))
     return model

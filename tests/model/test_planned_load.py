@@ -82,13 +82,37 @@ def _train(**train):
     return load_config(overrides={"train": {"gradient_checkpointing": True, **train}}).train
 
 
-def test_a_planned_fp8_and_offload_load_places_at_most_the_plans_resident_weights_on_the_device(six_block_dir):
+def _single_file(model_dir, path, layout: str):
+    """The transformer of `model_dir` written as one ComfyUI file: bf16, or scaled fp8 (e4m3 linears)."""
+    state = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer").state_dict()
+    state = scaled_fp8(state) if layout == "scaled-fp8 single file" else {k: v.to(torch.bfloat16)
+                                                                         for k, v in state.items()}
+    save_file(state, path)
+    return path
+
+
+def _source(model_dir, tmp_path, layout: str):
+    if layout == "sharded directory":
+        return weight_source.DirectorySource(model_dir)
+    return weight_source.SingleFileSource(_single_file(model_dir, tmp_path / "t.safetensors", layout), "keep")
+
+
+LAYOUTS = ["sharded directory", "bf16 single file", "scaled-fp8 single file"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_planned_fp8_and_offload_load_places_at_most_the_plans_resident_weights_on_the_device(
+        six_block_dir, tmp_path, layout):
     """fp8 base with 3 of 6 blocks offloaded, "meta" standing in for the GPU: every byte the load puts on that
-    device is counted. Its peak stays within the plan's resident weights: the resident blocks and the rest of
-    the model in fp8/bf16 as planned, plus the two offloaded blocks the plan lets be in flight at a time. Loading
-    whole first (then fp8 and offload) places the full fp32 model there: over 3x more than that here."""
-    source = weight_source.DirectorySource(six_block_dir)
-    plan = speed.checked_plan("meta", torch.float32, N_BLOCKS, fp8=True, n_checkpointed=-1, n_offloaded=3)
+    device is counted, for a diffusers directory and for ComfyUI single files (bf16, and scaled fp8 whose e4m3
+    weights are kept). Its peak stays within the plan's resident weights: the resident blocks and the rest of
+    the model in fp8/bf16 as planned, plus the two offloaded blocks the plan lets be in flight at a time.
+    Loading whole first (then fp8 and offload) places the full fp32 model there: over 3x more than that here."""
+    source = _source(six_block_dir, tmp_path, layout)
+    keep = source.keeps_fp8(torch.device("meta"))
+    assert keep == (layout == "scaled-fp8 single file")
+    plan = speed.checked_plan("meta", torch.float32, N_BLOCKS, fp8=True, n_checkpointed=-1, n_offloaded=3,
+                              already_fp8=keep)
     assert plan.fp8 and plan.offloaded == (1, 3, 5)
     skeleton = planned_load.build_skeleton(source, fp8=True)  # its meta tensors hold no memory on a real device
     with DeviceBytes("meta") as placed:
@@ -98,6 +122,7 @@ def test_a_planned_fp8_and_offload_load_places_at_most_the_plans_resident_weight
     in_flight = 2 * max(_bytes([host for *_, host in slots]) for slots in offloader.slots.values())
     whole = _bytes([t for t in comp.load_transformer(six_block_dir, device=torch.device("cpu"),
                                                      dtype=torch.float32).state_dict().values()])
+    assert placed.peak > 0  # the count sees the resident weights arrive
     assert placed.peak <= resident + in_flight, (placed.peak, resident, in_flight)
     assert resident + in_flight < whole / 3, (resident, in_flight, whole)
     assert all(host.device.type == "cpu" for slots in offloader.slots.values() for *_, host in slots)
@@ -130,7 +155,7 @@ def _host_copies(model) -> dict[str, torch.Tensor]:
             for owner, name, _, host in slots}
 
 
-@pytest.mark.parametrize("layout", ["sharded directory", "bf16 single file", "scaled-fp8 single file"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_planned_load_equals_loading_whole_then_applying_the_levers(six_block_dir, tmp_path, layout):
     """Same resident weights, same host copies of the offloaded blocks, same loss and LoRA gradients (exactly:
     the same quantizer runs on the same values) as the load-then-configure path."""
@@ -139,11 +164,7 @@ def test_the_planned_load_equals_loading_whole_then_applying_the_levers(six_bloc
         old = comp.load_transformer(six_block_dir, device=torch.device("cpu"), dtype=torch.float32)
     else:
         from qwen_edit_core.model.single_file import load_transformer_file
-        state = QwenImageTransformer2DModel.from_pretrained(six_block_dir, subfolder="transformer").state_dict()
-        state = scaled_fp8(state) if layout == "scaled-fp8 single file" else {k: v.to(torch.bfloat16)
-                                                                             for k, v in state.items()}
-        save_file(state, tmp_path / "t.safetensors")
-        source = weight_source.SingleFileSource(tmp_path / "t.safetensors", "keep")
+        source = _source(six_block_dir, tmp_path, layout)
         old = load_transformer_file(tmp_path / "t.safetensors", device=torch.device("cpu"), dtype=torch.float32,
                                     fp8="keep")
     old_loss, old_grads = _lora_step(old)

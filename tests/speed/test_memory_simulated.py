@@ -1,9 +1,13 @@
-"""The memory planner's promise, checked at real size on the CPU: the simulated training step of the 16 GiB
-plan (1024^2 Edit, the real 60-block transformer, real token counts, the product's levers, LoRA and AdamW
-under FakeTensorMode; bench/memory.py) holds at most 16 GiB on the device, margin included, and the
-planner's estimate is within 15% of it."""
+"""The memory planner's promise, checked at real size on the CPU (bench/memory.py: the real 60-block
+transformer, real token counts, the product's levers, LoRA and AdamW under FakeTensorMode). In the default
+suite: the 16 GiB plan at 1024^2 Edit holds at most 16 GiB on the device, margin included, and the planner's
+estimate is within 15% of it. Marked slow (a minute of CPU per plan): every budget (16, 24, 40, 80 GiB) for
+Edit and Edit Plus with two controls, 512^2, 1536^2 and Edit-2511, the reference's measured setting and the
+sampling levers."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -30,6 +34,37 @@ def test_offloaded_weights_leave_the_device_after_the_step(plan_16):
     assert plan_16.offloaded_resident_after_gib == 0.0, memory.table([plan_16])
 
 
+JSON_FIELDS = ("plan", "budget_gib", "planner_estimate_gib", "peak_device_gib", "peak_host_gib", "flops_per_step")
+
+
+def test_the_command_prints_one_json_object_per_plan(plan_16, monkeypatch, capsys):
+    """`qwen-edit bench memory ... --json`: the options reach the simulator, and each plan is one line of JSON
+    with the fields scripts read (the 16 GiB plan's own numbers: its offloaded blocks live in host memory)."""
+    from qwen_edit_core.cli import main
+    asked = {}
+
+    def run(variant, side, controls, budgets, **kwargs):
+        asked.update(variant=variant, side=side, controls=controls, budgets=tuple(budgets))
+        return [plan_16]
+    monkeypatch.setattr(memory, "run", run)
+    assert not main(["bench", "memory", "--variant", "edit-plus", "--size", "512", "--controls", "2",
+                     "--budget-gb", "16", "--json"])
+    assert asked == {"variant": "edit-plus", "side": 512, "controls": 2, "budgets": (16.0,)}
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert set(JSON_FIELDS) <= set(row)
+    assert row["plan"] == "train 16 GiB" and row["budget_gib"] == 16
+    assert row["peak_device_gib"] == plan_16.peak_device_gib <= 16
+    assert row["planner_estimate_gib"] == plan_16.planner_estimate_gib
+    assert row["peak_host_gib"] > 5 and row["flops_per_step"] > 1e14  # 37 offloaded blocks; ~7e14 FLOPs
+
+
+def test_a_variant_of_another_architecture_is_refused_not_simulated_as_qwen_image():
+    with pytest.raises(ValueError, match="'image-2.1' is not simulated; simulated: edit, edit-plus, edit-2511"):
+        memory.simulate_train("image-2.1", 1024, budget_gb=16)
+
+
 def test_one_simulated_forward_counts_every_weight_byte_and_the_attention_flops():
     """One real-width block at 1024^2 Edit, one forward (the `split` lever's share of a CFG step): the tracked
     parameters are the model's own bytes, and the FLOPs are the linears' 2 x tokens x weights plus fused
@@ -51,3 +86,63 @@ def test_one_simulated_forward_counts_every_weight_byte_and_the_attention_flops(
     attention = 4 * (n_img + n_txt) ** 2 * width  # QK^T and PV, 2 x S^2 x head_dim x heads each
     # what is left out: the LoRA's rank-16 products and the elementwise work (well under 1%)
     assert result.flops_per_step == pytest.approx(linears + attention, rel=0.01)
+
+
+def _checked_against_the_planner(result, budget: float) -> None:
+    """A budget's simulated step: at most the budget (margin included), within 15% of the planner's estimate,
+    no offloaded weight left on the device after it. The row is printed (`pytest -rA` shows it: BENCHMARKS.md's
+    table)."""
+    print(memory.table([result]))  # noqa: T201
+    assert result.peak_device_gib <= budget, memory.table([result])
+    assert abs(result.peak_device_gib - result.planner_estimate_gib) <= 0.15 * result.planner_estimate_gib, \
+        memory.table([result])
+    assert result.offloaded_resident_after_gib == 0.0, memory.table([result])
+
+
+@pytest.mark.slow  # a real-size step per budget: about a minute of CPU each
+@pytest.mark.parametrize("budget", memory.BUDGETS)
+@pytest.mark.parametrize("variant, controls", [("edit", 1), ("edit-plus", 2)])
+def test_every_budgets_plan_fits_its_budget_at_real_size(variant, controls, budget):
+    """1024^2 Edit and Edit Plus with two control images, budgets 16, 24, 40 and 80 GiB."""
+    result = memory.simulate_train(variant, 1024, controls, budget_gb=budget)
+    assert result.image_tokens == (1 + controls) * 64 * 64 and result.controls == controls
+    _checked_against_the_planner(result, budget)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, side, controls, budget", [("edit", 512, 1, 16), ("edit", 1536, 1, 24),
+                                                             ("edit-2511", 1024, 2, 16)])
+def test_other_sizes_and_edit_2511_fit_their_budget(variant, side, controls, budget):
+    """512^2 and 1536^2 Edit (2,412 and 21,497 tokens: the planner's constants hold across sizes) and
+    Edit-2511 (zero_cond_t: its timestep embedding doubles the modulation batch)."""
+    result = memory.simulate_train(variant, side, controls, budget_gb=budget)
+    assert result.image_tokens == (1 + controls) * (side // 16) ** 2
+    _checked_against_the_planner(result, budget)
+
+
+@pytest.mark.slow
+def test_the_references_setting_matches_its_measured_peak():
+    """The setting measured on an H100 (docs/MODEL.md: LoRA on the image attention, every block
+    checkpointed, bf16, 43.7 GiB): the tracked peak is within 10% of the measured one."""
+    result = memory.simulate_train("edit", 1024, 1, 0.0, targets="attn-img")
+    print(memory.table([result]))  # noqa: T201
+    assert result.tracked_device_gib == pytest.approx(43.7, rel=0.10), memory.table([result])
+
+
+@pytest.mark.slow
+def test_sampling_levers_peaks_at_one_megapixel():
+    """One true-CFG denoising step of a 1 MP edit per sampling lever: the sequential step holds the weights and
+    one forward's activations (measured on an H100: 38.9 GiB, docs/MODEL.md); fp8 halves the block weights;
+    batching both branches holds a second forward's activations; split CFG and context parallelism run half of
+    the work on each of two devices."""
+    rows = {lever: memory.simulate_sample("edit", 1024, 1, lever) for lever in memory.SAMPLE_LEVERS}
+    table = memory.table(list(rows.values()))
+    print(table)  # noqa: T201
+    sequential = rows["sequential"]
+    assert sequential.tracked_device_gib == pytest.approx(38.9, rel=0.10), table
+    assert rows["fp8"].peak_device_gib < sequential.peak_device_gib - 15, table
+    assert sequential.peak_device_gib < rows["batched"].peak_device_gib < sequential.peak_device_gib + 5, table
+    assert rows["split"].flops_per_step == pytest.approx(sequential.flops_per_step / 2, rel=0.01), table
+    assert rows["context-parallel-2"].peak_device_gib < sequential.peak_device_gib, table
+    assert rows["context-parallel-2"].flops_per_step < 0.6 * sequential.flops_per_step, table
+    assert all(r.kind == "sample" and r.peak_device_gib < 80 for r in rows.values()), table

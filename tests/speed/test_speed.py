@@ -199,7 +199,7 @@ def test_memory_planner_counts_one_shard_of_the_frozen_weights_per_fsdp_process(
         assert perf.estimate_memory(shards=n, **args).weights == pytest.approx(whole / n + gathered * (1 - 1 / n),
                                                                                abs=1)
     alone = perf.plan_for_budget(24, **REAL)
-    assert alone.fp8 and alone.offload_blocks > 0  # one process: 41 GiB of bf16 weights do not fit in 24
+    assert alone.fp8 and alone.offload_blocks > 0  # one process: 38.1 GiB of bf16 weights do not fit in 24
     sharded = perf.plan_for_budget(24, shards=4, **REAL)
     assert not sharded.fp8 and sharded.offload_blocks == 0 and sharded.estimate.total <= 24 * 2**30
     with pytest.raises(ValueError, match="too small for FSDP over 2 processes.*add processes"):
