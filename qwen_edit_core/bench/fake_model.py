@@ -26,17 +26,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.model import prompt_length, variants
 
 #: the fake device that stands for the GPU (see the module docstring)
 STAND_IN = torch.device("cpu")
-#: a long caption's own tokens, beside the vision tokens the template adds (an assumption: captions of
-#: 20-40 words; the Edit template's prefix is dropped)
-CAPTION_TOKENS = 40
-#: Qwen2.5-VL's vision tokens: one per 28x28 pixels (14 px patches merged 2x2), sides rounded to 28
-VL_PATCH = 28
-#: the vision-language model's area per control image for Edit Plus (the pipelines' 384x384)
-EDIT_PLUS_VL_AREA = 384 * 384
+#: a long caption's own tokens, beside the vision tokens the template adds (model/prompt_length.py)
+CAPTION_TOKENS = prompt_length.CAPTION_TOKENS
 
 
 class Tracker(MemTracker):
@@ -175,17 +170,10 @@ def offloaded_host_bytes(transformer) -> int:
     return sum(host.numel() * host.element_size() for slots in offloader.slots.values() for *_, host in slots)
 
 
-def _vl_tokens(width: int, height: int) -> int:
-    return round(width / VL_PATCH) * round(height / VL_PATCH)
-
-
 def text_tokens(variant: str, side: int, controls: int) -> int:
-    """Prompt tokens of one sample: the vision tokens of the control images as the VL model sees them (Edit:
-    at the training size, 1,369 at 1024^2; Edit Plus: each control at 384x384, 196 each) plus a caption."""
-    if variants.get(variant).max_controls == 1:
-        return _vl_tokens(side, side) + CAPTION_TOKENS
-    side_vl = round(EDIT_PLUS_VL_AREA ** 0.5)
-    return controls * _vl_tokens(side_vl, side_vl) + CAPTION_TOKENS
+    """Prompt tokens of one sample with `controls` `side` x `side` control images, as the planner counts them
+    (model/prompt_length.py: Edit 1,369 vision tokens at 1024^2, Edit Plus 196 per control, plus a caption)."""
+    return prompt_length.prompt_tokens(variant, [(side, side)] * controls)
 
 
 def cache_item(variant: str, side: int, controls: int) -> dict:

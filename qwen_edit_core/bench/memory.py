@@ -77,9 +77,9 @@ def roofline_seconds(flops_by_op: dict) -> float:
     return fp8 / H100_FP8 + (sum(flops_by_op.values()) - fp8) / H100_BF16
 
 
-def _config(budget_gb: float, targets: str, fp8: bool = False):
+def _config(budget_gb: float, targets: str, fp8: bool = False, variant: str = ""):
     from qwen_edit_core.config import load_config
-    return load_config(None, {"model": {"lora": {"rank": 16, "alpha": 16, "targets": targets}},
+    return load_config(None, {"model": {"variant": variant, "lora": {"rank": 16, "alpha": 16, "targets": targets}},
                               "train": {"mixed_precision": "bf16", "gradient_checkpointing": True,
                                         "memory_budget_gb": budget_gb, "fp8_base": fp8}})
 
@@ -125,12 +125,12 @@ def _levers_text(transformer, checkpointed: int | None) -> str:
 def _planned(config, transformer, bucket, budget_gb: float):
     """The planner's choice and estimate for this run, as `speed.configure_training` computes them."""
     from qwen_edit_core import speed
-    from qwen_edit_core.train import loop
-    from qwen_edit_core.train.distributed import image_tokens
+    from qwen_edit_core.train.distributed import sequence_tokens
     if budget_gb <= 0:
         return None
-    return speed.plan_for_budget(budget_gb, prefer_fp8=config.train.fp8_base,
-                                 tokens=image_tokens(bucket) + loop.TEXT_TOKENS, **speed.model_sizes(transformer))
+    tokens = sequence_tokens([bucket], config.model.variant, config.data.vl_area)  # as train.loop.setup plans
+    return speed.plan_for_budget(budget_gb, prefer_fp8=config.train.fp8_base, tokens=tokens,
+                                 **speed.model_sizes(transformer))
 
 
 def _train_step(run, config, batch, scheduler_config: dict) -> None:
@@ -157,7 +157,7 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
     from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
-    config, bucket, mode = _config(budget_gb, targets, fp8), _bucket(side, controls), fm.fake_mode()
+    config, bucket, mode = _config(budget_gb, targets, fp8, variant), _bucket(side, controls), fm.fake_mode()
     model = fm.fake_transformer(variant, mode, lora=lora_spec(targets), num_layers=num_layers)
     plan = _planned(config, model, bucket, budget_gb)
     with tempfile.TemporaryDirectory() as out, mode:

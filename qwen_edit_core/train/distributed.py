@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 
 from qwen_edit_core.config import Config
-from qwen_edit_core.model import encode
+from qwen_edit_core.model import encode, prompt_length
 from qwen_edit_core.train import sharding
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,13 @@ def image_tokens(bucket_key) -> int:
     """Image tokens of a bucket key ((target w, h), ((control w, h), ...)) for size grouping."""
     target, controls = bucket_key
     return sum(w * h // (encode.LATENT_MULTIPLE ** 2) for w, h in (target, *controls))
+
+
+def sequence_tokens(bucket_keys, variant: str | None, vl_area: int = prompt_length.DEFAULT_VL_AREA) -> int:
+    """The longest sequence (image plus text tokens) of one sample in these buckets, which the memory planner
+    plans for: the text holds the control images' vision tokens (model/prompt_length.py). `variant` empty: the
+    longest prompt any variant taking the bucket's control count would give."""
+    return max(image_tokens(k) + prompt_length.prompt_tokens(variant, k[1], vl_area) for k in bucket_keys)
 
 
 class PaddingMeter:

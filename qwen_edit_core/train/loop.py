@@ -29,15 +29,13 @@ from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.validation import RegionLosses
 from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
-from qwen_edit_core.train.distributed import Distributed, PaddingMeter, image_tokens, local_device  # noqa: F401
+from qwen_edit_core.train.distributed import (Distributed, PaddingMeter, image_tokens, local_device,  # noqa: F401
+                                              sequence_tokens)
 from qwen_edit_core.train.log import LossLog, plot_loss
 from qwen_edit_core.train.optim import SCHEDULES, make_lr_scheduler, make_optimizer, trainable_parameters  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-#: text tokens assumed by the memory planner: a 1024^2 Edit sample's prompt, the control image's 1,369 vision
-#: tokens plus a long caption (Edit Plus prompts are shorter: 196 vision tokens per control at 384^2)
-TEXT_TOKENS = 1409
 #: "equal": one bucket per batch (so one control count); "similar": neighbouring sizes and any control counts
 #: share a batch; "similar-count": neighbouring sizes, one control count per batch
 BUCKET_GROUPINGS = ("equal", "similar", "similar-count")
@@ -136,8 +134,8 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
     autocast_dtype = _autocast_dtype(t.mixed_precision)
     multires.install(transformer)  # exact mixed-resolution batches; no-op numerics for uniform ones
     # fp8 base, selective checkpointing, offloading, compile; `gradient_checkpointing` alone = every block.
-    speed.configure_training(transformer, t, device, tokens=max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS,
-                             shards=dist.world if dist.fsdp else 1)
+    tokens = sequence_tokens(bucket_keys, config.model.variant, config.data.vl_area)
+    speed.configure_training(transformer, t, device, tokens=tokens, shards=dist.world if dist.fsdp else 1)
     # peft gives adapters the base layer's dtype (bf16 on a bf16 base, fp32 beside an fp8 one): the LoRA and
     # its AdamW state train in fp32 whatever the base, so no speed lever changes the optimizer's precision.
     cast_training_params(transformer, dtype=torch.float32)

@@ -140,11 +140,11 @@ def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_
     adapters that need the base weights when they are created or an unquantized base (DoRA, LoKr, LoHa)."""
     from qwen_edit_core.model import variants
     from qwen_edit_core.model.families import QWEN_IMAGE
-    from qwen_edit_core.train.distributed import image_tokens
-    from qwen_edit_core.train.loop import TEXT_TOKENS
+    from qwen_edit_core.train.distributed import sequence_tokens
     if config.model.quantize != "none" or spec.type != "lora" or spec.dora:
         return None
-    if variants.get(config.model.variant or comp.detect_variant(model_dir)).family is not QWEN_IMAGE:
+    variant = config.model.variant or comp.detect_variant(model_dir)
+    if variants.get(variant).family is not QWEN_IMAGE:
         return None  # the planned loader builds Qwen-Image's transformer class
     if sharding.is_sharded():
         return sharding.host_plan(resolve_dtype(config.model.dtype, component="model.dtype"))
@@ -152,7 +152,7 @@ def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_
     source = weight_source(model_dir, files["transformer_file"], files["transformer_fp8"])
     device = torch.device(device)
     available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    tokens = max(image_tokens(k) for k in bucket_keys) + TEXT_TOKENS
+    tokens = sequence_tokens(bucket_keys, variant, config.data.vl_area)  # the controls' vision tokens included
     return speed.plan_training(config.train, device, resolve_dtype(config.model.dtype, component="model.dtype"),
                                planned_sizes(source, spec), tokens, available=available,
                                already_fp8=source.keeps_fp8(device))
