@@ -137,8 +137,12 @@ TINY_LOADER = {"id": 1, "type": "QwenEditModelLoader", "widgets": {"model": TOY_
                                                                   "vae_device": "cpu", "text_encoder_device": "cpu",
                                                                   "dtype": "float32"}}
 DEMO_DATA = {"id": 2, "type": "QwenEditSyntheticDataset", "widgets": {"count": 8}}
-TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.003, "rank": 16, "targets": "all",
+#: the toy model learns "invert the colors" keeping the shapes at rank 64 (its transformer's width) and lr 1e-2, as
+#: the demo does (qwen_edit_core/demo.py, docs/TOY_MODEL.md); rank 16 at lr 3e-3 dissolved the shapes into blocks
+TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.01, "rank": 64, "targets": "all",
          "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
+#: the demo's step count, for the templates that show the trained LoRA's own pictures at the end
+DEMO_STEPS = 250
 SAMPLE = {"prompt": "invert the colors", "steps": 20, "true_cfg_scale": 1.0, "seed": 0, "vae_side": 128}
 
 LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
@@ -195,11 +199,14 @@ WORKFLOWS = {
         (DATA, [DEMO_DATA]),
         (TRAINING, [
             {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
-                                                            "use_cache": False},
-             "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
+                                                            "steps": DEMO_STEPS, "use_cache": False,
+                                                            "validation_every": 50,
+                                                            "validation_prompt": "invert the colors"},
+             "links": {"model": (1, "model"), "dataset": (2, "dataset"), "validation_image": (2, "example_control")}},
             ]),
         (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
-        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}}])]),
+        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
+                   {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_build_cache": ("Build the embedding cache only", (
         "Encodes a dataset once (VAE latents and prompt embeddings) into the cache that training reuses, so a "
         "later training run loads only the transformer.\n\nChange first: the dataset (Dataset From Folder on "
@@ -227,7 +234,8 @@ WORKFLOWS = {
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample",
+                                                            "steps": DEMO_STEPS},
              "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
             ]),
         (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}}]),
