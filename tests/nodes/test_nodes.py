@@ -113,7 +113,11 @@ def test_templates_are_listed_once_with_a_thumbnail_each():
             assert image.format == "JPEG" and max(image.size) == 256, (path.name, image.format, image.size)
             assert max(ImageStat.Stat(image.convert("L")).stddev) > 10, f"{path.name}: blank thumbnail"
             pictures[path.name] = image.convert("RGB").tobytes()
-    assert len(set(pictures.values())) >= len(pictures) - 2, "thumbnails should show each workflow's picture"
+    # as shipped, sample-with-LoRA (no LoRA) and two-GPU CFG (CFG 1) sample the same picture the same way
+    same = {"qwen_edit_sample_with_lora.json", "qwen_edit_two_gpu_cfg.json"}
+    assert len({pictures[n] for n in same}) == 1
+    others = [picture for name, picture in pictures.items() if name not in same]
+    assert len(set(others)) == len(others), "each thumbnail shows its own workflow's picture"
 
 
 def test_shipped_workflows_are_the_generated_ones(tmp_path, monkeypatch):
