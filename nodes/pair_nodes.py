@@ -7,7 +7,7 @@ import torch
 
 from qwen_edit_core.data.pair_writer import NewPair, add_pairs
 
-from .common import CATEGORY, DATASET, DatasetHandle, image_to_pils
+from .common import CATEGORY, DATASET, REFERENCES, DatasetHandle, image_to_pils
 from .train_nodes import _folder
 
 
@@ -21,21 +21,31 @@ def _rows(name: str, tensor: torch.Tensor | None, count: int) -> list:
     return [tensor[min(i, tensor.shape[0] - 1)] for i in range(count)]
 
 
-#: the control inputs in order: before, before_2 .. before_10 (Qwen-Image-2.1 takes up to 10 references)
-BEFORE_INPUTS = ("before",) + tuple(f"before_{i}" for i in range(2, 11))
+def opaque_references(references) -> tuple:
+    """Reference Images' pictures (PIL, RGB or RGBA) as RGB, in order; a picture with transparency is refused
+    (dataset pictures are RGB: the trainer would not see its alpha)."""
+    pictures = []
+    for i, picture in enumerate(references or ()):
+        if picture.mode in ("RGBA", "LA", "PA") and picture.getchannel("A").getextrema()[0] < 255:
+            raise ValueError(f"reference {i + 1} has transparency, but dataset pictures are RGB; connect Reference "
+                             "Images without a mask (or flatten the picture first)")
+        pictures.append(picture.convert("RGB"))
+    return tuple(pictures)
 
 
-def comfy_pairs(before, after, caption, mask=None, before_2=None, before_3=None, **more) -> list[NewPair]:
-    """ComfyUI IMAGE batches (B, H, W, 3) and MASK (B, H, W) or (H, W), 1 = edited -> one NewPair per row; `more`:
-    before_4 .. before_10."""
+def comfy_pairs(before, after, caption, mask=None, before_2=None, before_3=None, references=None) -> list[NewPair]:
+    """ComfyUI IMAGE batches (B, H, W, 3) and MASK (B, H, W) or (H, W), 1 = edited -> one NewPair per row, its
+    controls in order: before, before_2, before_3, then every picture of `references` (a Reference Images chain,
+    shared by every pair of the batch)."""
     count = after.shape[0]
     if mask is not None and mask.ndim == 2:
         mask = mask[None]
-    given = {"before": before, "before_2": before_2, "before_3": before_3, **more}
-    controls = [_rows(n, given.get(n), count) for n in BEFORE_INPUTS if given.get(n) is not None]
+    given = [("before", before), ("before_2", before_2), ("before_3", before_3)]
+    controls = [_rows(n, t, count) for n, t in given if t is not None]
+    extra = opaque_references(references)
     masks = _rows("mask", mask, count)
     targets = image_to_pils(after)
-    return [NewPair(tuple(image_to_pils(row[None])[0] for row in rows), target, caption,
+    return [NewPair(tuple(image_to_pils(row[None])[0] for row in rows) + extra, target, caption,
                     None if m is None else m.detach().to("cpu", torch.float32).numpy())
             for rows, target, m in zip(zip(*controls), targets, masks)]
 
@@ -50,7 +60,9 @@ class QwenEditSavePair:
         "region, in the layout Dataset From Folder and training read (PREFIX_00001.png, PREFIX_00001_control"
         ".png, .txt, _mask.png); each run with new images adds the next number. The mask is a stock MASK with "
         "1 = edited (what you paint in the mask editor; Load Image's mask is 1 - alpha), written white = "
-        "edited; Train's mask_weight sets how much that region counts in the loss. Masks are saved with their "
+        "edited; Train's mask_weight sets how much that region counts in the loss. More controls (Qwen-Image-"
+        "2.1: up to 10 in all) come in order from before_2, before_3 and a Reference Images chain on references. "
+        "Masks are saved with their "
         "pair rather than given to the Train node because each pair's edited region is its own and the "
         "dataset keeps them for every later run (cached or not).")
     RETURN_TYPES = (DATASET, "STRING")
@@ -77,13 +89,16 @@ class QwenEditSavePair:
                               "copy; InvertMask first if yours marks what to keep"}),
             "before_2": ("IMAGE", {"tooltip": "a second control image (Edit Plus 2509/2511 models take 1 to 3)"}),
             "before_3": ("IMAGE", {"tooltip": "a third control image (Edit Plus 2509/2511 models take 1 to 3)"}),
-            **{name: ("IMAGE", {"tooltip": f"control image {name.split('_')[1]}, in order (Qwen-Image-2.1 models "
-                                           "take 1 to 10 references)"}) for name in BEFORE_INPUTS[3:]},
+            "references": (REFERENCES, {"tooltip": "more control images after before_3 (or after the last "
+                                                   "connected one), in order, the same for every pair of the "
+                                                   "batch: a Reference Images chain, one node per picture size "
+                                                   "(Qwen-Image-2.1 models take 1 to 10 references in all)"}),
         }}
 
-    def save(self, before, after, caption, folder, name_prefix, mask=None, before_2=None, before_3=None, **more):
+    def save(self, before, after, caption, folder, name_prefix, mask=None, before_2=None, before_3=None,
+             references=None):
         path = _folder(folder)
-        written, report = add_pairs(path, comfy_pairs(before, after, caption, mask, before_2, before_3, **more),
+        written, report = add_pairs(path, comfy_pairs(before, after, caption, mask, before_2, before_3, references),
                                     name_prefix)
         masked = sum(w.mask is not None for w in written)
         total = len(report.examples)

@@ -100,9 +100,11 @@ class QwenEditReferenceImages:
     references given; chain one node per size."""
 
     CATEGORY = f"{CATEGORY}/sampling"
+    SEARCH_ALIASES = ["reference images", "multiple images", "image list", "qwen image 2.1", "references"]
     DESCRIPTION = ("Collects reference images in order for Qwen-Image-2.1 (up to 10, each its own size): every "
                    "picture of the image batch is added after the incoming references. Chain one node per "
-                   "picture size, then connect to the Sampler's references.")
+                   "picture size, then connect to the Sampler's references (or Save Pair To Dataset's, for "
+                   "training pairs).")
     RETURN_TYPES = (REFERENCES,)
     RETURN_NAMES = ("references",)
     FUNCTION = "collect"

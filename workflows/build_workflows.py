@@ -76,7 +76,8 @@ def build(stages: list[tuple[str, list[dict]]], title: str, note: str) -> dict:
     note_node = {"id": max(n["id"] for n in nodes) + 1, "type": "Note", "widgets": {"text": note},
                  "min_size": note_size(note)}
     columns = [("", [note_node])] + stages
-    if [t for t, _ in stages[:2]] == [f"1. {LOAD}", f"2. {DATA}"]:  # one column: the graph fits the screen
+    if [t for t, _ in stages[:2]] in ([f"1. {LOAD}", f"2. {DATA}"], [f"1. {LOAD}", f"2. {PAIRS}"]):
+        # one column: the graph fits the screen
         columns = [columns[0], stages[:2]] + stages[2:]
     placed, groups = place(columns, frontend_sizes())
     nodes = [note_node] + nodes
@@ -137,11 +138,20 @@ TINY_LOADER = {"id": 1, "type": "QwenEditModelLoader", "widgets": {"model": TOY_
                                                                   "vae_device": "cpu", "text_encoder_device": "cpu",
                                                                   "dtype": "float32"}}
 DEMO_DATA = {"id": 2, "type": "QwenEditSyntheticDataset", "widgets": {"count": 8}}
-TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.003, "rank": 16, "targets": "all",
+#: the toy model learns "invert the colors" keeping the shapes at rank 64 (its transformer's width) and lr 1e-2, as
+#: the demo does (qwen_edit_core/demo.py, docs/TOY_MODEL.md); rank 16 at lr 3e-3 dissolved the shapes into blocks
+TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.01, "rank": 64, "targets": "all",
          "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
+#: the demo's step count, for the template that samples with the trained LoRA at the end (the real-time one keeps
+#: 150: it encodes every batch as it goes, about 1.5 s a step on one CPU thread against 0.15 s cached)
+DEMO_STEPS = 250
 SAMPLE = {"prompt": "invert the colors", "steps": 20, "true_cfg_scale": 1.0, "seed": 0, "vae_side": 128}
 
+#: the 2.1 training workflow's edit: two ordered references, the target made from both
+EDIT21 = "paste the second picture's left half onto the first picture's right half"
+
 LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
+PAIRS = "Pair with ordered references"
 RESULTS = "Results"  # the one group without a step number
 TINY_NOTE = ("It runs as shipped on the built-in toy model (pretrained on 128 px pictures of shapes: it keeps, "
              "grays or shifts them, and learns to invert their colours here in about a minute on a CPU; CFG 1). "
@@ -195,11 +205,14 @@ WORKFLOWS = {
         (DATA, [DEMO_DATA]),
         (TRAINING, [
             {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
-                                                            "use_cache": False},
-             "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
+                                                            "use_cache": False,
+                                                            "validation_every": 50,
+                                                            "validation_prompt": "invert the colors"},
+             "links": {"model": (1, "model"), "dataset": (2, "dataset"), "validation_image": (2, "example_control")}},
             ]),
         (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
-        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}}])]),
+        (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
+                   {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_build_cache": ("Build the embedding cache only", (
         "Encodes a dataset once (VAE latents and prompt embeddings) into the cache that training reuses, so a "
         "later training run loads only the transformer.\n\nChange first: the dataset (Dataset From Folder on "
@@ -227,7 +240,8 @@ WORKFLOWS = {
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
-            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample"},
+            {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_train_then_sample",
+                                                            "steps": DEMO_STEPS},
              "links": {"model": (1, "model"), "dataset": (2, "dataset")}},
             ]),
         (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (4, "job")}}]),
@@ -285,6 +299,41 @@ WORKFLOWS = {
                                "references": (4, "references")}}]),
         (RESULTS, [{"id": 6, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_sample"},
                     "links": {"images": (5, "image")}}])]),
+    "qwen_image21_train_references": ("Qwen-Image-2.1: train an edit LoRA on pairs with ordered references", (
+        "Builds a Qwen-Image-2.1 training pair with two ordered references in the graph (Save Pair To Dataset: "
+        "before is the first reference, the Reference Images chain on references adds the rest, up to 10 in "
+        "all), trains a LoRA on it (Train LoRA, watched by Training Status), then samples the pair's "
+        "references through the new LoRA. The edit: the first picture with the second picture's left half "
+        "pasted on its right half (order matters). As shipped it runs the built-in tiny 2.1 model: random "
+        "weights, so its pictures are noise; the graph shows the path and the loss plot what the LoRA "
+        "learned.\n\nChange first: in Load Model pick your Qwen-Image-2.1 folder of models/qwen_edit, devices "
+        "cuda:0 and dtype bfloat16; your pictures (Load Image nodes: before, a Reference Images node per "
+        "picture size, after) and caption, or Dataset From Folder on a folder of pairs (NAME_control_1.png .. "
+        "NAME_control_10.png, NAME.png, NAME.txt); in Train LoRA: lora_name, steps (500-3000), resolution "
+        "(1024), learning_rate (1e-4), rank (16), batch_size. Qwen-Image-2.1 is under the Qwen Research "
+        "License (non-commercial research and evaluation)."), [
+        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TINY_21_MODEL}}]),
+        (PAIRS, [
+            DEMO_DATA, {"id": 3, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
+            {"id": 5, "type": "ImageCompositeMasked", "widgets": {"x": 64, "y": 0, "resize_source": False},
+             "links": {"destination": (2, "example_control"), "source": (3, "IMAGE")}},
+            {"id": 4, "type": "QwenEditReferenceImages", "links": {"image": (3, "IMAGE")}},
+            {"id": 6, "type": "QwenEditSavePair", "widgets": {"caption": EDIT21, "folder": "qwen_image21_pairs"},
+             "links": {"before": (2, "example_control"), "after": (5, "IMAGE"), "references": (4, "references")}}]),
+        (TRAINING, [
+            {"id": 7, "type": "QwenEditTrainLoRA", "widgets": {
+                **TRAIN, "lora_name": "qwen_image21_edit_lora", "steps": 100, "rank": 32, "batch_size": 1,
+                "use_cache": False},
+             "links": {"model": (1, "model"), "dataset": (6, "dataset")}}]),
+        (WATCH, [{"id": 8, "type": "QwenEditTrainStatus", "widgets": {"wait": True}, "links": {"job": (7, "job")}}]),
+        (SAMPLING, [
+            {"id": 9, "type": "QwenEditLoraLoader", "widgets": {"lora_name": "(none)", "strength": 1.0},
+             "links": {"model": (1, "model"), "lora_path": (8, "lora_path")}},
+            {"id": 10, "type": "QwenEditSampler", "widgets": {**SAMPLE, "prompt": EDIT21, "vae_side": 128},
+             "links": {"model": (9, "model"), "image": (2, "example_control"), "references": (4, "references")}}]),
+        (RESULTS, [{"id": 11, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_after_training"},
+                    "links": {"images": (10, "image")}},
+                   {"id": 12, "type": "PreviewImage", "links": {"images": (8, "loss_plot")}}])]),
     "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
         "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
         "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "

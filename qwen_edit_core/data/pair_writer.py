@@ -13,9 +13,9 @@ A mask is a float array (H, W) in [0, 1], 1 marking the edited region (ComfyUI's
 painted in the mask editor); it is written as an 8-bit greyscale PNG at its own size, white = edited, which
 is what `data.masks` reads. Its aspect must be the target's (the target's size or a scaled copy).
 
-Every pair is checked before anything is written and every problem is reported at once: at most 3 controls (the
-most any variant takes), the image limits, the caption by the dataset reader's own rule (data/captions.py: not
-empty, no control characters but line breaks and tabs), the mask. Each file is written
+Every pair is checked before anything is written and every problem is reported at once: at most
+`MAX_CONTROLS` controls (10, the most any variant takes), the image limits, the caption by the dataset reader's
+own rule (data/captions.py: not empty, no control characters but line breaks and tabs), the mask. Each file is written
 atomically (`common.files.write_bytes`), the target last; if a write fails, the pair's files written so far
 are removed, so a failed write never leaves half a pair.
 """

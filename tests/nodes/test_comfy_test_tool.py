@@ -64,7 +64,8 @@ def test_every_workflow_is_run_and_reported_after_a_timeout(tool, monkeypatch, t
     monkeypatch.setattr(run, "keep_thumbnail", lambda *a: "thumbnail kept")
     monkeypatch.setattr(comfy, "TIME_SCALE", 2.5)
     _FakeServer.calls = []
-    args = type("Args", (), {"comfyui_dir": tmp_path, "python": "python", "out": tmp_path, "write_thumbnails": False})
+    args = type("Args", (), {"comfyui_dir": tmp_path, "python": "python", "out": tmp_path, "write_thumbnails": False,
+                           "workflows": ""})
     with pytest.raises(RuntimeError) as failed:
         run.check_workflows(args)
     message = str(failed.value)

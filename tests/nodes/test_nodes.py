@@ -113,7 +113,15 @@ def test_templates_are_listed_once_with_a_thumbnail_each():
             assert image.format == "JPEG" and max(image.size) == 256, (path.name, image.format, image.size)
             assert max(ImageStat.Stat(image.convert("L")).stddev) > 10, f"{path.name}: blank thumbnail"
             pictures[path.name] = image.convert("RGB").tobytes()
-    assert len(set(pictures.values())) >= len(pictures) - 2, "thumbnails should show each workflow's picture"
+    # as shipped, sample-with-LoRA (no LoRA) and two-GPU CFG (CFG 1) sample the same picture the same way, and the
+    # cached and real-time templates train the same LoRA (equal losses in both modes), so their validation edits
+    # are the same picture
+    same = [{"qwen_edit_sample_with_lora.json", "qwen_edit_two_gpu_cfg.json"},
+            {"qwen_edit_train_cached.json", "qwen_edit_train_realtime.json"}]
+    assert all(len({pictures[n] for n in group}) == 1 for group in same)
+    others = [picture for name, picture in pictures.items() if not any(name in group for group in same)]
+    others += [pictures[min(group)] for group in same]
+    assert len(set(others)) == len(others), "each thumbnail shows its own workflow's picture"
 
 
 def test_shipped_workflows_are_the_generated_ones(tmp_path, monkeypatch):

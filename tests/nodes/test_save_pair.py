@@ -97,18 +97,58 @@ def test_save_pair_errors_are_clear(tmp_path):
     assert not folder.exists()
 
 
+def _saved_controls(folder) -> list:
+    (example,) = load_dataset(folder).examples
+    return [np.asarray(Image.open(path)) for path in example.controls]
+
+
+def _pixels(image_row) -> np.ndarray:
+    return (image_row.numpy() * 255).round().astype(np.uint8)
+
+
 def test_ten_ordered_references_for_qwen_image_21(tmp_path):
-    """before, before_2 .. before_10 (appended after before_3, ids unchanged) write one pair of 10 controls in order."""
+    """before, before_2, before_3, then a Reference Images chain (of any picture sizes) write one pair of 10
+    controls in that order; the references input is one optional input appended last."""
     node = nodes.QwenEditSavePair()
-    optional = list(node.INPUT_TYPES()["optional"])
-    assert optional == ["mask", "before_2", "before_3"] + [f"before_{i}" for i in range(4, 11)]
-    assert all(spec[1]["tooltip"] for spec in node.INPUT_TYPES()["optional"].values())
-    more = {f"before_{i}": _images(seed=10 + i) for i in range(2, 11)}
-    node.save(_images(seed=1), _images(seed=2), "x", str(tmp_path / "ten"), "ref", **more)
-    (example,) = load_dataset(tmp_path / "ten").examples
-    assert len(example.controls) == 10
-    import numpy as np
-    from PIL import Image
-    for i, path in enumerate(example.controls[1:], start=2):
-        expected = (more[f"before_{i}"][0].numpy() * 255).round().astype(np.uint8)
-        assert np.array_equal(np.asarray(Image.open(path)), expected)
+    optional = node.INPUT_TYPES()["optional"]
+    assert list(optional) == ["mask", "before_2", "before_3", "references"]
+    assert optional["references"][0] == nodes.QwenEditReferenceImages.RETURN_TYPES[0]
+    assert all(spec[1]["tooltip"] for spec in optional.values())
+    before = [_images(seed=k) for k in (1, 2, 3)]
+    wide, tall = _images(4, seed=10), _images(3, seed=11, h=96, w=64)  # two sizes: two chained nodes
+    (chain,) = nodes.QwenEditReferenceImages().collect(wide)
+    (chain,) = nodes.QwenEditReferenceImages().collect(tall, references=chain)
+    node.save(before[0], _images(seed=20), "x", str(tmp_path / "ten"), "ref", before_2=before[1],
+              before_3=before[2], references=chain)
+    expected = [_pixels(b[0]) for b in before] + [_pixels(row) for row in wide] + [_pixels(row) for row in tall]
+    got = _saved_controls(tmp_path / "ten")
+    assert len(got) == 10 and all(np.array_equal(g, e) for g, e in zip(got, expected))
+
+
+def test_references_are_shared_by_a_batch_and_follow_the_last_connected_before(tmp_path):
+    (chain,) = nodes.QwenEditReferenceImages().collect(_images(2, seed=7))
+    nodes.QwenEditSavePair().save(_images(3, seed=1), _images(3, seed=2), "x", str(tmp_path / "b"), "p",
+                                  references=chain)
+    report = load_dataset(tmp_path / "b")
+    assert [len(e.controls) for e in report.examples] == [3, 3, 3]
+    for k, example in enumerate(report.examples):
+        saved = [np.asarray(Image.open(p)) for p in example.controls]
+        assert np.array_equal(saved[0], _pixels(_images(3, seed=1)[k]))
+        assert all(np.array_equal(saved[1 + j], _pixels(_images(2, seed=7)[j])) for j in range(2))
+
+
+def test_too_many_or_transparent_references_are_refused(tmp_path):
+    node = nodes.QwenEditSavePair()
+    (eight,) = nodes.QwenEditReferenceImages().collect(_images(8, seed=3))
+    with pytest.raises(ValueError, match="at most 10 control \\(before\\) images.*got 11"):
+        node.save(_images(), _images(), "x", str(tmp_path / "many"), "p", before_2=_images(), before_3=_images(),
+                  references=eight)
+    alpha = torch.zeros(1, H, W)
+    alpha[0, :8] = 1.0  # Load Image's mask: the top rows transparent
+    (clear,) = nodes.QwenEditReferenceImages().collect(_images(), mask=alpha)
+    with pytest.raises(ValueError, match="reference 1 has transparency.*without a mask"):
+        node.save(_images(), _images(), "x", str(tmp_path / "clear"), "p", references=clear)
+    (opaque,) = nodes.QwenEditReferenceImages().collect(_images(seed=5), mask=torch.zeros(1, H, W))
+    node.save(_images(), _images(), "x", str(tmp_path / "opaque"), "p", references=opaque)
+    assert np.array_equal(_saved_controls(tmp_path / "opaque")[1], _pixels(_images(seed=5)[0]))
+    assert not (tmp_path / "many").exists() and not (tmp_path / "clear").exists()

@@ -46,3 +46,31 @@ def test_train_node_trains_a_21_lora_on_the_graphs_model(env, tiny_21_dir):
         n for n in lora.adaptable_modules(transformer) if not n.startswith("transformer_blocks.")}
     after = dict(transformer.named_parameters())
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_pairs_with_ordered_references_saved_in_the_graph_train_and_sample_through_the_lora(env, tiny_21_dir):
+    """The shipped 2.1 training workflow's path: Save Pair To Dataset writes a pair whose controls are before,
+    then a Reference Images chain; Train LoRA trains on its dataset output; Training Status gives the LoRA,
+    which Load LoRA applies to the Sampler fed the same ordered references (the LoRA changes the picture)."""
+    rng = torch.Generator().manual_seed(5)
+    before, other, after = (torch.rand(1, 64, 64, 3, generator=rng) for _ in range(3))
+    wide = torch.rand(1, 64, 96, 3, generator=rng)
+    with torch.inference_mode():
+        (model,) = nodes.QwenEditModelLoader().load("", "cpu", "cpu", "cpu", "float32", path=str(tiny_21_dir))
+        (refs,) = nodes.QwenEditReferenceImages().collect(other)
+        (refs,) = nodes.QwenEditReferenceImages().collect(wide, references=refs)
+        data, _ = nodes.QwenEditSavePair().save(before, after, "put them together", str(env / "pairs"), "pair",
+                                                references=refs)["result"]
+        (example,) = data.report.examples
+        assert [Image.open(p).size for p in example.controls] == [(64, 64), (64, 64), (96, 64)]
+        (job,) = nodes.QwenEditTrainLoRA().start(model, data, "lora21_refs", 2, 1e-2, 4, "all", 1, 64, 0, False,
+                                                 False)
+        out = nodes.QwenEditTrainStatus().status(True, job=job)["result"]
+        name, path = out[0], out[1]
+        assert name == "lora21_refs.safetensors" and path
+        args = ("put them together", " ", 2, 1.0, 0, 0, 0, "dynamic", "same", 64)
+        plain = nodes.QwenEditSampler().sample(model, before, *args, references=refs)[0]
+        (with_lora,) = nodes.QwenEditLoraLoader().apply(model, "(none)", 1.0, lora_path=path)
+        trained = nodes.QwenEditSampler().sample(with_lora, before, *args, references=refs)[0]
+    assert plain.shape == trained.shape == (1, 64, 64, 3)
+    assert (trained - plain).abs().max() > 1e-3  # the LoRA reaches the sampled picture
