@@ -1,6 +1,7 @@
 """`qwen-edit bench memory`: one real-size training step and one sampling step of each plan, simulated.
 
-The real transformer of a variant (60 blocks, 20 B parameters), real token counts and the product's own code
+The real transformer of a variant (the 2025 family's 60 blocks, 20 B parameters; Qwen-Image-2.1's 32 blocks,
+7 B, whose step is `train.batch21`'s, see bench.fake_model21), real token counts and the product's own code
 path (`train.loop.setup`: LoRA, levers from the memory planner, checkpointing, offload, AdamW; the step's
 `train.batch.flow_loss` and `train.loop.optimizer_step`; the sampler's `sample.sampler.denoise`) run under
 torch's FakeTensorMode (bench.fake_model): no weight exists, `MemTracker` counts every byte the step holds,

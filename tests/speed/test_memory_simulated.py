@@ -185,12 +185,28 @@ def test_sampling_levers_peaks_at_one_megapixel():
     assert all(r.kind == "sample" and r.peak_device_gib < 80 for r in rows.values()), table
 
 
-@pytest.mark.slow  # a real-size 2.1 step: 1.5 (1 reference) to several minutes (10) of CPU
-@pytest.mark.parametrize("references", [1, 3, 10])
+@pytest.mark.slow  # a real-size 2.1 step: 1.5 (one reference) to 3 minutes (three) of CPU
+@pytest.mark.parametrize("references", [1, 3])
 def test_21_plans_fit_24_gib_at_real_size(references):
-    """Qwen-Image-2.1 at 1024^2 with 1, 3 and 10 references of 1024^2 (the real 32-block, 4096-wide transformer,
+    """Qwen-Image-2.1 at 1024^2 with one and three references of 1024^2 (the real 32-block, 4096-wide transformer,
     `train.batch21`'s step): the planner's 24 GiB plan holds at most 24 GiB and its estimate is within 15%."""
     result = memory.simulate_train("image-2.1", 1024, references, budget_gb=24)
     assert result.image_tokens == (1 + references) * 64 * 64 and result.controls == references
-    assert result.categories_gib["Parameter"] > 7.0  # the real 7 B transformer (13.3 GiB in bf16), or fp8
+    assert result.categories_gib["Parameter"] > 6.5  # the real 7 B transformer (13.3 GiB in bf16, half in fp8)
     _checked_against_the_planner(result, 24)
+
+
+@pytest.mark.slow  # 45,000 tokens: several minutes of CPU
+def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
+    """Ten 1024^2 references (45,056 image tokens): the planner refuses 24 GiB, naming what even the smallest plan
+    needs, and the simulated step of a plan it accepts (36 GiB: fp8, every block checkpointed, offloading) fits
+    and is within 15% of its estimate; its activations and working set alone, beside the fp8 weights the
+    offloader cannot move (the two blocks in flight and the rest of the model), exceed 24 GiB."""
+    with pytest.raises(ValueError, match="24.0 is too small: even an fp8 base with every block checkpointed and "
+                                         "offloaded needs about 3"):
+        memory.simulate_train("image-2.1", 1024, 10, budget_gb=24, num_layers=None)
+    result = memory.simulate_train("image-2.1", 1024, 10, budget_gb=36)
+    assert result.image_tokens == 11 * 64 * 64
+    _checked_against_the_planner(result, 36)
+    non_weight = result.peak_device_gib - result.categories_gib["Parameter"]
+    assert non_weight > 24 - 2, memory.table([result])
