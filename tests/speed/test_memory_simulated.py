@@ -185,7 +185,7 @@ def test_sampling_levers_peaks_at_one_megapixel():
     assert all(r.kind == "sample" and r.peak_device_gib < 80 for r in rows.values()), table
 
 
-@pytest.mark.slow  # a real-size 2.1 step: 1.5 (one reference) to 3 minutes (three) of CPU
+@pytest.mark.slow  # a real-size 2.1 step: 1.5 (one reference) to 10 minutes (three, fp8) of CPU
 @pytest.mark.parametrize("references", [1, 3])
 def test_21_plans_fit_24_gib_at_real_size(references):
     """Qwen-Image-2.1 at 1024^2 with one and three references of 1024^2 (the real 32-block, 4096-wide transformer,
@@ -196,17 +196,17 @@ def test_21_plans_fit_24_gib_at_real_size(references):
     _checked_against_the_planner(result, 24)
 
 
-@pytest.mark.slow  # 45,000 tokens: several minutes of CPU
+@pytest.mark.slow  # 45,000 tokens: about 15 minutes of CPU
 def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
     """Ten 1024^2 references (45,056 image tokens): the planner refuses 24 GiB, naming what even the smallest plan
     needs, and the simulated step of a plan it accepts (36 GiB: fp8, every block checkpointed, offloading) fits
-    and is within 15% of its estimate; its activations and working set alone, beside the fp8 weights the
-    offloader cannot move (the two blocks in flight and the rest of the model), exceed 24 GiB."""
+    and is within 15% of its estimate; what it holds beside the weights alone (activations, working set, margin)
+    exceeds 24 GiB, so no lever (each only moves or shrinks weights) could make 24 GiB fit."""
     with pytest.raises(ValueError, match="24.0 is too small: even an fp8 base with every block checkpointed and "
                                          "offloaded needs about 3"):
-        memory.simulate_train("image-2.1", 1024, 10, budget_gb=24, num_layers=None)
+        memory.simulate_train("image-2.1", 1024, 10, budget_gb=24)
     result = memory.simulate_train("image-2.1", 1024, 10, budget_gb=36)
     assert result.image_tokens == 11 * 64 * 64
     _checked_against_the_planner(result, 36)
-    non_weight = result.peak_device_gib - result.categories_gib["Parameter"]
-    assert non_weight > 24 - 2, memory.table([result])
+    non_weight = result.peak_device_gib - result.categories_gib["Parameter"] - result.categories_gib["Buffer"]
+    assert non_weight > 24, memory.table([result])
