@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
                    help="memory: simulated variant; sample: image-2.1 runs only Qwen-Image-2.1's prefix-cache table")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
-    p.add_argument("--controls", type=int, default=None, help="memory: control images (default 1 Edit, 2 Plus)")
+    p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.set_defaults(func=cmd_bench)

@@ -118,19 +118,27 @@ class GlobalFlops(FlopCounterMode):
         self.mod_tracker = _NoModules()
 
 
-def fake_mode() -> FakeTensorMode:
-    """The fake mode every simulated tensor lives in; real CPU inputs are taken as constants."""
+def is_21(variant: str) -> bool:
+    """Whether `variant` is a Qwen-Image-2.1 model (bench.fake_model21 describes its inputs)."""
+    from qwen_edit_core.model.families import QWEN_IMAGE_21
+    return variants.get(variant).family is QWEN_IMAGE_21
+
+
+def fake_mode(variant: str = variants.DEFAULT) -> FakeTensorMode:
+    """The fake mode every simulated tensor of `variant` lives in; real CPU inputs are taken as constants (2.1:
+    operators on its real token layout run for real, see bench.fake_model21)."""
+    if is_21(variant):
+        from qwen_edit_core.bench.fake_model21 import LayoutMode
+        return LayoutMode(allow_non_fake_inputs=True)
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def transformer_config(variant: str, num_layers: int | None = None) -> dict:
-    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511); only Qwen-Image's
-    architecture is simulated (the product's levers and planner serve it)."""
-    from qwen_edit_core.model.families import QWEN_IMAGE
+    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511; 2.1: its shipped config)."""
     from qwen_edit_core.model.tiny import transformer_config as real_config
-    if variants.get(variant).family is not QWEN_IMAGE:
-        simulated = ", ".join(n for n in variants.NAMES if variants.get(n).family is QWEN_IMAGE)
-        raise ValueError(f"bench memory: variant {variant!r} is not simulated; simulated: {simulated}")
+    if is_21(variant):
+        from qwen_edit_core.bench import fake_model21
+        return fake_model21.transformer_config(num_layers)
     cfg = real_config("real", num_layers=num_layers)
     if variants.get(variant).zero_cond_t:
         cfg["zero_cond_t"] = True
@@ -142,16 +150,18 @@ def fake_transformer(variant: str, mode: FakeTensorMode, *, lora=None, num_layer
     """The real-size transformer of `variant` in `dtype` with fake weights on `STAND_IN` (what today's loaders
     leave on the device: the whole model, before any lever), a LoRA injected first when `lora` (a
     `adapters.lora.LoraSpec`) is given."""
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
 
     from qwen_edit_core.adapters import lora as lora_mod
+    cls = QwenImage21Transformer2DModel if is_21(variant) else QwenImageTransformer2DModel
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**transformer_config(variant, num_layers))
+        model = cls(**transformer_config(variant, num_layers))
     model = model.to(dtype).eval().requires_grad_(False)
     if lora is not None:
         lora_mod.inject_lora(model, lora)
     with mode:
         for module in model.modules():
+            _fake_tensor_attributes(module)
             for name, param in list(module._parameters.items()):
                 if param is not None:
                     module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=STAND_IN),
@@ -160,6 +170,17 @@ def fake_transformer(variant: str, mode: FakeTensorMode, *, lora=None, num_layer
                 if buf is not None:
                     module._buffers[name] = torch.empty_like(buf, device=STAND_IN)
     return model
+
+
+def _fake_tensor_attributes(module) -> None:
+    """Tensors a module keeps as plain attributes (2.1's rotary tables: a list per axis) built on `meta`, as fake
+    `STAND_IN` tensors (call under the fake mode)."""
+    for name, value in list(vars(module).items()):
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            setattr(module, name, torch.empty_like(value, device=STAND_IN))
+        elif isinstance(value, list) and value and all(isinstance(v, torch.Tensor) and v.device.type == "meta"
+                                                       for v in value):
+            setattr(module, name, [torch.empty_like(v, device=STAND_IN) for v in value])
 
 
 def offloaded_host_bytes(transformer) -> int:
@@ -171,14 +192,22 @@ def offloaded_host_bytes(transformer) -> int:
 
 
 def text_tokens(variant: str, side: int, controls: int) -> int:
-    """Prompt tokens of one sample with `controls` `side` x `side` control images, as the planner counts them
-    (model/prompt_length.py: Edit 1,369 vision tokens at 1024^2, Edit Plus 196 per control, plus a caption)."""
+    """Prompt tokens of one sample with `controls` `side` x `side` control images: as the planner counts them for
+    the 2025 family (model/prompt_length.py: Edit 1,369 vision tokens at 1024^2, Edit Plus 196 per control, plus
+    a caption); 2.1: its prompt with one vision slot per 32x32 pixels of each reference (bench.fake_model21)."""
+    if is_21(variant):
+        from qwen_edit_core.bench import fake_model21
+        return fake_model21.text_tokens(side, controls, prompt_length.CAPTION_TOKENS)
     return prompt_length.prompt_tokens(variant, [(side, side)] * controls)
 
 
 def cache_item(variant: str, side: int, controls: int) -> dict:
     """A real (small: latents and embeddings, tens of MB) cache entry of one `side` x `side` pair with
-    `controls` control images of the same size, in the layout `train.batch.collate` reads."""
+    `controls` control images of the same size, in the layout `train.batch.collate` reads (2.1:
+    `train.batch21.collate21`'s)."""
+    if is_21(variant):
+        from qwen_edit_core.bench import fake_model21
+        return fake_model21.cache_item(side, controls, CAPTION_TOKENS)
     h = w = side // 8
     n_text = text_tokens(variant, side, controls)
     item = {"target_latents": torch.zeros(16, 1, h, w),
@@ -191,5 +220,5 @@ def cache_item(variant: str, side: int, controls: int) -> dict:
 
 
 def default_controls(variant: str) -> int:
-    """Control images of the variant's usual edit: one for Edit, two for Edit Plus and 2511."""
-    return 1 if variants.get(variant).max_controls == 1 else 2
+    """Control images of the variant's usual edit: one for Edit and 2.1, two for Edit Plus and 2511."""
+    return 1 if variants.get(variant).max_controls == 1 or is_21(variant) else 2

@@ -1,6 +1,7 @@
 """`qwen-edit bench memory`: one real-size training step and one sampling step of each plan, simulated.
 
-The real transformer of a variant (60 blocks, 20 B parameters), real token counts and the product's own code
+The real transformer of a variant (the 2025 family's 60 blocks, 20 B parameters; Qwen-Image-2.1's 32 blocks,
+7 B, whose step is `train.batch21`'s, see bench.fake_model21), real token counts and the product's own code
 path (`train.loop.setup`: LoRA, levers from the memory planner, checkpointing, offload, AdamW; the step's
 `train.batch.flow_loss` and `train.loop.optimizer_step`; the sampler's `sample.sampler.denoise`) run under
 torch's FakeTensorMode (bench.fake_model): no weight exists, `MemTracker` counts every byte the step holds,
@@ -84,10 +85,13 @@ def _config(budget_gb: float, targets: str, fp8: bool = False, variant: str = ""
                                         "memory_budget_gb": budget_gb, "fp8_base": fp8}})
 
 
-def lora_spec(targets: str):
-    """The simulated LoRA: rank 16 (the default `model.lora`) on `targets` (a preset or names)."""
+def lora_spec(targets: str, variant: str = "edit"):
+    """The simulated LoRA: rank 16 (the default `model.lora`) on `targets` (a preset of the variant's family, or
+    names)."""
     from qwen_edit_core.adapters import lora as lora_mod
-    return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets))
+    from qwen_edit_core.model import variants
+    presets = variants.get(variant).family.lora_targets
+    return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets, presets))
 
 
 def _bucket(side: int, controls: int):
@@ -133,14 +137,18 @@ def _planned(config, transformer, bucket, budget_gb: float):
                                  **speed.model_sizes(transformer))
 
 
-def _train_step(run, config, batch, scheduler_config: dict) -> None:
+def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
     """`train.loop.micro_step`'s maths and `optimizer_step` on a collated batch (collate draws its dropout
     with `.item()`, which fake tensors cannot answer, so it runs before, on real CPU tensors)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.train import loop
+    from qwen_edit_core.bench import fake_model21
+    from qwen_edit_core.train import batch21, loop
     from qwen_edit_core.train.batch import flow_loss
-    batch = dataclasses.replace(batch, targets=[t.clone() for t in batch.targets],
-                                controls=[t.clone() for t in batch.controls])
+    if isinstance(batch, batch21.TrainBatch21):
+        batch = fake_model21.fake_batch(batch, mode)
+    else:
+        batch = dataclasses.replace(batch, targets=[t.clone() for t in batch.targets],
+                                    controls=[t.clone() for t in batch.controls])
     with torch.autocast(fm.STAND_IN.type, dtype=torch.bfloat16), speed.attention_kernel(config.train.attention):
         loss, _ = flow_loss(run.model, batch, config, scheduler_config)
         loss.backward()
@@ -152,28 +160,35 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
     from qwen_edit_core.adapters import lora as lora_mod
-    from qwen_edit_core.model.tiny import SCHEDULER_CONFIG
+    from qwen_edit_core.model import tiny, tiny21
     from qwen_edit_core.train import loop
-    from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
-    config, bucket, mode = _config(budget_gb, targets, fp8, variant), _bucket(side, controls), fm.fake_mode()
-    model = fm.fake_transformer(variant, mode, lora=lora_spec(targets), num_layers=num_layers)
+    config, bucket, mode = _config(budget_gb, targets, fp8, variant), _bucket(side, controls), fm.fake_mode(variant)
+    model = fm.fake_transformer(variant, mode, lora=lora_spec(targets, variant), num_layers=num_layers)
+    scheduler_config = dict((tiny21 if fm.is_21(variant) else tiny).SCHEDULER_CONFIG)
     plan = _planned(config, model, bucket, budget_gb)
     with tempfile.TemporaryDirectory() as out, mode:
-        run = loop.setup(config, model, [bucket], Path(out), None, dict(SCHEDULER_CONFIG))
+        run = loop.setup(config, model, [bucket], Path(out), None, scheduler_config)
     _warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
-    batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
-                    device=fm.STAND_IN, dtype=torch.bfloat16)
+    batch = _collate(variant)([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
+                              device=fm.STAND_IN, dtype=torch.bfloat16)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:
-        _train_step(run, config, batch, dict(SCHEDULER_CONFIG))
+        _train_step(run, config, batch, scheduler_config, mode)
     return _result(f"train {budget_gb:g} GiB" if budget_gb else f"train no budget ({targets})", "train", variant,
-                   side, controls, image_tokens(bucket), item["prompt_embeds"].shape[0], budget_gb or None,
+                   side, controls, image_tokens(bucket), fm.text_tokens(variant, side, controls), budget_gb or None,
                    plan.estimate.total / GIB if plan else None, tracker, flops, model,
                    plan.checkpoint_blocks if plan else -1)
+
+
+def _collate(variant: str):
+    """The product's collate function for `variant`'s cache entries."""
+    from qwen_edit_core.train.batch import collate
+    from qwen_edit_core.train.batch21 import collate21
+    return collate21 if fm.is_21(variant) else collate
 
 
 def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estimate, tracker, flops,
@@ -222,9 +237,12 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
     from qwen_edit_core.sample import sampler
     if lever not in SAMPLE_LEVERS:
         raise ValueError(f"sampling lever {lever!r} is not accepted; accepted: {', '.join(SAMPLE_LEVERS)}")
+    if fm.is_21(variant):
+        raise ValueError(f"bench memory: sampling is simulated for the 2025 variants; {variant!r} simulates "
+                         "training (simulate_train)")
     controls = fm.default_controls(variant) if controls is None else controls
     mode = fm.fake_mode()
-    model = fm.fake_transformer(variant, mode, lora=lora_spec("attn"), num_layers=num_layers)
+    model = fm.fake_transformer(variant, mode, lora=lora_spec("attn", variant), num_layers=num_layers)
     if lever == "fp8":
         with mode:
             speed.configure_inference(model, fm.STAND_IN, fp8=True, compile=False)
@@ -249,8 +267,11 @@ def run(variant: str = "edit", side: int = 1024, controls: int | None = None, bu
         reference: bool = True, sample_levers=SAMPLE_LEVERS) -> list[Simulated]:
     """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
     the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, docs/MODEL.md), and
-    one sampling step per sampling lever."""
+    one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
+    budget's plan only (its measured reference and sampling levers are the 2025 family's)."""
     results = [simulate_train(variant, side, controls, budget) for budget in budgets]
+    if fm.is_21(variant):
+        return results
     if reference:
         results.append(simulate_train(variant, side, controls, 0.0, targets="attn-img"))
     results += [simulate_sample(variant, side, controls, lever) for lever in sample_levers]

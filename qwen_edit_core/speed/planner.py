@@ -45,6 +45,14 @@ BOUNDARY_FACTOR = 1.0
 #: recomputed and its backward, the loss in fp32; the fp8 base adds the fp32 copies `quantize_rows` makes of
 #: each linear's input
 WORKING_FACTOR = {(False, True): 29.4, (True, True): 40.8, (False, False): 7.7, (True, False): 20.5}
+#: Qwen-Image-2.1's constants, in units of its joint sequence (the text tokens less the prompt's vision slots, plus
+#: every image token) x 4096 bf16 values, measured the same way (`qwen-edit bench memory --variant image-2.1`: 2-
+#: and 4-block models at 1024^2 with one reference, 8,246 tokens). Its blocks save more per token than the 2025
+#: family's: the per-token modulation (`where` over the target's rows), fp32 rotary and q/k norms, the SwiGLU
+#: MLP's three products; a checkpointed block saves its one input stream, as `BOUNDARY_FACTOR` says. The fp8 base
+#: adds 5.0 to the working set (measured with checkpointing; taken as the same without).
+ACTIVATION_FACTOR_21 = 29.1
+WORKING_FACTOR_21 = {(False, True): 44.3, (True, True): 49.3, (False, False): 14.2, (True, False): 19.2}
 #: offloaded blocks on the device at once: the one running and the one prefetched
 OFFLOAD_IN_FLIGHT = 2
 #: bytes per trainable parameter: the fp32 LoRA, its gradient and AdamW's two moments
@@ -60,14 +68,15 @@ MARGIN_FRAGMENTATION = 0.10
 
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
-                    activation_factor: float = ACTIVATION_FACTOR, shards: int = 1) -> MemoryEstimate:
+                    activation_factor: float = ACTIVATION_FACTOR, working_factor: dict | None = None,
+                    shards: int = 1) -> MemoryEstimate:
     """A step's device memory: resident weights, saved activations, and a fixed part (the working set, the
     LoRA with its gradient and optimizer state, and the margin for the CUDA context, cuBLAS workspaces and
     fragmentation).
 
     Every constant comes from the real-size simulator (`qwen-edit bench memory`, see the constants above);
     its table is in BENCHMARKS.md. A non-checkpointed block saves `activation_factor` x tokens x dim bf16
-    values, a checkpointed one its two input streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device
+    values (the working set: `working_factor`, by fp8 base and checkpointing; both are the model family's), a checkpointed one its two input streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device
     only while they run, `OFFLOAD_IN_FLIGHT` at a time. Sharded over `shards` processes (FSDP2), each holds
     1/shards of the frozen weights, plus the whole of the two blocks in flight (the running one, the next one
     prefetched) and of the root's own weights (gathered for the whole forward).
@@ -80,7 +89,7 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     unit = tokens * dim * 2
     checkpointed = n_blocks if n_checkpointed < 0 else min(n_checkpointed, n_blocks)
     activations = int(checkpointed * BOUNDARY_FACTOR * unit + (n_blocks - checkpointed) * activation_factor * unit)
-    working = int(WORKING_FACTOR[(fp8, checkpointed > 0)] * unit) + trainable_params * TRAINABLE_BYTES
+    working = int((working_factor or WORKING_FACTOR)[(fp8, checkpointed > 0)] * unit) + trainable_params * TRAINABLE_BYTES
     # The offloaded blocks' copies come and go every step: they fragment like activations.
     margin = MARGIN_FIXED + int(MARGIN_FRAGMENTATION * (activations + working + in_flight))
     return MemoryEstimate(weights=weights, activations=activations, fixed=working + margin)
@@ -123,16 +132,20 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
 
 
 def model_sizes(transformer) -> dict:
-    """Parameter counts `estimate_memory` needs, read off the model."""
+    """Parameter counts `estimate_memory` needs, read off the model, and a Qwen-Image-2.1 transformer's own
+    activation constants."""
     blocks = transformer.transformer_blocks
     frozen = lambda m: sum(p.numel() for p in m.parameters() if not p.requires_grad) + sum(  # noqa: E731
         b.numel() for b in m.buffers())
     block_params = max(frozen(b) for b in blocks)
     total = frozen(transformer)
     trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    return {"n_blocks": len(blocks), "block_params": block_params,
-            "other_params": total - sum(frozen(b) for b in blocks), "trainable_params": trainable,
-            "dim": transformer.config.num_attention_heads * transformer.config.attention_head_dim}
+    sizes = {"n_blocks": len(blocks), "block_params": block_params,
+             "other_params": total - sum(frozen(b) for b in blocks), "trainable_params": trainable,
+             "dim": transformer.config.num_attention_heads * transformer.config.attention_head_dim}
+    if any(c.__name__ == "QwenImage21Transformer2DModel" for c in type(transformer).__mro__):
+        sizes.update(activation_factor=ACTIVATION_FACTOR_21, working_factor=WORKING_FACTOR_21)
+    return sizes
 
 
 def resident_bytes(module: torch.nn.Module, device: torch.device) -> int:

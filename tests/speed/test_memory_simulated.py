@@ -60,9 +60,46 @@ def test_the_command_prints_one_json_object_per_plan(plan_16, monkeypatch, capsy
     assert row["peak_host_gib"] > 5 and row["flops_per_step"] > 1e14  # 37 offloaded blocks; ~7e14 FLOPs
 
 
-def test_a_variant_of_another_architecture_is_refused_not_simulated_as_qwen_image():
-    with pytest.raises(ValueError, match="'image-2.1' is not simulated; simulated: edit, edit-plus, edit-2511"):
-        memory.simulate_train("image-2.1", 1024, budget_gb=16)
+def test_a_21_step_runs_through_the_command_with_its_own_token_layout(monkeypatch, capsys):
+    """`qwen-edit bench memory --variant image-2.1 --controls 2 --budget-gb 24 --json` runs the 2.1 training step
+    (here on one real-width block, the widths and token counts real): two 1024^2 references and the target are
+    4,096 latent tokens each, and the prompt's 2 x 1,024 vision slots become those references' tokens, leaving
+    its text tokens; the LoRA's weights are the real 4096-wide block's."""
+    import functools
+
+    from qwen_edit_core.cli import main
+    monkeypatch.setattr(memory, "simulate_train", functools.partial(memory.simulate_train, num_layers=1))
+    assert not main(["bench", "memory", "--variant", "image-2.1", "--controls", "2", "--budget-gb", "24", "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1  # training plans only: sampling is simulated for the 2025 variants
+    row = json.loads(lines[0])
+    assert set(JSON_FIELDS) <= set(row)
+    assert row["variant"] == "image-2.1" and row["controls"] == 2 and row["budget_gib"] == 24
+    assert row["image_tokens"] == 3 * 64 * 64
+    assert row["text_tokens"] == 3 + 2 * (4 + 1 + 1) + 40 + 5  # template, labels and vision marks, caption
+    block = 12 * 4096 * 4096 * 2  # q, k, v, out (4 x 4096^2) and the MLP (3 x 4096 x 12288), bf16
+    assert block < row["categories_gib"]["Parameter"] * 2**30 < block + 2**30  # + embeddings, LoRA
+    assert row["peak_device_gib"] <= 24 and row["planner_estimate_gib"] <= 24 and row["flops_per_step"] > 1e13
+    assert row["levers"].endswith("offloaded 0/1")
+
+
+def test_the_21_prompt_layout_is_the_encoders():
+    """The simulated 2.1 prompt: one vision slot per 32x32 pixels of each reference (Qwen3-VL's 16 px patches
+    merged 2x2), in order, each reference's slots after its label; each slot stands for 2x2 latent tokens."""
+    from qwen_edit_core.bench import fake_model21
+    slots = fake_model21.prompt_slots(3, 1024, 40)
+    assert int(slots.sum()) == 3 * 1024 and slots.shape[0] == 3 * 1024 + 3 + 3 * 6 + 45
+    runs = torch.diff(slots.int(), prepend=torch.zeros(1, dtype=torch.int32))
+    assert int((runs == 1).sum()) == 3  # three separate slot runs: the references apart
+    item = fake_model21.cache_item(1024, 3, 40)
+    assert item["target_latents"].shape == (64, 1, 64, 64) and item["prompt_embeds"].shape == (slots.shape[0], 4096)
+    assert int(item["prompt_slots"].sum()) * 4 == 3 * item["control_latents_0"][0].numel()
+
+
+def test_21_sampling_is_refused_naming_what_is_simulated():
+    with pytest.raises(ValueError, match="sampling is simulated for the 2025 variants; 'image-2.1' simulates "
+                                         "training"):
+        memory.simulate_sample("image-2.1", 1024, 1)
 
 
 def test_one_simulated_forward_counts_every_weight_byte_and_the_attention_flops():
@@ -146,3 +183,30 @@ def test_sampling_levers_peaks_at_one_megapixel():
     assert rows["context-parallel-2"].peak_device_gib < sequential.peak_device_gib, table
     assert rows["context-parallel-2"].flops_per_step < 0.6 * sequential.flops_per_step, table
     assert all(r.kind == "sample" and r.peak_device_gib < 80 for r in rows.values()), table
+
+
+@pytest.mark.slow  # a real-size 2.1 step: 1.5 (one reference) to 10 minutes (three, fp8) of CPU
+@pytest.mark.parametrize("references", [1, 3])
+def test_21_plans_fit_24_gib_at_real_size(references):
+    """Qwen-Image-2.1 at 1024^2 with one and three references of 1024^2 (the real 32-block, 4096-wide transformer,
+    `train.batch21`'s step): the planner's 24 GiB plan holds at most 24 GiB and its estimate is within 15%."""
+    result = memory.simulate_train("image-2.1", 1024, references, budget_gb=24)
+    assert result.image_tokens == (1 + references) * 64 * 64 and result.controls == references
+    assert result.categories_gib["Parameter"] > 6.5  # the real 7 B transformer (13.3 GiB in bf16, half in fp8)
+    _checked_against_the_planner(result, 24)
+
+
+@pytest.mark.slow  # 45,000 tokens: about 15 minutes of CPU
+def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
+    """Ten 1024^2 references (45,056 image tokens): the planner refuses 24 GiB, naming what even the smallest plan
+    needs, and the simulated step of a plan it accepts (36 GiB: fp8, every block checkpointed, offloading) fits
+    and is within 15% of its estimate; what it holds beside the weights alone (activations, working set, margin)
+    exceeds 24 GiB, so no lever (each only moves or shrinks weights) could make 24 GiB fit."""
+    with pytest.raises(ValueError, match="24.0 is too small: even an fp8 base with every block checkpointed and "
+                                         "offloaded needs about 3"):
+        memory.simulate_train("image-2.1", 1024, 10, budget_gb=24)
+    result = memory.simulate_train("image-2.1", 1024, 10, budget_gb=36)
+    assert result.image_tokens == 11 * 64 * 64
+    _checked_against_the_planner(result, 36)
+    non_weight = result.peak_device_gib - result.categories_gib["Parameter"] - result.categories_gib["Buffer"]
+    assert non_weight > 24, memory.table([result])
