@@ -95,19 +95,8 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     from qwen_edit_core.train import batch21
     if isinstance(batch, batch21.TrainBatch21):
         return batch21.predict21(transformer, batch, config, scheduler_config)
-    t = config.train
-    noisy, velocities, sigmas = [], [], []
-    dtype = batch.controls[0].dtype
-    for x0, gen in zip(batch.targets, batch.generators):
-        x0 = x0.float()
-        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device)
-        mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
-        sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
-                                   logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
-        # fp32 maths; only the model input is cast to the model's dtype.
-        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, torch.float32))[0].to(dtype))
-        velocities.append(flow.flow_target(x0, noise))
-        sigmas.append(sigma)
+    noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.controls[0].dtype, config,
+                                               scheduler_config)
     packed = multires.pack_samples(noisy, batch.controls, batch.img_shapes)
     sig = torch.cat(sigmas).to(packed.hidden.device)
     pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
@@ -131,6 +120,24 @@ def region_weights(batch: TrainBatch, n_max: int, mask_weight: float, unmasked_w
     rows = [masks.token_weights(m, mask_weight, unmasked_weight) if m is not None
             else torch.ones(t.shape[0], device=t.device) for m, t in zip(batch.loss_masks, batch.targets)]
     return _padded(rows, n_max).to(device)
+
+
+def noised_targets(targets, generators, dtype, config, scheduler_config: dict):
+    """Each sample's noise and sigma drawn from its own generator: (noisy model inputs in `dtype`, fp32 flow
+    targets, sigmas). Shared by both families' steps."""
+    t = config.train
+    noisy, velocities, sigmas = [], [], []
+    for x0, gen in zip(targets, generators):
+        x0 = x0.float()
+        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device)
+        mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
+        sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
+                                   logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
+        # fp32 maths; only the model input is cast to the model's dtype.
+        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, torch.float32))[0].to(dtype))
+        velocities.append(flow.flow_target(x0, noise))
+        sigmas.append(sigma)
+    return noisy, velocities, sigmas
 
 
 def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,

@@ -25,7 +25,6 @@ import torch
 
 from qwen_edit_core.model import encode21
 from qwen_edit_core.model.encode21 import TOKENS_PER_SLOT
-from qwen_edit_core.sample import flow
 
 
 @dataclass(frozen=True)
@@ -88,18 +87,9 @@ def predict21(transformer, batch: TrainBatch21, config, scheduler_config: dict):
     """One forward per token layout at each sample's sampled sigma: (prediction (B, n_max, 64), velocity target
     (same), token mask (B, n_max) or None when every target has n_max tokens, sigmas (B,)), as train.batch.predict
     returns them (so `flow_loss` and `region_losses` take either)."""
-    from qwen_edit_core.train.batch import _padded
-    t = config.train
-    noisy, velocities, sigmas = [], [], []
-    dtype = batch.embeds[0].dtype
-    for x0, gen in zip(batch.targets, batch.generators):
-        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(x0.device)
-        mu = flow.mu_from_scheduler_config(scheduler_config, x0.shape[0])
-        sigma = flow.sample_sigmas(1, t.timestep_sampling, generator=gen, device="cpu", mu=mu,
-                                   logit_mean=t.logit_mean, logit_std=t.logit_std, shift=t.fixed_shift)
-        noisy.append(flow.noisy_latents(x0[None], noise[None], sigma.to(x0.device, torch.float32))[0].to(dtype))
-        velocities.append(flow.flow_target(x0, noise))
-        sigmas.append(sigma)
+    from qwen_edit_core.train.batch import _padded, noised_targets
+    noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.embeds[0].dtype, config,
+                                               scheduler_config)
     preds: list[torch.Tensor | None] = [None] * len(noisy)
     for group in layout_groups(batch):
         hidden = torch.stack([torch.cat([batch.references[j], noisy[j]]) for j in group])
