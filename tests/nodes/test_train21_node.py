@@ -13,14 +13,6 @@ import nodes
 from qwen_edit_core.adapters import lora
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    for name in ("QWEN_EDIT_HOME", "QWEN_EDIT_LORAS", "QWEN_EDIT_OUTPUT"):
-        monkeypatch.setenv(name, str(tmp_path / name.lower()))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def test_train_node_trains_a_21_lora_on_the_graphs_model(env, tiny_21_dir):
     folder = env / "pairs21"
     folder.mkdir()

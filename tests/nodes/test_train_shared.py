@@ -19,14 +19,6 @@ from qwen_edit_core.model import components as comp
 from qwen_edit_core.train.loop import TrainResult
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    for name in ("QWEN_EDIT_HOME", "QWEN_EDIT_LORAS", "QWEN_EDIT_OUTPUT"):
-        monkeypatch.setenv(name, str(tmp_path / name.lower()))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def _base_pointers(transformer) -> set[int]:
     return {p.data_ptr() for p in transformer.parameters() if not p.requires_grad}
 
