@@ -89,10 +89,25 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     unit = tokens * dim * 2
     checkpointed = n_blocks if n_checkpointed < 0 else min(n_checkpointed, n_blocks)
     activations = int(checkpointed * BOUNDARY_FACTOR * unit + (n_blocks - checkpointed) * activation_factor * unit)
-    working = int((working_factor or WORKING_FACTOR)[(fp8, checkpointed > 0)] * unit) + trainable_params * TRAINABLE_BYTES
+    working = int(_working_units(working_factor or WORKING_FACTOR, activation_factor, fp8, n_blocks - checkpointed,
+                                 checkpointed > 0) * unit) + trainable_params * TRAINABLE_BYTES
     # The offloaded blocks' copies come and go every step: they fragment like activations.
     margin = MARGIN_FIXED + int(MARGIN_FRAGMENTATION * (activations + working + in_flight))
     return MemoryEstimate(weights=weights, activations=activations, fixed=working + margin)
+
+
+def _working_units(working_factor: dict, activation_factor: float, fp8: bool, n_plain: int,
+                   any_checkpointed: bool) -> float:
+    """The working set in tokens x dim units. With every block or none checkpointed it is the measured intercept.
+    In a mixed plan the plain blocks are the last ones (`checkpointed_indices`), so their backward runs first and
+    frees their activations before any block recomputes: the step peaks either at the end of the forward (the
+    plain blocks' activations plus the plain working set) or while a block recomputes (the checkpointed working
+    set alone), never both at once. Summing the two overestimated a 2.1 plan with 31 of 32 blocks checkpointed
+    by 3.7 GiB (22.8 against a simulated 19.1)."""
+    plain = working_factor[(fp8, False)]
+    if not any_checkpointed:
+        return plain
+    return max(plain, working_factor[(fp8, True)] - n_plain * activation_factor)
 
 
 def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, **model) -> SpeedPlan:

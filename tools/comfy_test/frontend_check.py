@@ -5,6 +5,7 @@ extension directly (its `window.qwenEditLive.jobs`, as the websocket event fills
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -58,8 +59,10 @@ STOCK_DOM = """JSON.stringify(app.graph._nodes.some(n => n.type === 'Note' && (n
   [...document.querySelectorAll('textarea')].some(t => t.value.startsWith('Trains')))"""
 
 
+@contextlib.contextmanager
 def _session(args, vue: bool):
-    """A fresh server and page (with the Vue node renderer setting on or off), the training workflow loaded."""
+    """A fresh server and page (with the Vue node renderer setting on or off), the training workflow loaded;
+    on leaving, the pack's script must have raised no error, and both are closed."""
     server = ComfyServer(args.comfyui_dir, args.python, log_dir=args.out).start()
     server.post("/settings/Comfy.TutorialCompleted", True)
     if vue:
@@ -71,12 +74,17 @@ def _session(args, vue: bool):
     browser.evaluate("document.querySelectorAll('.p-dialog .p-dialog-close-button, .p-dialog "
                      "[aria-label=Close]').forEach(b => b.click()); true")
     browser.evaluate(LOAD % (TRAIN_WORKFLOW.read_text(), JOB))
-    return server, browser
+    try:
+        yield browser
+        ours = [e for e in browser.errors if "qwen_edit_jobs.js" in str(e)]
+        assert not ours, ours
+    finally:
+        browser.close()
+        server.stop()
 
 
 def _subgraph(args) -> str:
-    server, browser = _session(args, vue=False)
-    try:
+    with _session(args, vue=False) as browser:
         before = json.loads(browser.evaluate(SHOWN))
         assert {"validation prompt"} <= set(before["labels"]), before["labels"]
         moved = json.loads(browser.evaluate(SUBGRAPH))
@@ -84,18 +92,12 @@ def _subgraph(args) -> str:
         inside = json.loads(browser.evaluate(SUBGRAPH.replace("root.convertToSubgraph(new Set(train));", "")))
         assert len(moved["inside"]) >= 2 and moved["outside"] == 0, moved
         assert all(v["step"] == "7" and "step 7/20" in v["text"] for v in inside["inside"]), inside
-        ours = [e for e in browser.errors if "qwen_edit_jobs.js" in str(e)]
-        assert not ours, ours
-    finally:
-        browser.close()
-        server.stop()
     return (f"subgraph: {len(inside['inside'])} live views inside a subgraph updated ('{inside['inside'][0]['text']}'); "
             f"text boxes labelled on the canvas: {sorted(set(before['labels']))}")
 
 
 def _vue(args) -> str:
-    server, browser = _session(args, vue=True)
-    try:
+    with _session(args, vue=True) as browser:
         browser.evaluate(FEED % (JOB, JOB))
         shown = json.loads(browser.evaluate(SHOWN))
         views = [v for v in shown["views"] if v["job"] == JOB]
@@ -108,11 +110,6 @@ def _vue(args) -> str:
         assert all(v["step"] == "7" and "step 7/20" in v["text"] for v in views), views
         shot = Path(args.out) / "vue_nodes_live_view.png"
         browser.screenshot(shot)
-        ours = [e for e in browser.errors if "qwen_edit_jobs.js" in str(e)]
-        assert not ours, ours
-    finally:
-        browser.close()
-        server.stop()
     return (f"Vue node renderer (frontend {version}): {len(views)} live views on screen and updated "
             f"('{views[0]['text']}'); {shot.name}")
 
