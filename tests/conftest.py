@@ -113,3 +113,12 @@ TINY_SAMPLER_ROUNDINGS = 128
 #: roundings along one forward of the tiny transformer (2 blocks x ~10 matmuls, norms and attention
 #: reductions, plus the input and output projections), rounded up to a power of two
 TINY_FORWARD_ROUNDINGS = 32
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """The pack's folders (home, loras, output) and the working directory under the test's own tmp_path."""
+    for name in ("QWEN_EDIT_HOME", "QWEN_EDIT_LORAS", "QWEN_EDIT_OUTPUT"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

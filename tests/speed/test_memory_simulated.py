@@ -204,7 +204,7 @@ def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
     needs, and the simulated step of a plan it accepts (36 GiB: fp8, every block checkpointed, offloading) fits
     and is within 15% of its estimate; what it holds beside the weights alone (activations, working set, margin)
     exceeds 24 GiB, so no lever (each only moves or shrinks weights) could make 24 GiB fit."""
-    with pytest.raises(ValueError, match="24.0 is too small: even an fp8 base with every block checkpointed and "
+    with pytest.raises(ValueError, match="24 is too small: even an fp8 base with every block checkpointed and "
                                          "offloaded needs about 3"):
         memory.simulate_train("image-2.1", 1024, 10, budget_gb=24)
     result = memory.simulate_train("image-2.1", 1024, 10, budget_gb=36)
