@@ -45,7 +45,7 @@ def is_21(tensors) -> bool:
 
 def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ComfyUI's fused `img_mlp.gate_up` (gate rows first) -> diffusers' `gate_layer` and `proj`, as stored or
-    upcast: the weight's rows split in two, a scaled-fp8 file's per-tensor scale (`.scale_weight`,
+    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale (`.scale_weight`,
     `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors unchanged."""
     out = {}
     for key, value in tensors.items():
@@ -53,7 +53,8 @@ def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not module.endswith(FUSED_MODULE):
             out[key] = value
             continue
-        gate, up = (value, value) if value.numel() == 1 else value.chunk(2, dim=0)
+        # copies, not views: a half kept as it is (an offloaded block's host weight) must not hold the other's bytes
+        gate, up = (value, value) if value.numel() == 1 else (half.clone() for half in value.chunk(2, dim=0))
         out[f"{module[:-len(FUSED_MODULE)]}img_mlp.gate_layer.{leaf}"] = gate
         out[f"{module[:-len(FUSED_MODULE)]}img_mlp.proj.{leaf}"] = up
     return out

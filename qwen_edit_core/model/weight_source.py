@@ -101,7 +101,8 @@ class SingleFileSource:
         return dict(self._config)
 
     def header(self) -> dict[str, torch.Tensor]:
-        """The file's tensors (meta) under the model's keys, not yet converted (scales and fp8 as stored)."""
+        """The file's tensors (meta) under the model's keys (its layout's `to_model`: a fused MLP split, scales with
+        their halves), not yet converted (scales and fp8 as stored)."""
         return self._layout.to_model(dict(self._raw))
 
     def stored(self) -> dict[str, torch.Tensor]:
@@ -116,13 +117,16 @@ class SingleFileSource:
         reader = file_stream.TensorReader({k: self.path for k in self._names})
         with reader:
             for file_keys in file_stream.module_groups(self._names).values():
-                yield {self._names[k]: v for k, v in reader.read(file_keys).items()}
+                # the layout may turn one stored module into several (2.1's fused MLP): each is yielded on its
+                # own (views of the stored tensor), so only one of them is converted on the device at a time
+                tensors = self._layout.to_model({self._names[k]: v for k, v in reader.read(file_keys).items()})
+                for keys in _by_module(tensors).values():
+                    yield {k: tensors[k] for k in keys}
 
     def convert(self, tensors: dict[str, torch.Tensor], fp8_modules: set[str], dtype: torch.dtype,
                 keep: bool) -> dict[str, torch.Tensor]:
-        """The file layout's tensors mapped onto the model's keys (a fused MLP split, scales with their halves),
-        then kept fp8 weights as `Fp8Linear` entries and the rest upcast with their scales (single_file)."""
-        tensors = self._layout.to_model(tensors)
+        """Kept fp8 weights as `Fp8Linear` entries, the rest upcast with their scales (single_file); `tensors`
+        are under the model's keys (`modules`, `header`)."""
         if keep:
             return single_file._fp8_state(tensors, fp8_modules, dtype)
         return single_file.dequantize(tensors, dtype)

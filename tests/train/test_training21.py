@@ -349,6 +349,21 @@ def test_checkpointing_and_offload_over_21_blocks_train_the_same(tiny_21_dir, re
     assert _lora_diff(plain.lora_path, one.lora_path) < 1e-6
 
 
+def test_training_21_loads_its_transformer_in_the_plan_it_made_before_loading(tiny_21_dir, refs_dir, tmp_path):
+    """Qwen-Image-2.1 takes the same path: `fit` plans fp8, an offloaded block and checkpointing before any weight
+    is read, and its transformer is streamed straight into that plan, which the levers then apply."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from qwen_edit_core import speed
+    trainer = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "o", train={
+        "max_steps": 1, "fp8_base": True, "gradient_checkpointing": True, "offload_blocks": 1}))
+    assert trainer.fit().state == "done"
+    transformer = trainer.components.transformer
+    assert isinstance(transformer, QwenImage21Transformer2DModel)
+    plan = speed.loaded_plan(transformer)
+    assert plan is not None and plan.fp8 and plan.offloaded == (1,) and plan.checkpoint_blocks == -1
+    assert speed.has_fp8(transformer) and sorted(transformer._qwen_edit_offloader.slots) == [1]
+
 def test_fp8_base_over_21_blocks_trains_close_to_the_full_precision_base(tiny_21_dir, refs_dir, tmp_path):
     """The block linears in fp8 (e4m3 with a per-tensor scale): the trained LoRA's up-projections stay within 0.3
     (relative) of the full-precision run's, as on the 2025 family."""
