@@ -272,3 +272,20 @@ def test_training_loads_the_transformer_in_the_plan_it_made_before_loading(tiny_
     assert plan is not None and plan.fp8 and plan.offloaded == (1,) and plan.checkpoint_blocks == -1
     assert speed.has_fp8(transformer) and sorted(transformer._qwen_edit_offloader.slots) == [1]
 
+
+
+def test_predict_fp8_streams_the_21_transformer_into_fp8_with_the_weights_of_quantizing_after_loading(tiny_21_dir):
+    """`predict.fp8` plans before loading for Qwen-Image-2.1 too (`sample.predict.sampling_plan`): its block
+    linears arrive in fp8, with exactly the state of loading whole and applying `predict.fp8` afterwards."""
+    from qwen_edit_core.model.devices import DevicePlan
+    from qwen_edit_core.sample import predict
+    cpu = torch.device("cpu")
+    config = load_config(overrides={"predict": {"fp8": True}})
+    plan = predict.sampling_plan(cpu, torch.float32, config.predict)
+    devices = DevicePlan.from_mapping({"text_encoder": "cpu", "vae": "cpu", "transformer": "cpu"}, dtype="float32")
+    new = comp.load_components(tiny_21_dir, devices, which=("transformer",), transformer_plan=plan).transformer
+    old = comp.load_transformer(tiny_21_dir, device=cpu, dtype=torch.float32, family=QWEN_IMAGE_21)
+    speed.configure_inference(old, cpu, fp8=True, compile=False)
+    assert isinstance(new, QwenImage21Transformer2DModel) and speed.has_fp8(new)
+    old_state, new_state = old.state_dict(), new.state_dict()
+    assert old_state.keys() == new_state.keys() and all(torch.equal(old_state[k], new_state[k]) for k in old_state)
