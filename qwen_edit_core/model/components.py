@@ -353,8 +353,7 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                                                comfyui_dir=comfyui_dir, family=family)
     if "vae" in which:
         comps.vae = load_vae(model_dir, device=plan.vae, dtype=plan.dtype, family=family, vae_file=vae_file)
-    if "transformer" in which and transformer_plan is not None and quantize_transformer == "none" \
-            and family is QWEN_IMAGE:  # the planned loader builds QwenImageTransformer2DModel
+    if "transformer" in which and transformer_plan is not None and quantize_transformer == "none":
         from qwen_edit_core.model.planned_load import load_transformer_planned
         from qwen_edit_core.model.weight_source import weight_source
         comps.transformer = load_transformer_planned(weight_source(model_dir, transformer_file, transformer_fp8),

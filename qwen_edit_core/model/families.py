@@ -58,11 +58,22 @@ class Family:
     lora_targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: the weights' licence, for the docs and the load log line
     licence: str = ""
+    #: the module of qwen_edit_core.model that reads this family's transformer as one ComfyUI file: its
+    #: `detect_config(tensors, flags, source)` gives the diffusers config from the file's shapes and its
+    #: `to_model(tensors)` maps a module's file tensors (weights, scales) onto the diffusers class's keys
+    file_layout: str = "single_file"
+    #: a key only this family's transformer files have ("" : the family of any file without another's marker)
+    file_marker: str = ""
 
     @property
     def token_pixels(self) -> int:
         """Pixels per transformer token along each side (16 in both families); image sides are multiples of it."""
         return self.vae_scale * self.patch
+
+    def layout(self):
+        """The module reading this family's transformer files (`file_layout`)."""
+        import importlib
+        return importlib.import_module(f"qwen_edit_core.model.{self.file_layout}")
 
     def class_of(self, component: str):
         """The library class of a component ("transformer", "vae", "text_encoder", "processor")."""
@@ -100,7 +111,8 @@ QWEN_IMAGE_21 = Family(
         "attn-img": _ATTN_21,
         "all": _ATTN_21 + ("img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
     }),
-    licence="Qwen Research License (non-commercial research and evaluation only)")
+    licence="Qwen Research License (non-commercial research and evaluation only)",
+    file_layout="single_file21", file_marker="txt_in.text_norm.weight")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
 
@@ -109,3 +121,17 @@ def family_of_model(model) -> Family:
     """The family whose transformer class `model` is (or derives from); the 2025 family for anything else."""
     names = {c.__name__ for c in type(model).__mro__}
     return next((f for f in FAMILIES.values() if f.transformer_class in names), QWEN_IMAGE)
+
+
+def family_of_file(keys) -> Family:
+    """The family of a transformer file from its keys (prefixed or not): the one whose `file_marker` it holds,
+    else the 2025 family."""
+    def holds(marker: str) -> bool:
+        return any(k == marker or k.endswith("." + marker) for k in keys)
+    return next((f for f in FAMILIES.values() if f.file_marker and holds(f.file_marker)), QWEN_IMAGE)
+
+
+def family_of_class(class_name: str) -> Family:
+    """The family whose transformer class is `class_name` (a diffusers config's `_class_name`); the 2025 family
+    for any other."""
+    return next((f for f in FAMILIES.values() if f.transformer_class == class_name), QWEN_IMAGE)

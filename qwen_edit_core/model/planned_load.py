@@ -13,6 +13,11 @@ is read, the model is built on the meta device (shapes only), and each module's 
 So the device holds, at any moment, the resident weights placed so far plus one module's tensors being
 converted (at most about 0.4 GiB for the real model's largest linear: bf16 in, fp32 temporaries, fp8 out).
 
+Both model families load here (the 2025 Qwen-Image transformer and Qwen-Image-2.1's): the source names its
+family (model/families.py), which gives the class built on the meta device, the attribute holding the blocks,
+and the layout mapping a single file's keys onto that class's (2.1's ComfyUI files fuse the MLP's gate and up
+projections; `single_file21.split_fused` splits them, scales included, before any conversion).
+
 Under FSDP2 (several processes sharding the base) each process streams the transformer into host memory
 (`train.sharding.host_plan`: plan.device is the host); sharding then moves it to the device one block at a
 time, keeping each process's share (train/sharding.py).
@@ -36,9 +41,9 @@ def build_skeleton(source, fp8: bool) -> torch.nn.Module:
     """The transformer of `source`'s config on the meta device (no memory), frozen; its block linears
     `speed.Fp8Linear` when `fp8`."""
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
+    transformer_class = source.family.class_of("transformer")
     with torch.inference_mode(False), init_empty_weights():  # ComfyUI runs nodes under inference mode
-        model = QwenImageTransformer2DModel.from_config(source.config()).requires_grad_(False)
+        model = transformer_class.from_config(source.config()).requires_grad_(False)
         if fp8:
             speed.quantize_fp8(model)
     return model
@@ -64,7 +69,8 @@ def planned_state(state: dict[str, torch.Tensor], fp8: set[str]) -> dict[str, to
 
 
 def _home(module: str, offloaded: set[str], device: torch.device) -> torch.device:
-    """Where a module's weights live: the host for a module inside an offloaded block, else the device."""
+    """Where a module's weights live: the host for a module inside an offloaded block ("blocks.i"), else the
+    device."""
     parts = module.split(".")
     return HOST if len(parts) > 1 and ".".join(parts[:2]) in offloaded else device
 
@@ -83,7 +89,7 @@ def stream_weights(model: torch.nn.Module, source, plan: speed.WeightPlan, keep:
     """Fill `model` (from `build_skeleton`) from `source` one module at a time, each tensor read, converted and
     placed where `plan` keeps it (module doc); `keep`: the source's fp8 weights stay in fp8."""
     device = torch.device(plan.device)
-    offloaded = {f"transformer_blocks.{i}" for i in plan.offloaded}
+    offloaded = {f"{source.family.blocks}.{i}" for i in plan.offloaded}
     fp8 = fp8_modules(model)
     for tensors in source.modules():
         home = _home(next(iter(tensors)).rpartition(".")[0], offloaded, device)
@@ -108,7 +114,8 @@ def _check(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool) -
 
 def load_transformer_planned(source, plan: speed.WeightPlan, *,
                              skeleton: torch.nn.Module | None = None) -> torch.nn.Module:
-    """A frozen QwenImageTransformer2DModel from `source` (model/weight_source.py) in the form and place `plan`
+    """The frozen transformer of `source`'s family (model/weight_source.py: QwenImageTransformer2DModel or
+    QwenImage21Transformer2DModel) from its weights, in the form and place `plan`
     says: built on the meta device, then streamed module by module onto `plan.device` (resident blocks) or the
     host (offloaded blocks, handed to a `speed.BlockOffloader`), fp8 where planned. The model carries `plan`
     (`speed.loaded_plan`), so `speed.configure_training` applies it without planning again.
@@ -125,7 +132,8 @@ def load_transformer_planned(source, plan: speed.WeightPlan, *,
         _check(model, source, plan, keep)
         stream_weights(model, source, plan, keep)
         if plan.offloaded:
-            model._qwen_edit_offloader = speed.BlockOffloader(model.transformer_blocks, plan.offloaded, device)
+            blocks = getattr(model, source.family.blocks)
+            model._qwen_edit_offloader = speed.BlockOffloader(blocks, plan.offloaded, device)
         model._qwen_edit_plan = plan
         log.info("transformer from %s: %.2f GiB on %s%s%s", source.name, speed.resident_bytes(model, device) / 2**30,
                  device, ", block linears in fp8" if speed.has_fp8(model) else "",

@@ -233,43 +233,31 @@ def _bytes(model) -> int:
 
 
 def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
-    """A frozen QwenImageTransformer2DModel from one safetensors file, on `device` in `dtype`; a scaled-fp8
-    file's block linears stay in fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
+    """A frozen transformer of the file's family (QwenImageTransformer2DModel or QwenImage21Transformer2DModel, read
+    from its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
+    fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
 
-    The file is streamed (`file_stream`): the architecture comes from its header, then one module at a time is
-    read, converted and moved to `device`, so host memory stays under the file's size plus one module's
-    tensors whatever `dtype` and `device` are."""
-    from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
-
+    The planned loader (model/planned_load.py) with a plan of `device` and `dtype` and no lever: the architecture
+    comes from the file's header, then one module at a time is read, converted and moved to `device`, so host
+    memory stays under the file's size plus one module's tensors whatever `dtype` and `device` are."""
     from qwen_edit_core import speed
+    from qwen_edit_core.model import planned_load, weight_source
 
-    from qwen_edit_core.model import single_file21
-    # ComfyUI calls loaders under inference mode: tensors read there could never be trained (LoRA) on.
-    with torch.inference_mode(False):
-        raw, names, flags = _read_header(path)  # meta tensors: shapes and dtypes only
-        if single_file21.is_21(raw):
-            return single_file21.load_transformer_file(path, device=device, dtype=dtype)
-        config = detect_config(raw, flags, source=str(path))
-        keep = keeps_fp8(fp8, raw, device)
-        with init_empty_weights():
-            model = QwenImageTransformer2DModel(**config).requires_grad_(False)
-            if keep:
-                speed.quantize_fp8(model)
-        fp8_modules = {n for n, m in model.named_modules() if isinstance(m, speed.Fp8Linear)}
+    source = weight_source.SingleFileSource(Path(path), fp8)
+    model = planned_load.load_transformer_planned(source, speed.WeightPlan(device=torch.device(device), dtype=dtype))
+    raw = source.stored()
+    if any(v.dtype in _FP8 for v in raw.values()):
+        upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
+        log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path,
+                 "kept in fp8 (fp8 matmuls)" if speed.has_fp8(model) else f"upcast to {dtype}", _bytes(model) / 2**30,
+                 device, upcast / 2**30, dtype)
+    return model
 
-        def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return _fp8_state(tensors, fp8_modules, dtype) if keep else dequantize(tensors, dtype)
 
-        check_state_dict(convert(raw), model.state_dict(), f"{path}: does not match the detected architecture")
-        file_stream.stream_into(model, Path(path), names, convert, torch.device(device))
-        model.to(device)
-        if any(v.dtype in _FP8 for v in raw.values()):
-            upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
-            log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path,
-                     "kept in fp8 (fp8 matmuls)" if keep else f"upcast to {dtype}", _bytes(model) / 2**30, device,
-                     upcast / 2**30, dtype)
-        return model.eval().requires_grad_(False)
+#: the 2025 family's file layout (families.Family.layout): a file's keys are diffusers' already
+def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A module's file tensors under the model's keys: unchanged (the 2025 files use diffusers' module names)."""
+    return tensors
 
 
 # -- VAE ----------------------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ The layout, from ComfyUI's and diffusers' own source (docs/MODEL.md gives the co
 - `txt_in.text_norm.weight` marks a 2.1 transformer (the 2025 models have `txt_norm`).
 The architecture is read from the shapes (blocks, heads, widths, MLP ratio) and matched by head size against the
 2.1 configs shipped in `model/architectures/transformer_architectures.json` (the rotary axes are not in the
-weights). Scaled fp8 layers are upcast at load; other quantized formats (ComfyUI's int8 "convrot", nvfp4) are
-refused naming the format (`single_file.check_quant_formats`).
+weights). This module is the 2.1 family's file layout (`families.Family.layout`): the file is loaded by the same
+code as a 2025 one (`single_file.load_transformer_file`, the planned loader of model/planned_load.py), scaled fp8
+layers upcast or kept in fp8 as there; other quantized formats (ComfyUI's int8 "convrot", nvfp4) are refused
+naming the format (`single_file.check_quant_formats`).
 """
 
 from __future__ import annotations
@@ -21,37 +23,45 @@ from __future__ import annotations
 import json
 import logging
 import re
-from pathlib import Path
 
 import torch
 
-from qwen_edit_core.model import file_stream, single_file
+from qwen_edit_core.model import single_file
+from qwen_edit_core.model.families import QWEN_IMAGE_21, family_of_file
 
 log = logging.getLogger(__name__)
 
 #: a key only the 2.1 transformer has
-MARKER = "txt_in.text_norm.weight"
-FUSED = "img_mlp.gate_up.weight"
-FAMILY = "qwen-image-2.1"
+MARKER = QWEN_IMAGE_21.file_marker
+FUSED_MODULE = "img_mlp.gate_up"
+FUSED = FUSED_MODULE + ".weight"
+FAMILY = QWEN_IMAGE_21.name
 
 
 def is_21(tensors) -> bool:
     """Whether a transformer file's keys (prefixes stripped or not) are a Qwen-Image-2.1 transformer's."""
-    return any(k == MARKER or k.endswith("." + MARKER) for k in tensors)
+    return family_of_file(tensors) is QWEN_IMAGE_21
 
 
 def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ComfyUI's fused `img_mlp.gate_up.weight` (gate rows first) -> diffusers' `gate_layer` and `proj`; other
-    tensors unchanged."""
+    """ComfyUI's fused `img_mlp.gate_up` (gate rows first) -> diffusers' `gate_layer` and `proj`, as stored or
+    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale (`.scale_weight`,
+    `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors unchanged."""
     out = {}
     for key, value in tensors.items():
-        if key.endswith(FUSED):
-            gate, up = value.chunk(2, dim=0)
-            out[key.replace("gate_up", "gate_layer")] = gate
-            out[key.replace("gate_up", "proj")] = up
-        else:
+        module, _, leaf = key.rpartition(".")
+        if not module.endswith(FUSED_MODULE):
             out[key] = value
+            continue
+        # copies, not views: a half kept as it is (an offloaded block's host weight) must not hold the other's bytes
+        gate, up = (value, value) if value.numel() == 1 else (half.clone() for half in value.chunk(2, dim=0))
+        out[f"{module[:-len(FUSED_MODULE)]}img_mlp.gate_layer.{leaf}"] = gate
+        out[f"{module[:-len(FUSED_MODULE)]}img_mlp.proj.{leaf}"] = up
     return out
+
+
+#: the family's file layout (families.Family.layout): a file's tensors onto diffusers' keys
+to_model = split_fused
 
 
 def fuse(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,8 +89,9 @@ def _architecture(head_dim: int, source: str) -> tuple[str, dict]:
         f"architecture has (known: {shipped}, in {single_file.ARCHITECTURES.name})")
 
 
-def detect_config(tensors: dict[str, torch.Tensor], source: str = "file") -> dict:
-    """The diffusers config of a 2.1 transformer state dict (diffusers names; the fused MLP may be kept)."""
+def detect_config(tensors: dict[str, torch.Tensor], flags: dict | None = None, source: str = "file") -> dict:
+    """The diffusers config of a 2.1 transformer state dict (diffusers names; the fused MLP may be kept); `flags`
+    (single_file.transformer_names': the 2025 family's markers) change nothing here."""
     needed = ("img_in.weight", "proj_out.weight", MARKER, "transformer_blocks.0.attn.norm_q.weight")
     missing = [k for k in needed if k not in tensors]
     mlp = tensors.get(f"transformer_blocks.0.{FUSED}", tensors.get("transformer_blocks.0.img_mlp.proj.weight"))
@@ -99,29 +110,3 @@ def detect_config(tensors: dict[str, torch.Tensor], source: str = "file") -> dic
     config["axes_dims_rope"] = tuple(config["axes_dims_rope"])
     log.info("%s: Qwen-Image-2.1 transformer (%s rotary axes), %d blocks, width %d", source, name, layers, width)
     return config
-
-
-def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype):
-    """A frozen QwenImage21Transformer2DModel from one ComfyUI safetensors file, on `device` in `dtype`, streamed
-    one module at a time (`file_stream`); scaled fp8 weights are upcast to `dtype`."""
-    from accelerate import init_empty_weights
-    from diffusers import QwenImage21Transformer2DModel
-
-    with torch.inference_mode(False):  # ComfyUI calls loaders under inference mode
-        header = single_file.checked_header(path, "transformer")  # refuses convrot, nvfp4, ...
-        names, _ = single_file.transformer_names(header)
-        raw = {names[k]: header[k] for k in names}
-        config = detect_config(raw, source=str(path))
-        with init_empty_weights():
-            model = QwenImage21Transformer2DModel(**config).requires_grad_(False)
-
-        def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return split_fused(single_file.dequantize(tensors, dtype))
-
-        single_file.check_state_dict(convert(raw), model.state_dict(),
-                                     f"{path}: does not match the detected Qwen-Image-2.1 architecture")
-        file_stream.stream_into(model, Path(path), names, convert, torch.device(device))
-        model.to(device)
-        if any(v.dtype in single_file._FP8 for v in raw.values()):
-            log.info("%s: scaled fp8 weights upcast to %s", path, dtype)
-        return model.eval().requires_grad_(False)

@@ -3,7 +3,10 @@
 A source gives the architecture (a diffusers config) and every tensor's shape before any weight is read, then
 the host tensors of one module at a time (a weight with its scales and bias), and converts them into that
 module's state-dict entries in the compute dtype (a ComfyUI scaled-fp8 file's block linears stay in fp8 where
-`keeps_fp8` says so). Three sources:
+`keeps_fp8` says so). Every source names its model family (model/families.py), whose transformer class the
+loader builds and whose file layout (`Family.layout`) maps a single file's keys onto that class's: one code path
+for the 2025 family and Qwen-Image-2.1 (whose ComfyUI files fuse the MLP's gate and up projections). Three
+sources:
 - `DirectorySource`: a diffusers directory's `transformer/` (`config.json` and `diffusion_pytorch_model.safetensors`,
   or the pieces a sharded checkpoint's `diffusion_pytorch_model.safetensors.index.json` names in its
   `weight_map`; diffusers' own layout, `diffusers.utils.constants` SAFE_WEIGHTS_NAME / SAFE_WEIGHTS_INDEX_NAME);
@@ -23,6 +26,7 @@ from typing import Iterator
 import torch
 
 from qwen_edit_core.model import file_stream, single_file
+from qwen_edit_core.model.families import QWEN_IMAGE, Family, family_of_class, family_of_file
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
@@ -52,6 +56,7 @@ class DirectorySource:
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(f"{str(folder)!r} has no config.json: expected a diffusers transformer folder")
         self._config = json.loads((folder / "config.json").read_text())
+        self.family = family_of_class(self._config.get("_class_name", ""))
         if (folder / INDEX_NAME).is_file():
             weight_map = json.loads((folder / INDEX_NAME).read_text()).get("weight_map", {})
             where = {key: folder / name for key, name in weight_map.items()}
@@ -82,17 +87,26 @@ class DirectorySource:
 
 
 class SingleFileSource:
-    """A Qwen-Image transformer as one ComfyUI safetensors file; `fp8`: single_file.FP8_MODES."""
+    """A transformer of either family as one ComfyUI safetensors file (the family read from its keys, its layout
+    from the family); `fp8`: single_file.FP8_MODES."""
 
     def __init__(self, path: Path, fp8: str = "auto"):
         self.name, self.path, self.fp8 = str(path), Path(path), fp8
         self._raw, self._names, flags = single_file._read_header(self.path)
-        self._config = single_file.detect_config(self._raw, flags, source=self.name)
+        self.family = family_of_file(self._raw)
+        self._layout = self.family.layout()
+        self._config = self._layout.detect_config(self._raw, flags, source=self.name)
 
     def config(self) -> dict:
         return dict(self._config)
 
     def header(self) -> dict[str, torch.Tensor]:
+        """The file's tensors (meta) under the model's keys (its layout's `to_model`: a fused MLP split, scales with
+        their halves), not yet converted (scales and fp8 as stored)."""
+        return self._layout.to_model(dict(self._raw))
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The file's tensors (meta) as stored, under diffusers' names (prefixes and markers dropped)."""
         return dict(self._raw)
 
     def keeps_fp8(self, device: torch.device) -> bool:
@@ -103,25 +117,30 @@ class SingleFileSource:
         reader = file_stream.TensorReader({k: self.path for k in self._names})
         with reader:
             for file_keys in file_stream.module_groups(self._names).values():
-                yield {self._names[k]: v for k, v in reader.read(file_keys).items()}
+                # the layout may turn one stored module into several (2.1's fused MLP): each is yielded on its
+                # own (views of the stored tensor), so only one of them is converted on the device at a time
+                tensors = self._layout.to_model({self._names[k]: v for k, v in reader.read(file_keys).items()})
+                for keys in _by_module(tensors).values():
+                    yield {k: tensors[k] for k in keys}
 
     def convert(self, tensors: dict[str, torch.Tensor], fp8_modules: set[str], dtype: torch.dtype,
                 keep: bool) -> dict[str, torch.Tensor]:
-        """Kept fp8 weights as `Fp8Linear` entries, the rest upcast with their scales (single_file)."""
+        """Kept fp8 weights as `Fp8Linear` entries, the rest upcast with their scales (single_file); `tensors`
+        are under the model's keys (`modules`, `header`)."""
         if keep:
             return single_file._fp8_state(tensors, fp8_modules, dtype)
         return single_file.dequantize(tensors, dtype)
 
 
 class ShapeOnlySource:
-    """No file: a transformer `config` whose tensors are uninitialised host tensors in `dtype` (see module doc)."""
+    """No file: a transformer `config` of `family` whose tensors are uninitialised host tensors in `dtype` (see
+    module doc)."""
 
-    def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16, family: Family = QWEN_IMAGE):
         from accelerate import init_empty_weights
-        from diffusers import QwenImageTransformer2DModel
-        self.name, self._config = "shapes only (no weights)", dict(config)
+        self.name, self._config, self.family = "shapes only (no weights)", dict(config), family
         with init_empty_weights():
-            model = QwenImageTransformer2DModel.from_config(self._config)
+            model = family.class_of("transformer").from_config(self._config)
         self._meta = {k: torch.empty(v.shape, dtype=dtype, device="meta") for k, v in model.state_dict().items()}
 
     def config(self) -> dict:

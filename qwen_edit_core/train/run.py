@@ -136,16 +136,12 @@ def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_
     the longest bucket and the device's free memory before any weight is read, so the transformer loads straight
     into it (model/planned_load.py). In a process of an FSDP2 run, a plan that reads the transformer into host
     memory (`sharding.host_plan`): sharding then moves each block to the device and keeps this process's share.
-    None where the load-then-configure path stays: other model families, bitsandbytes `model.quantize`, and
+    Both model families. None where the load-then-configure path stays: bitsandbytes `model.quantize`, and
     adapters that need the base weights when they are created or an unquantized base (DoRA, LoKr, LoHa)."""
-    from qwen_edit_core.model import variants
-    from qwen_edit_core.model.families import QWEN_IMAGE
     from qwen_edit_core.train.distributed import sequence_tokens
     if config.model.quantize != "none" or spec.type != "lora" or spec.dora:
         return None
     variant = config.model.variant or comp.detect_variant(model_dir)
-    if variants.get(variant).family is not QWEN_IMAGE:
-        return None  # the planned loader builds Qwen-Image's transformer class
     if sharding.is_sharded():
         return sharding.host_plan(resolve_dtype(config.model.dtype, component="model.dtype"))
     files = model_files(config)

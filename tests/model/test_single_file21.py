@@ -97,3 +97,31 @@ def test_unknown_head_size_and_incomplete_file_are_refused(tiny_21_dir, tmp_path
     save_file(state, tmp_path / "cut.safetensors")
     with pytest.raises(ValueError, match=r"incomplete Qwen-Image-2.1 transformer \(missing \['proj_out.weight'\]"):
         load_transformer_file(tmp_path / "cut.safetensors", device=CPU, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("new_format", [False, True])
+def test_scaled_fp8_file_with_its_fused_mlp_upcasts_or_keeps_the_files_weights(tiny_21_dir, tmp_path, new_format):
+    """A scaled-fp8 ComfyUI file (`.scale_weight`, or `.weight_scale` + `.comfy_quant`) whose fused
+    `img_mlp.gate_up` carries one per-tensor scale: upcast, the gate and up halves are the file's e4m3 rows times
+    that scale, exactly; kept (`fp8="keep"`), each half is an fp8 linear holding the file's bytes unchanged with
+    that scale on every row, the same effective weights."""
+    from conftest import scaled_fp8
+
+    from qwen_edit_core import speed
+    state = scaled_fp8(single_file21.fuse(_dir_state(tiny_21_dir)), new_format=new_format)
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()}, tmp_path / "fp8.safetensors")
+    upcast = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="upcast")
+    kept = load_transformer_file(tmp_path / "fp8.safetensors", device=CPU, dtype=torch.float32, fp8="keep")
+    assert type(kept).__name__ == "QwenImage21Transformer2DModel" and speed.has_fp8(kept)
+    assert not speed.has_fp8(upcast)
+    fused = state["transformer_blocks.1.img_mlp.gate_up.weight"]
+    scale = state["transformer_blocks.1.img_mlp.gate_up." + ("weight_scale" if new_format else "scale_weight")]
+    mlp = upcast.transformer_blocks[1].img_mlp
+    gate, up = fused.chunk(2, dim=0)
+    assert torch.equal(mlp.gate_layer.weight, gate.float() * scale) and torch.equal(mlp.proj.weight, up.float() * scale)
+    for name, half in (("gate_layer", gate), ("proj", up)):
+        layer = getattr(kept.transformer_blocks[1].img_mlp, name)
+        assert isinstance(layer, speed.Fp8Linear)
+        assert torch.equal(layer.weight_fp8.view(torch.uint8), half.view(torch.uint8))
+        assert torch.equal(layer.weight_scale, scale.expand(half.shape[0], 1))
+        assert torch.equal(layer.dequantized(torch.float32), getattr(mlp, name).weight)

@@ -349,6 +349,45 @@ def test_checkpointing_and_offload_over_21_blocks_train_the_same(tiny_21_dir, re
     assert _lora_diff(plain.lora_path, one.lora_path) < 1e-6
 
 
+def test_training_21_loads_its_transformer_in_the_plan_it_made_before_loading(tiny_21_dir, refs_dir, tmp_path):
+    """Qwen-Image-2.1 takes the same path: `fit` plans fp8, an offloaded block and checkpointing before any weight
+    is read, and its transformer is streamed straight into that plan, which the levers then apply."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from qwen_edit_core import speed
+    trainer = QwenImageEditTrainer(train_config(tiny_21_dir, refs_dir, tmp_path / "o", train={
+        "max_steps": 1, "fp8_base": True, "gradient_checkpointing": True, "offload_blocks": 1}))
+    assert trainer.fit().state == "done"
+    transformer = trainer.components.transformer
+    assert isinstance(transformer, QwenImage21Transformer2DModel)
+    plan = speed.loaded_plan(transformer)
+    assert plan is not None and plan.fp8 and plan.offloaded == (1,) and plan.checkpoint_blocks == -1
+    assert speed.has_fp8(transformer) and sorted(transformer._qwen_edit_offloader.slots) == [1]
+
+def test_a_sharded_21_run_reads_its_transformer_into_host_memory_not_onto_its_device(tiny_21_dir, refs_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Under FSDP2 the 2.1 transformer takes the 2025 family's path: the plan made before loading keeps every weight
+    on the host in the model's dtype (nothing offloaded, no fp8), whatever the device and the budget, and the
+    planned loader follows it; `fully_shard` then moves one block at a time to the device."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from qwen_edit_core import speed
+    from qwen_edit_core.model import components
+    from qwen_edit_core.model.devices import resolve_dtype
+    from qwen_edit_core.train import run
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = train_config(tiny_21_dir, refs_dir, tmp_path, train={"gradient_checkpointing": True,
+                                                                  "memory_budget_gb": 16})
+    plan = run.training_plan(config, torch.device("cuda:0"), tiny_21_dir, [((64, 64), ((64, 64),))],
+                             run.lora_spec(config))
+    assert plan == speed.WeightPlan(device=torch.device("cpu"), dtype=resolve_dtype(config.model.dtype))
+    loaded = components.load_components(tiny_21_dir, run.encoder_plan(config), which=("transformer",),
+                                        transformer_plan=plan).transformer
+    assert isinstance(loaded, QwenImage21Transformer2DModel)
+    assert {t.device.type for t in (*loaded.parameters(), *loaded.buffers())} == {"cpu"}
+    assert speed.loaded_plan(loaded) is None and not speed.has_fp8(loaded)
+
 def test_fp8_base_over_21_blocks_trains_close_to_the_full_precision_base(tiny_21_dir, refs_dir, tmp_path):
     """The block linears in fp8 (e4m3 with a per-tensor scale): the trained LoRA's up-projections stay within 0.3
     (relative) of the full-precision run's, as on the 2025 family."""
