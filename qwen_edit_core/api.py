@@ -207,6 +207,8 @@ class QwenImageEditTrainer:
         the trained adapter is taken off their transformer when the run ends: train.run.fit)."""
         if (lock is not None and lock.held) or os.environ.get("RANK", "0") != "0":  # other ranks: rank 0 holds it
             return self._fit(resume, progress, cancel, shared)
+        if shared is None:  # a config with no usable model is refused before the lock creates the output folder
+            resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         with OutputLock(self.config.train.output_dir):
             return self._fit(resume, progress, cancel, shared)
 

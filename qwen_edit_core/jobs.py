@@ -129,6 +129,9 @@ class TrainingJob:
         """Take the output directory's lock and run the preflight here, so a busy directory or a bad setting
         is refused at once (before any weight loads), then train in the background thread."""
         from qwen_edit_core.common.files import OutputLock
+        from qwen_edit_core.model.components import resolve_model_dir
+        if self.model is None:  # no usable model: refused before the lock creates the output folder
+            resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
             self._preflight(self.config, self._resume)

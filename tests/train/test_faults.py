@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from qwen_edit_core import QwenImageEditTrainer
 from qwen_edit_core.cli import main
 from qwen_edit_core.common.files import OutputDirBusyError, OutputLock, OutputWriteError, writing
+from qwen_edit_core.config import to_dict
 from qwen_edit_core.train.checkpoint import list_checkpoints
 
 from conftest import train_config
@@ -404,6 +405,23 @@ def test_a_background_job_holds_the_lock_and_a_second_is_refused(tiny_edit_dir, 
         QwenImageEditTrainer(config).fit()
     assert job.wait().state == "done" and registry.running() == []
     OutputLock(tmp_path / "o").acquire().release()  # released when the job ended
+
+
+def test_a_config_with_no_model_writes_nothing(pairs_dir, tmp_path):
+    """A config that names no model (or one that does not exist) is refused before the output folder, its lock
+    file included, is created: by the API, the CLI and a background job."""
+    from qwen_edit_core.jobs import JobRegistry
+    from qwen_edit_core.model.components import ModelNotFoundError
+    out = tmp_path / "o"
+    for model in ("", str(tmp_path / "missing")):
+        config = train_config(model, pairs_dir, out)
+        with pytest.raises(ModelNotFoundError, match="model"):
+            QwenImageEditTrainer(config).fit()
+        with pytest.raises(ModelNotFoundError, match="model"):
+            JobRegistry().start(config)
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(to_dict(config)))
+        assert main(["train", str(tmp_path / "c.yaml")]) == 2
+        assert not out.exists()
 
 
 _HOLDER = """
