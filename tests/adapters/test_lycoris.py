@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.config import ConfigError, load_config
 
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+
 TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
 #: (type, dora, rank): on the tiny model LoKr rank 4 keeps the attention factors full (32 = 4 x 8, 4 >= 8 / 2)
@@ -165,12 +167,13 @@ def test_read_back_gives_the_trained_outputs_and_comfyui_strength(base, tmp_path
     trained, plain = _output(model), _output(base)
     loaded = copy.deepcopy(base)
     lora.load_lora_into(loaded, weights, adapter_name="file")
-    assert (_output(loaded) - trained).abs().max().item() < 1e-5
+    # the file's form rebuilt on load (DoRA's magnitude from its scale, factors in ComfyUI's layout)
+    assert_close_fp32(_output(loaded), trained, ops=TINY_FORWARD_ROUNDINGS, what="output loaded from the file")
     # continuing training: the file into an injected adapter of the same kind (other rank/alpha for LoRA kinds)
     again = copy.deepcopy(base)
     lora.inject_lora(again, lora.LoraSpec(rank=rank, alpha=1.0, targets=spec.targets, type=kind, dora=dora))
     lora.load_lora_into(again, weights)
-    assert (_output(again) - trained).abs().max().item() < 1e-5
+    assert_close_fp32(_output(again), trained, ops=TINY_FORWARD_ROUNDINGS, what="output loaded into another rank")
     # strength 0.5 equals ComfyUI's patch at 0.5, loaded directly or through a sampling stack
     half = copy.deepcopy(base)
     lora.load_lora_into(half, weights, strength=0.5)
@@ -179,9 +182,9 @@ def test_read_back_gives_the_trained_outputs_and_comfyui_strength(base, tmp_path
         assert _close(weight, patched[name]), name
     stacked = copy.deepcopy(base)
     lora.apply_loras(stacked, [(weights, 0.5)])
-    assert (_output(stacked) - _output(half)).abs().max().item() < 1e-6
+    assert torch.equal(_output(stacked), _output(half))
     lora.apply_loras(stacked, [(weights, 0.0)])
-    assert (_output(stacked) - plain).abs().max().item() < 1e-6
+    assert torch.equal(_output(stacked), plain)
 
 
 def test_kinds_stack_with_a_plain_lora(base, tmp_path):
@@ -261,7 +264,7 @@ def test_file_stacks_switch_strengths_and_train_beside_companions(base, tmp_path
         lora.activate(model, [(str(dora_path), strength)])
         direct = copy.deepcopy(base)
         lora.load_lora_into(direct, lora.read_lora_file(dora_path), strength=strength)
-        assert (_output(model) - _output(direct)).abs().max().item() < 1e-6, strength
+        assert torch.equal(_output(model), _output(direct)), strength
     companion_model, companion_spec = _trained(base, "lora", False, 4, seed=2)
     companion = lora.save_lora(tmp_path / "c.safetensors", companion_model, companion_spec, base_identity="t",
                                steps=1)
