@@ -71,19 +71,23 @@ def max_abs_diff(got, expected) -> float:
     return (got.detach().double() - expected.detach().double()).abs().max().item()
 
 
-def assert_close_fp32(got, expected, *, ops: int, what: str) -> None:
-    """Assert that `got` equals `expected` within `fp32_tolerance(expected, ops=ops)`; for mappings of tensors
-    (state dicts), key by key, each against its own size. The failure names `what` differed (and the key),
-    the measured error and the allowed one."""
+def assert_close_fp32(got, expected, *, ops: int, what: str, size=None) -> None:
+    """Assert that `got` equals `expected` within `fp32_tolerance(size, ops=ops)`; `size` (a tensor, a mapping
+    of tensors or a number) is what the path's values are as large as: `expected` itself unless given (give
+    the weight when `expected` is a small change of it that was computed by subtracting it). Mappings of
+    tensors (state dicts) compare key by key, each against its own size. The failure names `what` differed
+    (and the key), the measured error and the allowed one."""
     if isinstance(expected, Mapping):
         assert got.keys() == expected.keys(), f"{what}: keys differ: {sorted(set(got) ^ set(expected))}"
         for key, value in expected.items():
-            assert_close_fp32(got[key], value, ops=ops, what=f"{what} [{key}]")
+            part = size[key] if isinstance(size, Mapping) else size
+            assert_close_fp32(got[key], value, ops=ops, what=f"{what} [{key}]", size=part)
         return
-    error, allowed = max_abs_diff(got, expected), fp32_tolerance(expected, ops=ops)
+    size = expected if size is None else size
+    error, allowed = max_abs_diff(got, expected), fp32_tolerance(size, ops=ops)
     _log(what, error, allowed)
     assert error <= allowed, (f"{what}: max |difference| {error:.3e} > allowed {allowed:.3e} "
-                              f"({ops} float32 roundings x max |expected| {_magnitude(expected):.3e})")
+                              f"({ops} float32 roundings x size {_magnitude(size):.3e})")
 
 
 def _log(what, error, allowed):  # TEMPORARY
