@@ -12,7 +12,7 @@ from qwen_edit_core.adapters import multires as batching
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.model.tiny import transformer_config
 
-from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32
 
 # (target shape, control shapes, caption tokens) in packed units: three sizes, two with several controls.
 SAMPLES = [((1, 4, 4), [(1, 4, 4)], 5), ((1, 3, 5), [(1, 2, 6), (1, 3, 3)], 9), ((1, 6, 2), [(1, 5, 3)], 3)]
@@ -130,7 +130,10 @@ def test_per_sample_losses_and_gradients_match_and_padding_gets_none():
     target = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n_max - x.shape[0])) for x in targets])
     mask = torch.arange(n_max)[None] < torch.tensor([o.shape[0] for o in outs])[:, None]
     loss, per_sample = flow.masked_mse(pred, target, torch.ones(3), mask)
-    assert per_sample.tolist() == pytest.approx(losses_single, rel=1e-4)
+    # one call per layout instead of one per sample: other kernels' sums, a forward's roundings (doubled by the
+    # squared error)
+    assert_close_fp32(per_sample, torch.tensor(losses_single), ops=2 * TINY_FORWARD_ROUNDINGS,
+                      what="per-sample losses batched vs alone")
     loss.backward()
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -195,5 +198,5 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
     batched = sample_batch(comps, prompts, [[images[0]], [images[1]]], settings, seeds=[5, 6])
     for one, many in zip(singles, batched):
         assert one.shape == many.shape
-        assert (one - many).abs().max().item() <= 1e-4
+        assert_close_fp32(many, one, ops=TINY_SAMPLER_ROUNDINGS, what="picture sampled in a batch vs alone")
     assert singles[0].shape != singles[1].shape

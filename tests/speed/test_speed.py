@@ -231,7 +231,14 @@ def test_compiled_blocks_give_the_same_loss():
         losses = [_loss(m, grad=True) for m in (ref, model)]  # forward + backward (grads accumulate)
         assert_close_fp32(losses[1], losses[0], ops=loss_ops, what="compiled training loss")
     assert_close_fp32(_loss(model), _loss(ref), ops=loss_ops, what="compiled no-grad loss")
-    assert_close_fp32(_grads(model), _grads(ref), ops=grad_ops, what="compiled gradients")
+    grads, ref_grads = _grads(model), _grads(ref)
+    # a layer whose output nothing uses (the last block's text projection) has no gradient on one side and zeros
+    # on the other
+    one_sided = (grads.keys() | ref_grads.keys()) - (grads.keys() & ref_grads.keys())
+    assert not any({**grads, **ref_grads}[n].any() for n in one_sided), sorted(one_sided)
+    common = grads.keys() & ref_grads.keys()
+    assert_close_fp32({n: grads[n] for n in common}, {n: ref_grads[n] for n in common}, ops=grad_ops,
+                      what="compiled gradients")
 
 
 #: Adam's first steps move each LoRA weight by about +-lr, the sign of its gradient. A gradient error of

@@ -18,6 +18,7 @@ from qwen_edit_core.cli import main
 from qwen_edit_core.common.progress import CancelToken
 
 from conftest import train_config
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
 
 
 def _lora(path):
@@ -358,8 +359,11 @@ def test_mixed_size_batch_loss_is_the_mean_of_one_by_one(tiny_edit_dir, tmp_path
         loss, per_sample = flow_loss(model, collate(items, gens(), **kw), config, trainer.components.scheduler_config)
         alone = [flow_loss(model, collate([item], [g], **kw), config, trainer.components.scheduler_config)[0]
                  for item, g in zip(items, gens())]
-    assert per_sample.tolist() == pytest.approx([a.item() for a in alone], rel=1e-4)
-    assert loss.item() == pytest.approx(sum(a.item() for a in alone) / 3, rel=1e-4)
+    # one call per layout instead of one per sample: other kernels' sums, a forward's roundings (doubled by the
+    # squared error)
+    alone = torch.stack(alone)
+    assert_close_fp32(per_sample, alone, ops=2 * TINY_FORWARD_ROUNDINGS, what="per-sample losses batched vs alone")
+    assert_close_fp32(loss, alone.mean(), ops=2 * TINY_FORWARD_ROUNDINGS + 3, what="batch loss vs alone")
 
 
 def test_similar_grouping_trains_mixed_batches_and_logs_padding(tiny_edit_dir, tmp_path, caplog):
