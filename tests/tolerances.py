@@ -23,12 +23,19 @@ FP32_U = torch.finfo(torch.float32).eps / 2
 #: roundings along one forward of the tiny transformer (2 blocks x ~10 matmuls, norms and attention
 #: reductions, plus the input and output projections), rounded up to a power of two
 TINY_FORWARD_ROUNDINGS = 32
-#: roundings along a short sampler run on the tiny model (3 steps x 2 blocks x ~10 matmuls, norms and
-#: attention reductions, plus the VAE decoder's ~20 layers), rounded up to a power of two
-TINY_SAMPLER_ROUNDINGS = 128
 #: roundings through the tiny VAE's encoder or decoder (~20 convolutions, norms and attention, each a short
 #: accumulation), rounded up to a power of two
 TINY_VAE_ROUNDINGS = 32
+
+
+def tiny_sampler_roundings(steps: int) -> int:
+    """Roundings along a sampler run of `steps` steps on the tiny model: one transformer forward per step
+    (CFG's two branches run side by side, not one after the other) and the VAE decoder."""
+    return steps * TINY_FORWARD_ROUNDINGS + TINY_VAE_ROUNDINGS
+
+
+#: roundings along a short (3-step) sampler run on the tiny model
+TINY_SAMPLER_ROUNDINGS = tiny_sampler_roundings(3)
 #: roundings through the tiny text encoder (2 vision and 2 language layers of attention, MLP and norms, ~8
 #: each), rounded up to a power of two
 TINY_TEXT_ENCODER_ROUNDINGS = 32

@@ -23,15 +23,21 @@ from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, schedules
 
-from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32, tiny_sampler_roundings
 
-TOL = 1e-4
 #: the Lightning LoRAs' published scheduler config (FlowMatchEulerDiscreteScheduler), written out literally
 LIGHTNING_SCHEDULER = {"base_image_seq_len": 256, "base_shift": math.log(3), "invert_sigmas": False,
                        "max_image_seq_len": 8192, "max_shift": math.log(3), "num_train_timesteps": 1000,
                        "shift": 1.0, "shift_terminal": None, "stochastic_sampling": False,
                        "time_shift_type": "exponential", "use_beta_sigmas": False, "use_dynamic_shifting": True,
                        "use_exponential_sigmas": False, "use_karras_sigmas": False}
+
+
+def _assert_same(ours: np.ndarray, ref: np.ndarray, steps: int) -> None:
+    """The pipeline's maths in another order (our schedule and LoRA stack code): equal up to a sampler run's
+    float32 roundings."""
+    assert_close_fp32(torch.from_numpy(ours), torch.from_numpy(ref), ops=tiny_sampler_roundings(steps),
+                      what=f"our {steps}-step Lightning picture vs the pipeline's")
 
 
 def _image(w: int, h: int, seed: int) -> Image.Image:
@@ -95,11 +101,11 @@ def test_lightning_with_two_loras_matches_diffusers_edit(tiny_edit_dir, edit_com
                                height=128, width=160)
     ours = _lightning_ours(edit_comps, two_loras, strengths, [image], steps, height=128, width=160)
     assert ours.shape == ref.shape == (128, 160, 3)
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref, steps)
     # the schedule matters: the base schedule with the same LoRAs gives another image
     base = sampler.sample(edit_comps, "make it night", [image], sampler.SampleSettings(
         num_inference_steps=steps, true_cfg_scale=1.0, seed=5, height=128, width=160))[0].numpy()
-    assert np.abs(base - ref).max() > 100 * TOL
+    assert np.abs(base - ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("steps", [4, 8])
@@ -114,7 +120,7 @@ def test_lightning_with_two_loras_matches_diffusers_edit_plus(tiny_plus_dir, two
     comps = load_components(tiny_plus_dir, DevicePlan.from_mapping({}))
     ours = _lightning_ours(comps, two_loras_plus, strengths, images, steps, height=96, width=128,
                            vae_area=128 * 128, vl_area=96 * 96)
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref, steps)
 
 
 @pytest.fixture(scope="module")

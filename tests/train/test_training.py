@@ -18,7 +18,7 @@ from qwen_edit_core.cli import main
 from qwen_edit_core.common.progress import CancelToken
 
 from conftest import train_config
-from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32
 
 
 def _lora(path):
@@ -425,14 +425,18 @@ def test_facade_lora_save_load_merge(tiny_edit_dir, pairs_dir, tmp_path):
     trainer.merge_lora()
     merged = trainer.predict(image, "invert the colors", num_inference_steps=2, seed=0)
     trainer.unmerge_lora()
-    assert np.abs(with_lora - merged).max() < 1e-4
+    # the LoRA merged into the weights instead of beside them: another order, a sampler run's roundings
+    assert_close_fp32(torch.from_numpy(merged), torch.from_numpy(with_lora), ops=TINY_SAMPLER_ROUNDINGS,
+                      what="picture with the LoRA merged")
 
     fresh = QwenImageEditTrainer(config)
     fresh.load_model()
     plain = fresh.predict(image, "invert the colors", num_inference_steps=2, seed=0)
     fresh.load_lora(saved, scale=1.0)
     reloaded = fresh.predict(image, "invert the colors", num_inference_steps=2, seed=0)
-    assert np.abs(reloaded - with_lora).max() < 1e-4 and np.abs(plain - with_lora).max() > 1e-4
+    assert_close_fp32(torch.from_numpy(reloaded), torch.from_numpy(with_lora), ops=TINY_SAMPLER_ROUNDINGS,
+                      what="picture with the LoRA reloaded from its file")
+    assert np.abs(plain - with_lora).max() > 1e-4  # and the LoRA does something
 
 
 def test_continue_training_from_a_lora_file(tiny_edit_dir, pairs_dir, tmp_path):
