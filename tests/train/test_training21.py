@@ -331,7 +331,10 @@ def test_validation_previews_with_a_sigma_list(tiny_21_dir, simple_dir, tmp_path
                                                          sigmas=(1.0, 0.9375, 0.875, 0.75, 0.5, 0.25))]):
         cond = sampler21.build_conditioning(comps, "invert the colors", refs, settings)
         expected = sampler21.denoise(comps, cond, settings)
-        assert (latents[f"latents_{i}"] - expected).abs().max() <= 1e-4
+        steps = len(settings.sigmas) if settings.sigmas else settings.num_inference_steps
+        # the LoRA beside the weights in training vs loaded again: one forward's roundings per step
+        assert_close_fp32(latents[f"latents_{i}"], expected, ops=steps * TINY_FORWARD_ROUNDINGS,
+                          what=f"validation latents {i} vs sampled again")
 
 
 def _run(model_dir, data, out, **train):
@@ -378,6 +381,8 @@ def test_compiled_21_blocks_train_the_same(tiny_21_dir, refs_dir, tmp_path):
     compiled = trainer.fit()
     stats = speed.compile_stats(trainer.components.transformer)
     assert stats is not None and stats.fallback is None and stats.blocks == 2
+    # Adam moves a weight by at most lr (1e-3) per step; inductor's fused kernels change the gradients in their
+    # last bits, which moves only weights whose gradient is near zero, by a fraction of a step (here 10%)
     assert _lora_diff(plain.lora_path, compiled.lora_path) < 1e-4
 
 
