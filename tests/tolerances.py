@@ -60,11 +60,6 @@ def fp32_tolerance(reference, *, ops: int) -> float:
     return 2 * ops * FP32_U * _magnitude(reference)
 
 
-def fp32_atol(scale: float, roundings: int) -> float:
-    """`fp32_tolerance` for a given size `scale` of the values along the chain (rather than a reference)."""
-    return fp32_tolerance(scale, ops=roundings)
-
-
 def max_abs_diff(got, expected) -> float:
     """The largest absolute difference between two tensors (or two mappings of tensors with the same keys),
     measured in float64 so that the measurement adds no rounding of its own."""
@@ -92,13 +87,6 @@ def assert_close_fp32(got, expected, *, ops: int, what: str, size=None) -> None:
         return
     size = expected if size is None else size
     error, allowed = max_abs_diff(got, expected), fp32_tolerance(size, ops=ops)
-    _log(what, error, allowed)
     assert error <= allowed, (f"{what}: max |difference| {error:.3e} > allowed {allowed:.3e} "
                               f"({ops} float32 roundings x size {_magnitude(size):.3e})")
 
-
-def _log(what, error, allowed):  # TEMPORARY
-    import os
-    if os.environ.get("FP32_TOL_LOG"):
-        with open(os.environ["FP32_TOL_LOG"], "a") as f:
-            f.write(f"{error / allowed if allowed else float('inf'):.4f}\t{error:.3e}\t{allowed:.3e}\t{what}\n")

@@ -1,9 +1,9 @@
 """Qwen-Image-2.1: our sampler equals diffusers' QwenImage21Pipeline on the tiny 2.1 model.
 
 Same directory, seed, area and steps; equal up to float32 rounding along the sampler run on the float RGBA image
-in [0, 1] (fp32, CPU): 1, 2 and 10 references of different sizes (one with alpha), CFG off and true CFG with a negative prompt,
-with and without the prefix K/V cache. References keep their order; a reference of the output's size sits on the
-target's grid (no shift).
+in [0, 1] (fp32, CPU): 1, 2 and 10 references of different sizes (one with alpha), CFG off and true CFG with a
+negative prompt, with and without the prefix K/V cache. References keep their order; a reference of the output's
+size sits on the target's grid (no shift).
 """
 
 from __future__ import annotations
