@@ -94,27 +94,6 @@ def scaled_fp8(state, new_format=False, fp8_bias=False):
     return out
 
 
-#: float32's unit roundoff: one rounding moves a value by at most this fraction of its size
-FP32_U = 2.0 ** -24
-
-
-def fp32_atol(scale: float, roundings: int) -> float:
-    """Absolute tolerance for two float32 evaluations of the same maths that round differently (another
-    summation order: other kernels, memory alignment, batch shape or thread split). Each result is within about
-    `roundings` unit roundoffs of `scale` (the size of the values along the longest chain of operations) from
-    the exact value, so the two differ by at most twice that; a real error (a wrong or missing weight, a
-    skipped step) moves the output by orders of magnitude more."""
-    return 2 * roundings * FP32_U * scale
-
-
-#: roundings along a short sampler run on the tiny model (3 steps x 2 blocks x ~10 matmuls, norms and
-#: attention reductions, plus the VAE decoder's ~20 layers), rounded up to a power of two
-TINY_SAMPLER_ROUNDINGS = 128
-#: roundings along one forward of the tiny transformer (2 blocks x ~10 matmuls, norms and attention
-#: reductions, plus the input and output projections), rounded up to a power of two
-TINY_FORWARD_ROUNDINGS = 32
-
-
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """The pack's folders (home, loras, output) and the working directory under the test's own tmp_path."""

@@ -13,7 +13,8 @@ from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.model.single_file import SingleFileError, load_transformer_file
 
-from conftest import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, fp32_atol, scaled_fp8
+from conftest import scaled_fp8
+from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32
 
 CPU = torch.device("cpu")
 
@@ -47,7 +48,7 @@ def test_prefixed_fp32_file_gives_the_same_sampler_output(tiny_edit_dir, tmp_pat
     # The same weights; the file's tensors are read into fresh aligned memory while diffusers maps the folder's
     # file, and CPU matmul kernels round by the data's alignment: equal up to float32 rounding along the
     # sampler's chain of operations, on pictures in [0, 1] (measured: 1.0e-6; the bound is 1.5e-5).
-    torch.testing.assert_close(a, b, rtol=0, atol=fp32_atol(1.0, TINY_SAMPLER_ROUNDINGS))
+    assert_close_fp32(b, a, ops=TINY_SAMPLER_ROUNDINGS, what="picture from the file vs the folder")
 
 
 def test_bf16_file_is_exact_and_trainable_after_inference_mode(tiny_edit_dir, tmp_path):
@@ -81,9 +82,8 @@ def test_edit_2511_marker_sets_zero_cond_t(tmp_path):
     assert loaded.config.zero_cond_t is True
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())
     # the same weights in other memory: CPU matmul kernels round by the data's alignment (see above)
-    expected = _output(reference)
-    atol = fp32_atol(expected.abs().max().item(), TINY_FORWARD_ROUNDINGS)
-    torch.testing.assert_close(_output(loaded), expected, rtol=0, atol=atol)
+    assert_close_fp32(_output(loaded), _output(reference), ops=TINY_FORWARD_ROUNDINGS,
+                      what="2511 transformer output from the file vs the folder")
 
 
 def test_bad_files_name_what_was_expected(tiny_edit_dir, tmp_path):

@@ -20,6 +20,8 @@ from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.model.single_file import SingleFileError, load_vae_file
 from qwen_edit_core.sample import sampler
 
+from tolerances import TINY_SAMPLER_ROUNDINGS, TINY_VAE_ROUNDINGS, assert_close_fp32
+
 CPU = torch.device("cpu")
 #: key names and shapes of ComfyUI's own 2.1 VAE module at the tiny sizes (see the file's _source)
 COMFY_KEYS = Path(__file__).parent / "files" / "comfy_qwen_image21_vae_tiny_keys.json"
@@ -51,9 +53,12 @@ def test_comfyui_vae_file_loads_exactly_and_decodes_rgba_as_the_directory(tiny_2
     assert a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
     pixels = torch.rand(1, 4, 1, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
     latents = encode.encode_latents(from_dir, pixels)
-    assert (encode.encode_latents(from_file, pixels) - latents).abs().max() <= 1e-6
+    # the same weights in other memory: CPU kernels round by the data's alignment
+    assert_close_fp32(encode.encode_latents(from_file, pixels), latents, ops=TINY_VAE_ROUNDINGS,
+                      what="latents encoded by the VAE file vs the folder's")
     decoded, expected = encode.decode_latents(from_file, latents), encode.decode_latents(from_dir, latents)
-    assert decoded.shape[1] == 4 and (decoded - expected).abs().max() <= 1e-6  # alpha included
+    assert decoded.shape[1] == 4  # alpha included
+    assert_close_fp32(decoded, expected, ops=TINY_VAE_ROUNDINGS, what="RGBA decoded by the VAE file vs the folder's")
 
 
 def test_prefixed_bf16_file_is_exact_and_defaults_to_the_released_statistics(tiny_21_dir, tmp_path):
@@ -75,7 +80,8 @@ def test_sampling_with_the_vae_file_matches_the_directory(tiny_21_dir, tmp_path)
     settings = sampler.SampleSettings(num_inference_steps=2, true_cfg_scale=1.0, seed=3, vae_area=64 * 64)
     got = sampler.sample(from_file, "a red cup", [image], settings)
     expected = sampler.sample(from_dir, "a red cup", [image], settings)
-    assert got.shape == expected.shape and got.shape[-1] == 4 and (got - expected).abs().max() <= 1e-5
+    assert got.shape == expected.shape and got.shape[-1] == 4
+    assert_close_fp32(got, expected, ops=TINY_SAMPLER_ROUNDINGS, what="RGBA sampled with the VAE file vs the folder's")
 
 
 def test_vae_files_of_the_other_family_are_refused_naming_both(tiny_21_dir, tiny_edit_dir, tmp_path):

@@ -15,6 +15,8 @@ import nodes
 from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle, has_control_after_generate
 from qwen_edit_core import jobs
 
+from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
@@ -172,7 +174,7 @@ def test_sampler_and_encode_nodes_in_inference_mode(model):
         (latent, _) = nodes.QwenEditEncodeImage().encode(model, _image(), 64)
         (decoded,) = nodes.QwenEditDecodeLatent().decode(model, latent)
     assert image.ndim == 4 and image.shape[-1] == 3 and 0 <= image.min() and image.max() <= 1
-    assert torch.allclose(image, again, atol=1e-6)
+    assert torch.equal(image, again)  # the same conditioning and denoising arithmetic, in the same order
     assert decoded.shape == (1, 64, 96, 3) or decoded.shape[-1] == 3
 
 
@@ -191,7 +193,8 @@ def test_split_cfg_node_equals_batched(model):
         split = sampler.decode(handle.components, sampler.denoise(
             handle.components, cond, dataclasses.replace(settings, cfg_mode="split"),
             uncond_transformer=replicate(handle.components.transformer, torch.device("cpu"))), 64, 64)
-    assert torch.allclose(batched, split, atol=1e-4)
+    # the uncond branch at batch 1 on its replica instead of beside the cond one: other kernels' sums
+    assert_close_fp32(split, batched, ops=TINY_SAMPLER_ROUNDINGS, what="picture with split CFG vs batched")
 
 
 def test_parallel_sampler_node_equals_in_process_and_keeps_its_workers(model, monkeypatch):
@@ -212,7 +215,9 @@ def test_parallel_sampler_node_equals_in_process_and_keeps_its_workers(model, mo
         assert workers.shared_pool(model.components.transformer, ["cpu", "cpu"], tag=model.loras).pids == pids
     finally:
         workers.close_pools()
-    assert (first - plain).abs().max() < 1e-4 and (second - plain).abs().max() < 1e-4
+    # attention split over the workers' sequence shards: other kernels' sums along a sampler run
+    assert_close_fp32(first, plain, ops=TINY_SAMPLER_ROUNDINGS, what="picture from the parallel sampler")
+    assert_close_fp32(second, plain, ops=TINY_SAMPLER_ROUNDINGS, what="picture from parallel conditioning")
     assert all(p.returncode == 0 for p in pool.processes)
     monkeypatch.setenv(workers.DEVICES_ENV, "cpu")
     with torch.inference_mode(), pytest.raises(ValueError, match=r"needs at least 2 devices; .* has 1 \(cpu\)"):

@@ -14,6 +14,8 @@ from nodes.common import TINY_21_MODEL, TINY_MODEL
 from qwen_edit_core.model import encode, single_file21
 from qwen_edit_core.sample import sampler
 
+from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
+
 SIDE = 64
 #: model, image, prompt, negative, steps, cfg, seed, width, height, shift_mode, uncond_device, vae_side
 ARGS = ("make the sky purple", " ", 2, 1.0, 5, 0, 0, "dynamic", "same", SIDE)
@@ -85,7 +87,9 @@ def test_component_loaders_detect_21_and_take_comfyuis_vae_file(model21, env, mo
     with torch.inference_mode():
         got = nodes.QwenEditSampler().sample(assembled, image, *ARGS)
         expected = nodes.QwenEditSampler().sample(model21, image, *ARGS)
-    assert (got[0] - expected[0]).abs().max() <= 1e-5 and (got[2] - expected[2]).abs().max() <= 1e-5  # RGB, alpha
+    # the same weights in other memory (the VAE file read vs the folder mapped): kernels round by alignment
+    assert_close_fp32(got[0], expected[0], ops=TINY_SAMPLER_ROUNDINGS, what="RGB with the VAE file vs the folder's")
+    assert_close_fp32(got[2], expected[2], ops=TINY_SAMPLER_ROUNDINGS, what="alpha with the VAE file vs the folder's")
 
 
 def test_sampler_takes_ordered_references_and_returns_image_and_mask(model21):

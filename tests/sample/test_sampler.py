@@ -12,7 +12,7 @@ from qwen_edit_core.model.components import load_components, replicate
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.common.progress import CancelToken, Cancelled
 
-from conftest import TINY_SAMPLER_ROUNDINGS, fp32_atol
+from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_split_cfg_equals_sequential(comps):
                            uncond_transformer=replica)
     # the uncond branch runs at batch 1 on its replica instead of beside the cond one: other kernels, so equal
     # up to float32 rounding along the sampler's chain, on pictures in [0, 1]
-    assert torch.allclose(seq, split, rtol=0, atol=fp32_atol(1.0, TINY_SAMPLER_ROUNDINGS))
+    assert_close_fp32(split, seq, ops=TINY_SAMPLER_ROUNDINGS, what="picture with split CFG vs sequential")
 
 
 def test_split_needs_a_replica(comps):

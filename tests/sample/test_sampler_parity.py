@@ -1,7 +1,7 @@
 """The bar of the headless core: our sampler equals diffusers' pipelines on the same tiny model.
 
-Same directory, seed, sizes and steps; max absolute difference <= 1e-4 on the float image in [0, 1]
-(fp32, CPU), for sequential and batched CFG and with CFG off; Edit Plus with two control images.
+Same directory, seed, sizes and steps; equal up to float32 rounding along a sampler run on the float image in
+[0, 1] (fp32, CPU), for sequential and batched CFG and with CFG off; Edit Plus with two control images.
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 
-TOL = 1e-4
+from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
+
 STEPS = 3
+
+
+def _assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
+    """The same maths as the pipeline's in another order (batched or split CFG, our packing and schedule
+    code): equal up to a sampler run's float32 roundings."""
+    assert_close_fp32(torch.from_numpy(ours), torch.from_numpy(ref), ops=TINY_SAMPLER_ROUNDINGS,
+                      what="our picture vs the pipeline's")
 
 
 def _image(w: int, h: int, seed: int) -> Image.Image:
@@ -72,7 +80,7 @@ def test_edit_true_cfg_matches_diffusers(edit, edit_reference, mode):
     image, ref = edit_reference
     ours = _ours(comps, [image], "turn the cat blue", " ", 4.0, mode=mode, height=256, width=384)
     assert ours.shape == ref.shape == (256, 384, 3)
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref)
 
 
 def test_edit_without_cfg_matches_diffusers(edit):
@@ -80,7 +88,7 @@ def test_edit_without_cfg_matches_diffusers(edit):
     image = _image(64, 64, 1)
     ref = _reference(pipe, image, "add a hat", None, 1.0, height=128, width=128)
     ours = _ours(comps, [image], "add a hat", None, 1.0, height=128, width=128)
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref)
 
 
 def test_edit_default_size_follows_control_image(edit):
@@ -90,7 +98,7 @@ def test_edit_default_size_follows_control_image(edit):
     ref = _reference(pipe, image, "sharpen", " ", 2.5)
     ours = _ours(comps, [image], "sharpen", " ", 2.5)
     assert ours.shape == ref.shape
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref)
 
 
 def test_edit_plus_two_controls_matches_diffusers(plus):
@@ -99,7 +107,7 @@ def test_edit_plus_two_controls_matches_diffusers(plus):
     images = [_image(96, 64, 3), _image(64, 112, 4)]
     ref = _reference(pipe, images, "put the object from picture 2 into picture 1", " ", 3.0, height=192, width=256)
     ours = _ours(comps, images, "put the object from picture 2 into picture 1", " ", 3.0, height=192, width=256)
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref)
 
 
 @pytest.fixture
@@ -120,4 +128,4 @@ def test_edit_plus_modes_match_diffusers(plus, small_plus_areas, mode, cfg, nega
     ref = _reference(pipe, images, "blend", negative, cfg, height=160, width=320)
     ours = _ours(comps, images, "blend", negative, cfg, mode=mode, height=160, width=320, **small_plus_areas)
     assert ours.shape == ref.shape
-    assert np.abs(ours - ref).max() <= TOL
+    _assert_same(ours, ref)

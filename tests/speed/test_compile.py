@@ -17,6 +17,8 @@ from qwen_edit_core.model.encode import pad_embeddings
 from qwen_edit_core.model.tiny import transformer_config
 from qwen_edit_core.speed import compile as compile_mod
 
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+
 
 @pytest.fixture
 def dynamo_reset():
@@ -47,7 +49,7 @@ def _run(model, text, hidden, shapes):
 @pytest.mark.parametrize("batching", [False, True], ids=["stock-attention", "batching-adapter"])
 def test_text_padded_to_a_bucket_gives_the_unpadded_output(batching):
     """Prompts padded with masked tokens to a multiple of 64 (what compiled blocks get) give the exact-length
-    output within 1e-5 in float32, alone and in a batch of two lengths (both attention processors)."""
+    output up to float32 rounding, alone and in a batch of two lengths (both attention processors)."""
     model = _model(batching)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randn(n, 32, generator=g) for n in (23, 41)]
@@ -58,8 +60,9 @@ def test_text_padded_to_a_bucket_gives_the_unpadded_output(batching):
         bucketed = exact.padded(speed.TEXT_BUCKET)
         assert bucketed.embeds.shape[1] == 64 and bucketed.mask_or_none() is not None
         expected = _run(model, exact, hidden[: len(idx)], shapes[: len(idx)])
-        torch.testing.assert_close(_run(model, bucketed, hidden[: len(idx)], shapes[: len(idx)]), expected,
-                                   atol=1e-5, rtol=0)
+        # masked keys add zeros to the softmax's and the values' sums, in other kernels' order
+        assert_close_fp32(_run(model, bucketed, hidden[: len(idx)], shapes[: len(idx)]), expected,
+                          ops=TINY_FORWARD_ROUNDINGS, what=f"output with prompts {idx} padded to the bucket")
 
 
 def test_lora_strengths_become_tensors_with_the_same_numbers():

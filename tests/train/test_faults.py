@@ -26,6 +26,7 @@ from qwen_edit_core.config import to_dict
 from qwen_edit_core.train.checkpoint import list_checkpoints
 
 from conftest import train_config
+from tolerances import TINY_TEXT_ENCODER_ROUNDINGS, TINY_VAE_ROUNDINGS, assert_close_fp32
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -589,4 +590,7 @@ def test_a_damaged_cache_entry_is_recomputed_before_training(tiny_edit_dir, pair
     entry.write_bytes(bytes(data))
     stats = QwenImageEditTrainer(config).cache()
     again = load_file(entry)
-    assert stats["computed"] == 1 and all(torch.allclose(again[k].float(), good[k].float(), atol=1e-5) for k in good)
+    assert stats["computed"] == 1
+    # encoded alone now, in a batch of four before: the encoders' sums in other kernels' order
+    assert_close_fp32({k: v.float() for k, v in again.items()}, {k: v.float() for k, v in good.items()},
+                      ops=max(TINY_VAE_ROUNDINGS, TINY_TEXT_ENCODER_ROUNDINGS), what="recomputed cache entry")

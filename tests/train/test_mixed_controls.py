@@ -13,6 +13,7 @@ from qwen_edit_core.data.buckets import BucketBatchSampler
 from qwen_edit_core.data.dataset import DatasetError, load_dataset
 
 from conftest import train_config
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
 
 SIZES = {1: [(64, 64)], 2: [(96, 64), (64, 96)], 3: [(64, 96), (96, 64), (64, 64)]}
 
@@ -97,8 +98,12 @@ def test_mixed_control_counts_batch_equals_one_by_one_in_loss_and_gradients(tiny
         alone.append(single.item())
         for n, p in params.items():
             grads[n] += grad(p) / 3
-    assert per_sample.tolist() == pytest.approx(alone, rel=1e-4)
-    assert loss.item() == pytest.approx(sum(alone) / 3, rel=1e-4)
-    scale = max(g.abs().max().item() for g in grads.values())
+    # one call per layout instead of one per sample: other kernels' sums, a forward's roundings (doubled by the
+    # squared error); the gradients: the backward (about twice the forward's) and the three samples' sum
+    alone = torch.tensor(alone)
+    assert_close_fp32(per_sample, alone, ops=2 * TINY_FORWARD_ROUNDINGS, what="per-sample losses batched vs alone")
+    assert_close_fp32(loss, alone.mean(), ops=2 * TINY_FORWARD_ROUNDINGS + 3, what="batch loss vs alone")
+    scale = max(g.abs().max().item() for g in grads.values())  # the gradients' size, over all of them
     assert scale > 0
-    assert max((batch_grads[n] - grads[n]).abs().max().item() for n in params) <= 1e-4 * scale
+    assert_close_fp32(batch_grads, grads, ops=2 * TINY_FORWARD_ROUNDINGS + 3, what="gradients batched vs alone",
+                      size=scale)

@@ -54,7 +54,7 @@ def test_fsdp_two_processes_equal_one_process_and_resume_exactly(tiny_edit_dir, 
     single = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "one", cache_dir=cache,
                                                train={"max_steps": 4, "seed": 3})).fit()
     sharded_lora = tmp_path / "fsdp" / "lora.safetensors"
-    assert _max_diff(single.lora_path, sharded_lora) < 1e-5
+    assert _max_diff(single.lora_path, sharded_lora) < 1e-5  # 1% of one Adam step (lr 1e-3): see below
     # Resume from the sharded run's own step-2 checkpoint, in another output directory: the same LoRA.
     step2 = tmp_path / "fsdp" / "checkpoints" / "step-0000002"
     # It also validates at step 4: every process takes part in the sharded sampling, the first one writes.
