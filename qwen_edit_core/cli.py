@@ -37,7 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_tiny(args) -> None:
     if args.pretrained:
-        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae
+        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
         from qwen_edit_core.model.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
         is_21 = args.variant == variants.IMAGE_21.name
         if args.variant not in (variants.DEFAULT, variants.IMAGE_21.name) or args.size != "tiny":
@@ -50,7 +50,7 @@ def cmd_tiny(args) -> None:
         if args.train_vae:
             pretrain_vae(weights, Recipe(seed=args.seed))
         elif args.train or not (weights / "toy.json").is_file():
-            pretrain(weights, Recipe(seed=args.seed, variant=args.variant))
+            pretrain(weights, recipe_for(args.variant, args.seed))
         out = build_toy(args.out_dir, weights)
         log.info("pretrained toy model written to %s (weights: %s)", out, weights)
         return
