@@ -283,8 +283,9 @@ WORKFLOWS = {
         "input; a batch adds each of its pictures) and its inverted copy (Reference Images: chain one per "
         "picture size, up to 10 references in all). The Sampler returns the picture and its transparency as a "
         "MASK (2.1 decodes RGBA). As shipped it runs the built-in toy 2.1 model (pretrained on 128 px pictures "
-        "of shapes: it keeps, grays or shifts the first reference; it never learned to use a second one) with "
-        "the 6-step DMD sigma list at CFG 1, graying the first picture.\n\nChange first: in Load Model pick your "
+        "of shapes: it keeps, grays or shifts the first reference) at 20 steps and CFG 1, graying the first "
+        "picture; it never saw a second reference, so with one its picture is a mottled gray (the toy is not "
+        "distilled either: a few-step sigma list such as qwen21-dmd-6step gives it a blur).\n\nChange first: in Load Model pick your "
         "Qwen-Image-2.1 folder of models/qwen_edit (or its diffusion_models file), devices cuda:0 and dtype "
         "bfloat16; the pictures (Load Image nodes; connect a Load Image's MASK to Reference Images for "
         "transparency) and the prompt; vae_side 1024; sigmas empty with steps 40 for the base model, or the "
@@ -294,7 +295,7 @@ WORKFLOWS = {
         (DATA, [DEMO_DATA, {"id": 3, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
                 {"id": 4, "type": "QwenEditReferenceImages", "links": {"image": (3, "IMAGE")}}]),
         (SAMPLING, [{"id": 5, "type": "QwenEditSampler",
-                     "widgets": {**SAMPLE, "prompt": "make it grayscale", "sigmas": "qwen21-dmd-6step"},
+                     "widgets": {**SAMPLE, "prompt": "make it grayscale", "sigmas": ""},
                      "links": {"model": (1, "model"), "image": (2, "example_control"),
                                "references": (4, "references")}}]),
         (RESULTS, [{"id": 6, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_sample"},
