@@ -16,6 +16,7 @@ CATEGORY = "Qwen Edit"
 TOY_MODEL = "qwen-edit-toy (built-in, pretrained: edits 128 px pictures)"
 TINY_MODEL = "qwen-edit-tiny (built-in, random weights)"
 TINY_21_MODEL = "qwen-image-2.1-tiny (built-in, random weights)"
+TOY_21_MODEL = "qwen-image-2.1-toy (built-in, pretrained: edits 128 px pictures)"
 DTYPES = ["float32", "bfloat16", "float16"]
 
 MODEL = "QWEN_EDIT_MODEL"
@@ -71,17 +72,21 @@ def device_choices() -> list[str]:
 
 
 def model_choices() -> list[str]:
-    return [TOY_MODEL, TINY_MODEL, TINY_21_MODEL] + comfy_runtime.model_dirs()
+    return [TOY_MODEL, TINY_MODEL, TINY_21_MODEL, TOY_21_MODEL] + comfy_runtime.model_dirs()
 
 
 def resolve_model(name: str, path: str = "") -> Path:
     """The model directory of a loader's widgets: an explicit path, a built-in model (built on first use: the
-    pretrained toy model, or the random tiny one), or a directory of ComfyUI's models/qwen_edit folder."""
+    pretrained toy model of either family, or the random tiny one), or a directory of ComfyUI's models/qwen_edit
+    folder."""
     if path and path.strip():
         return Path(path.strip()).expanduser()
     if name == TOY_MODEL:
         from qwen_edit_core.model.toy import ensure_toy
         return ensure_toy(comfy_runtime.default_model_root() / "qwen-edit-toy")
+    if name == TOY_21_MODEL:
+        from qwen_edit_core.model.toy import WEIGHTS_DIR_21, ensure_toy
+        return ensure_toy(comfy_runtime.default_model_root() / "qwen-image-2.1-toy", WEIGHTS_DIR_21)
     if name in (TINY_MODEL, TINY_21_MODEL):
         from qwen_edit_core.model.tiny import build_tiny
         folder, variant = ("qwen-edit-tiny", "edit") if name == TINY_MODEL else ("qwen-image-2.1-tiny", "image-2.1")

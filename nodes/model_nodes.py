@@ -37,8 +37,9 @@ def _model_inputs(extra: dict | None = None, transformer_file: bool = False, vae
                                                      "folder (qwen_2.5_vl_7b, bf16 or scaled fp8); its tokenizer "
                                                      "is the directory's processor/, else ComfyUI's own"})
     model = (model_choices(), {"tooltip": "a diffusers-layout Qwen-Image-Edit (or Edit Plus) directory of "
-                                          "models/qwen_edit/, or the built-in tiny random model (for trying "
-                                          "workflows: its images are noise)"})
+                                          "models/qwen_edit/, or a built-in model for trying workflows: the "
+                                          "pretrained toy ones (Qwen-Image-Edit, Qwen-Image-2.1: they edit 128 px "
+                                          "pictures of shapes) or the tiny random ones (their images are noise)"})
     return {"required": {"model": model, **(extra or {})}, "optional": optional}
 
 

@@ -132,7 +132,8 @@ class QwenImageEditTrainer:
                                          vl_area=p.vl_area)
 
     def encode_image(self, image, area: int | None = None) -> torch.Tensor:
-        """Normalized VAE latents (1, 16, 1, h, w) of an image at `area` (default predict.vae_area)."""
+        """Normalized VAE latents (1, C, 1, h, w) of an image at `area` (default predict.vae_area); RGBA and sized as
+        a reference for Qwen-Image-2.1."""
         return predict_mod.encode_image(self._require(), image, area or self.config.predict.vae_area)
 
     def decode_vae_latent(self, latents: torch.Tensor) -> torch.Tensor:

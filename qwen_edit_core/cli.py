@@ -37,15 +37,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_tiny(args) -> None:
     if args.pretrained:
-        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae
-        from qwen_edit_core.model.toy import WEIGHTS_DIR, build_toy
-        if args.variant != variants.DEFAULT or args.size != "tiny":
-            raise ValueError("--pretrained builds the Edit variant at size tiny; drop --variant/--size")
-        weights = Path(args.weights_dir) if args.weights_dir else WEIGHTS_DIR
+        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
+        from qwen_edit_core.model.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
+        is_21 = args.variant == variants.IMAGE_21.name
+        if args.variant not in (variants.DEFAULT, variants.IMAGE_21.name) or args.size != "tiny":
+            raise ValueError(f"--pretrained builds the {variants.DEFAULT} or {variants.IMAGE_21.name} variant at "
+                             "size tiny; drop --size or pick one of those --variant values")
+        if args.train_vae and is_21:
+            raise ValueError("--train-vae: the toy Qwen-Image-2.1's VAE is fitted with its transformer's build; "
+                             "use --train")
+        weights = Path(args.weights_dir) if args.weights_dir else (WEIGHTS_DIR_21 if is_21 else WEIGHTS_DIR)
         if args.train_vae:
             pretrain_vae(weights, Recipe(seed=args.seed))
         elif args.train or not (weights / "toy.json").is_file():
-            pretrain(weights, Recipe(seed=args.seed))
+            pretrain(weights, recipe_for(args.variant, args.seed))
         out = build_toy(args.out_dir, weights)
         log.info("pretrained toy model written to %s (weights: %s)", out, weights)
         return
@@ -208,7 +213,7 @@ def cmd_pairs(args) -> None:
 
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
-    run_demo(Path(args.out), steps=args.steps)
+    run_demo(Path(args.out), steps=args.steps, variant=args.variant)
 
 
 def cmd_bench(args) -> None:
@@ -246,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true",
                    help="with --pretrained: train the toy weights from scratch into --weights-dir first")
     p.add_argument("--weights-dir", default=None,
-                   help="with --pretrained: toy weights folder (default: the package's model/toy_weights)")
+                   help="with --pretrained: toy weights folder (default: the package's model/toy_weights, or "
+                        "model/toy21_weights with --variant image-2.1)")
     p.add_argument("--train-vae", action="store_true",
                    help="with --pretrained: retrain only the VAE's decoder into --weights-dir (its transformer and "
                         "the latents stay as they are)")
@@ -348,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
     p.add_argument("--steps", type=int, default=250, help="LoRA training steps")
+    p.add_argument("--variant", choices=[variants.DEFAULT, variants.IMAGE_21.name], default=variants.DEFAULT,
+                   help="which toy model learns the edit: the Qwen-Image-Edit one or the Qwen-Image-2.1 one")
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")

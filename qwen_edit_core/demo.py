@@ -68,21 +68,33 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
     return float(np.corrcoef(magnitude(picture), magnitude(target))[0, 1])
 
 
+def _family_sampler(components):
+    """The sampler module and latent packing of the components' family (Qwen-Image-2.1: references in the text,
+    unpatched latents)."""
+    from qwen_edit_core.model import encode, encode21, variants
+    from qwen_edit_core.sample import sampler, sampler21
+    if variants.get(components.variant).family.references == "in-text":
+        return sampler21, encode21.pack
+    return sampler, encode.pack
+
+
 def _evaluate(trainer, held_out, steps: int = 20) -> dict:
-    """Sample each held-out control (CFG off, seed 0); mean squared errors to the target in normalized
-    latents and in pixels ([0, 1] RGB), and the pictures' edge similarity to the target."""
+    """Sample each held-out control (CFG off, seed 0; for Qwen-Image-2.1 the control is reference 1); mean
+    squared errors to the target in normalized latents and in pixels ([0, 1] RGB), and the pictures' edge
+    similarity to the target."""
     from qwen_edit_core.model import encode
     from qwen_edit_core.sample import sampler
     comps = trainer.components
+    family_sampler, pack = _family_sampler(comps)
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, negative_prompt=None, seed=0,
                                       vae_area=SIZE * SIZE)
     latent_err, pixel_err, edges, images = [], [], [], []
     for control_path, target_path in held_out:
         control, target = encode.open_image(control_path), encode.open_image(target_path)
-        cond = sampler.build_conditioning(comps, CAPTION, [control], settings)
-        latents = sampler.denoise(comps, cond, settings)
-        target_latents = encode.pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
-        image = sampler.decode(comps, latents, cond.width, cond.height)[0]
+        cond = family_sampler.build_conditioning(comps, CAPTION, [control], settings)
+        latents = family_sampler.denoise(comps, cond, settings)
+        target_latents = pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
+        image = family_sampler.decode(comps, latents, cond.width, cond.height)[0][..., :3]
         target_pixels = torch.from_numpy(np.asarray(target, dtype=np.float32) / 255.0)
         latent_err.append(float((latents - target_latents).float().pow(2).mean()))
         pixel_err.append(float((image - target_pixels).pow(2).mean()))
@@ -122,19 +134,23 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def run_demo(out_dir: Path, steps: int = 250) -> dict:
-    """Run the whole job into `out_dir` with `steps` LoRA steps; returns the metrics (also in metrics.json)."""
+def run_demo(out_dir: Path, steps: int = 250, variant: str = "edit") -> dict:
+    """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` ("edit", or
+    "image-2.1": the toy Qwen-Image-2.1, the control as reference 1); returns the metrics (also in
+    metrics.json)."""
     with one_thread():
-        return _run(Path(out_dir), steps)
+        return _run(Path(out_dir), steps, variant)
 
 
-def _run(out_dir: Path, steps: int) -> dict:
+def _run(out_dir: Path, steps: int, variant: str) -> dict:
     from qwen_edit_core.api import QwenImageEditTrainer
-    from qwen_edit_core.model.toy import ensure_toy
+    from qwen_edit_core.model import toy
 
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_toy(out_dir / "toy-model")
+    is_21 = variant == "image-2.1"
+    model_dir = toy.ensure_toy(out_dir / ("toy21-model" if is_21 else "toy-model"),
+                               toy.WEIGHTS_DIR_21 if is_21 else toy.WEIGHTS_DIR)
     write_dataset(out_dir / "dataset", N_TRAIN, seed=0)
     held_out = write_dataset(out_dir / "held_out", N_HELD_OUT, seed=1)
     trainer = QwenImageEditTrainer(_config(model_dir, out_dir / "dataset", out_dir, steps))

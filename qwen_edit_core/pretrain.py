@@ -1,7 +1,11 @@
-"""Build the toy model's weights (`qwen-edit tiny --pretrained --train`): a VAE, then a transformer.
+"""Build a toy model's weights (`qwen-edit tiny [--variant image-2.1] --pretrained --train`): a VAE, then a
+transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's constructed
+VAE in pretrain25.py; the Qwen-Image-2.1 toy's VAE, transformer settings and reference-1 batches in
+pretrain21.py); the data, the flow-matching loop, the seeds and the manifest are this module's. The steps below are
+the 2025 toy's; pretrain21.py describes the 2.1 toy's.
 
 1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) starts from
-   constructed weights (`constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
+   constructed weights (`pretrain25.constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
    its decoder upsamples the cell colours smoothly. The encoder is kept as constructed (`latents_mean`/
    `latents_std` are its latents' measured per-channel statistics, so normalized latents have unit scale as
    the flow-matching maths assumes); the decoder's residual branches are then trained by gradient descent
@@ -35,101 +39,15 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core import pretrain21
+from qwen_edit_core.pretrain25 import CONST, VAE_CONFIG, constructed_vae
 from qwen_edit_core.model import encode, toy, variants
 from qwen_edit_core.model.tiny import _isolated_init, build_tiny, transformer_config
 
 log = logging.getLogger(__name__)
 
-VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-                  temperal_downsample=[False, True, True], dropout=0.0)
 #: The keep-the-image prompt's stand-in for an empty prompt (the samplers' default negative prompt).
 NEGATIVE = " "
-#: the constructed VAE's constant channel (large, so the RMS norms divide by it alone)
-CONST = 1000.0
-
-
-#: the 2x2 sub-positions a latent cell's 12 colour channels hold (4 px squares of an 8 px cell)
-_SUBCELLS = ((0, 0), (0, 1), (1, 0), (1, 1))
-
-
-def _zero_residuals(vae) -> None:
-    """Residual branches and attention outputs to zero: every residual block and attention block is the
-    identity (plus its 1x1 shortcut), so the VAE starts as the linear path set below."""
-    for name, param in vae.named_parameters():
-        if name.endswith(("conv2.weight", "conv2.bias", "proj.weight", "proj.bias")) or ".conv_shortcut." in name:
-            param.zero_()
-
-
-def _copy_shortcuts(vae, channels: int = 4) -> None:
-    for name, module in vae.named_modules():
-        if name.endswith("conv_shortcut") and hasattr(module, "weight"):
-            for c in range(channels):
-                module.weight[c, c, 0, 0, 0] = 1.0
-
-
-def _head_gain(dim: int) -> float:
-    """conv_out's gain after RMS_norm(dim) and SiLU: the norm scales by sqrt(dim)/|f| (|f| ~ CONST, the
-    constant channel) and SiLU(u) ~ u/2 near 0."""
-    return 2 * CONST / dim ** 0.5
-
-
-@torch.no_grad()
-def constructed_vae(config: dict):
-    """An AutoencoderKLQwenImage whose weights compute, exactly up to SiLU's curvature (< 0.3 % here):
-
-    - encoder: RGB and a constant channel (CONST) through 2x2 averages at the first two downsamples, a
-      2x2 space-to-depth at the third, so latent channels 0-11 are the mean colours of the four 4x4-pixel
-      squares of each 8x8-pixel cell (12-15 stay 0);
-    - decoder: the cell's mean colour, upsampled three times (nearest, then a [1 2 1] tent filter per axis;
-      the constant channel is filtered alike, and the final RMS norm divides by it, so borders are a
-      normalized convolution): a smooth 8x-upsampled picture.
-    Training (`train_vae`) starts from here.
-    """
-    from diffusers import AutoencoderKLQwenImage
-
-    vae = AutoencoderKLQwenImage(**config)
-    for param in vae.parameters():
-        param.zero_()
-    for name, param in vae.named_parameters():
-        if name.endswith("gamma"):
-            param.fill_(1.0)
-    enc, dec = vae.encoder, vae.decoder
-    for c in range(3):
-        enc.conv_in.weight[c, c, 2, 1, 1] = 1.0
-    enc.conv_in.bias[3] = CONST
-    _copy_shortcuts(vae)
-    for block in (enc.down_blocks[1], enc.down_blocks[3]):
-        conv = block.resample[1]
-        for c in range(4):
-            conv.weight[c, c, :2, :2] = 0.25 if c < 3 else 0.0
-        conv.weight[3, 3, 0, 0] = 1.0
-    last = enc.down_blocks[5].resample[1]
-    for k, (dy, dx) in enumerate(_SUBCELLS):
-        for c in range(3):
-            last.weight[3 * k + c, c, dy, dx] = 1.0
-    last.weight[12, 3, 0, 0] = 1.0
-    gain = _head_gain(enc.conv_out.weight.shape[1])
-    for c in range(12):
-        enc.conv_out.weight[c, c, 2, 1, 1] = gain
-    vae.quant_conv.weight[:16, :16, 0, 0, 0] = torch.eye(16)
-    vae.quant_conv.bias[16:] = -10.0  # log-variance: the posterior is (almost) its mode
-    vae.post_quant_conv.weight[:, :, 0, 0, 0] = torch.eye(16)
-    for k in range(4):
-        for c in range(3):
-            dec.conv_in.weight[c, 3 * k + c, 2, 1, 1] = 0.25
-    dec.conv_in.bias[3] = CONST
-    tent = torch.tensor([1.0, 2.0, 1.0])
-    tent = torch.outer(tent, tent) / 16
-    for block in dec.up_blocks:
-        for up in block.upsamplers or []:
-            for c in range(4):
-                up.resample[1].weight[c, c] = tent
-    gain = _head_gain(dec.conv_out.weight.shape[1])
-    for c in range(3):
-        dec.conv_out.weight[c, c, 2, 1, 1] = gain
-    return vae
-
-
 @dataclass(frozen=True)
 class Recipe:
     """Everything the weights depend on (with the code)."""
@@ -146,6 +64,22 @@ class Recipe:
     vae_steps: int = 300
     vae_batch: int = 4
     vae_lr: float = 5e-4
+    #: the family's variant: "edit" (the 2025 toy) or "image-2.1" (pretrain21.py's VAE and batches)
+    variant: str = variants.EDIT.name
+
+    @property
+    def is_21(self) -> bool:
+        return self.variant == variants.IMAGE_21.name
+
+
+def recipe_for(variant: str, seed: int = 0) -> Recipe:
+    """The shipped recipe of `variant`'s toy. The 2.1 toy's single-stream transformer shares its projections
+    between text and image tokens and copied reference 1 poorly at the 2025 toy's 2 blocks and 1500 steps (held-out
+    "keep" 17-21 dB, "move the shapes left" not learned; 2 blocks, 3000 steps: 20-24 dB): it has 3 blocks and
+    trains 3000 steps at lr 3e-3."""
+    if variant == variants.IMAGE_21.name:
+        return Recipe(seed=seed, variant=variant, transformer_steps=3000, transformer_lr=3e-3, layers=3)
+    return Recipe(seed=seed, variant=variant)
 
 
 def transformer_settings(recipe: Recipe) -> dict:
@@ -250,6 +184,15 @@ def train_vae_decoder(recipe: Recipe, vae):
 
 
 @torch.no_grad()
+def _dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
+    """The family's (control or reference, prompt) -> target items: the three edits and " " as keep."""
+    if recipe.is_21:
+        return pretrain21.edit_dataset(recipe, vae, text_encoder, processor, [*synthetic.EDITS, NEGATIVE],
+                                       [*synthetic.EDITS.values(), synthetic.keep])
+    return edit_dataset(recipe, vae, text_encoder, processor)
+
+
+@torch.no_grad()
 def edit_dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
     """Per (control picture, prompt): packed control and target tokens (16, 64) and the prompt's embeddings."""
     rng = np.random.default_rng(recipe.seed + 2)
@@ -269,30 +212,50 @@ def edit_dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
     return items
 
 
+def _new_transformer(recipe: Recipe):
+    """The family's transformer class with the toy settings, seeded."""
+    from qwen_edit_core.adapters import multires
+    from qwen_edit_core.model.families import QWEN_IMAGE, QWEN_IMAGE_21
+
+    family = QWEN_IMAGE_21 if recipe.is_21 else QWEN_IMAGE
+    with _isolated_init(recipe.seed):
+        transformer = family.class_of("transformer")(**_settings(recipe))
+    if not recipe.is_21:
+        multires.install(transformer)
+    return transformer
+
+
+def _settings(recipe: Recipe) -> dict:
+    return pretrain21.transformer_settings(recipe) if recipe.is_21 else transformer_settings(recipe)
+
+
+def _batch(recipe: Recipe, picked: list[dict], generators: list):
+    """One training batch of dataset items in the family's layout."""
+    from qwen_edit_core.train.batch import TrainBatch
+
+    side = recipe.size // (pretrain21.PATCH if recipe.is_21 else encode.LATENT_MULTIPLE)
+    if recipe.is_21:
+        return pretrain21.batch(picked, side, generators)
+    return TrainBatch(targets=[it["target"] for it in picked], controls=[it["control"] for it in picked],
+                      embeds=encode.pad_embeddings([it["embeds"] for it in picked]),
+                      img_shapes=[[(1, side, side), (1, side, side)]] * len(picked), generators=generators)
+
+
 def train_transformer(recipe: Recipe, items: list[dict], scheduler_config: dict):
     """The toy transformer trained on `items` with the trainer's flow-matching loss."""
-    from diffusers import QwenImageTransformer2DModel
-
-    from qwen_edit_core.adapters import multires
     from qwen_edit_core.config import load_config
-    from qwen_edit_core.train.batch import TrainBatch, flow_loss, sample_generator
+    from qwen_edit_core.train.batch import flow_loss, sample_generator
 
-    with _isolated_init(recipe.seed):
-        transformer = QwenImageTransformer2DModel(**transformer_settings(recipe))
-    multires.install(transformer)
+    transformer = _new_transformer(recipe)
     config = load_config()
     opt = torch.optim.AdamW(transformer.parameters(), lr=recipe.transformer_lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(recipe.seed + 3)
-    side = recipe.size // encode.LATENT_MULTIPLE
     started = time.perf_counter()
     for step in range(recipe.transformer_steps):
         for group in opt.param_groups:
             group["lr"] = recipe.transformer_lr * _cosine(step, recipe.transformer_steps)
         picked = [items[i] for i in torch.randint(len(items), (recipe.transformer_batch,), generator=order)]
-        batch = TrainBatch(targets=[it["target"] for it in picked], controls=[it["control"] for it in picked],
-                           embeds=encode.pad_embeddings([it["embeds"] for it in picked]),
-                           img_shapes=[[(1, side, side), (1, side, side)]] * len(picked),
-                           generators=[sample_generator(recipe.seed, step, 0, i) for i in range(len(picked))])
+        batch = _batch(recipe, picked, [sample_generator(recipe.seed, step, 0, i) for i in range(len(picked))])
         loss, _ = flow_loss(transformer, batch, config, scheduler_config)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -317,34 +280,37 @@ def _save(weights_dir: Path, info: dict, modules: dict) -> None:
 
 
 def _manifest(recipe: Recipe, vae) -> dict:
-    command = "qwen-edit tiny --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
-    return {"command": command + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"),
+    variant = f" --variant {recipe.variant}" if recipe.is_21 else ""
+    command = f"qwen-edit tiny{variant} --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
+    return {"command": command + ("" if recipe.seed == 0 else f" --seed {recipe.seed}"), "variant": recipe.variant,
             "seed": recipe.seed, "recipe": asdict(recipe), "text_encoder_seed": 0, "edits": list(synthetic.EDITS),
-            "vae_config": {**VAE_CONFIG, "latents_mean": vae.config.latents_mean,
-                           "latents_std": vae.config.latents_std},
-            "transformer_config": transformer_settings(recipe), "sha256": {}}
+            "vae_config": {**(pretrain21.VAE_CONFIG if recipe.is_21 else VAE_CONFIG),
+                           "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std},
+            "transformer_config": _settings(recipe), "sha256": {}}
 
 
 def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     """Train both components and write `vae.safetensors`, `transformer.safetensors` and `toy.json` to
     `weights_dir`; returns the manifest. The decoder is trained last, so the transformer's data (the
     encoder's latents) and its random draws do not depend on it."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoProcessor
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            tiny = build_tiny(Path(tmp) / "tiny", variant=variants.EDIT.name, seed=0)
-            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "text_encoder").eval()
+            tiny = build_tiny(Path(tmp) / "tiny", variant=recipe.variant, seed=0)
+            family = variants.get(recipe.variant).family
+            text_encoder = family.class_of("text_encoder").from_pretrained(tiny / "text_encoder").eval()
             processor = AutoProcessor.from_pretrained(tiny / "processor")
             scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
             with torch.random.fork_rng(devices=[]):
-                vae = make_vae(recipe)
-                items = edit_dataset(recipe, vae, text_encoder, processor)
+                vae = pretrain21.make_vae(recipe.seed, recipe.size) if recipe.is_21 else make_vae(recipe)
+                items = _dataset(recipe, vae, text_encoder, processor)
                 transformer = train_transformer(recipe, items, scheduler_config)
-                train_vae_decoder(recipe, vae)
+                if not recipe.is_21:
+                    train_vae_decoder(recipe, vae)
     finally:
         torch.set_num_threads(threads)
     info = _manifest(recipe, vae)

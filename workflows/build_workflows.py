@@ -19,7 +19,7 @@ OUT = HERE.parent / "example_workflows"
 sys.path.insert(0, str(HERE.parent))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
-from nodes.common import TINY_21_MODEL, TOY_MODEL  # noqa: E402
+from nodes.common import TOY_21_MODEL, TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
 from workflows.layout import TITLE, frontend_sizes, note_size, place, view  # noqa: E402
 
@@ -282,19 +282,20 @@ WORKFLOWS = {
         "Samples Qwen-Image-2.1 with two reference images in order: the demo picture (the Sampler's image "
         "input; a batch adds each of its pictures) and its inverted copy (Reference Images: chain one per "
         "picture size, up to 10 references in all). The Sampler returns the picture and its transparency as a "
-        "MASK (2.1 decodes RGBA). As shipped it runs the built-in tiny 2.1 model (random weights: its pictures "
-        "are noise) with the 6-step DMD sigma list at CFG 1.\n\nChange first: in Load Model pick your "
+        "MASK (2.1 decodes RGBA). As shipped it runs the built-in toy 2.1 model (pretrained on 128 px pictures "
+        "of shapes: it keeps, grays or shifts the first reference) at 20 steps and CFG 1, graying the first "
+        "picture; it never saw a second reference, so with one its picture is a mottled gray (the toy is not "
+        "distilled either: a few-step sigma list such as qwen21-dmd-6step gives it a blur).\n\nChange first: in Load Model pick your "
         "Qwen-Image-2.1 folder of models/qwen_edit (or its diffusion_models file), devices cuda:0 and dtype "
         "bfloat16; the pictures (Load Image nodes; connect a Load Image's MASK to Reference Images for "
         "transparency) and the prompt; vae_side 1024; sigmas empty with steps 40 for the base model, or the "
         "list your few-step adapter was made for. Qwen-Image-2.1 is under the Qwen Research License "
         "(non-commercial research and evaluation)."), [
-        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TINY_21_MODEL}}]),
+        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TOY_21_MODEL}}]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
                 {"id": 4, "type": "QwenEditReferenceImages", "links": {"image": (3, "IMAGE")}}]),
         (SAMPLING, [{"id": 5, "type": "QwenEditSampler",
-                     "widgets": {**SAMPLE, "prompt": "put the second picture's colours on the first",
-                                 "sigmas": "qwen21-dmd-6step", "vae_side": 64},
+                     "widgets": {**SAMPLE, "prompt": "make it grayscale", "sigmas": ""},
                      "links": {"model": (1, "model"), "image": (2, "example_control"),
                                "references": (4, "references")}}]),
         (RESULTS, [{"id": 6, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_sample"},
@@ -304,15 +305,16 @@ WORKFLOWS = {
         "before is the first reference, the Reference Images chain on references adds the rest, up to 10 in "
         "all), trains a LoRA on it (Train LoRA, watched by Training Status), then samples the pair's "
         "references through the new LoRA. The edit: the first picture with the second picture's left half "
-        "pasted on its right half (order matters). As shipped it runs the built-in tiny 2.1 model: random "
-        "weights, so its pictures are noise; the graph shows the path and the loss plot what the LoRA "
+        "pasted on its right half (order matters). As shipped it runs the built-in toy 2.1 model (pretrained on "
+        "128 px pictures of shapes: it keeps, grays or shifts the first reference, and copies it for a prompt it "
+        "does not know): the picture sampled after training shows the pasted half, the loss plot what the LoRA "
         "learned.\n\nChange first: in Load Model pick your Qwen-Image-2.1 folder of models/qwen_edit, devices "
         "cuda:0 and dtype bfloat16; your pictures (Load Image nodes: before, a Reference Images node per "
         "picture size, after) and caption, or Dataset From Folder on a folder of pairs (NAME_control_1.png .. "
         "NAME_control_10.png, NAME.png, NAME.txt); in Train LoRA: lora_name, steps (500-3000), resolution "
         "(1024), learning_rate (1e-4), rank (16), batch_size. Qwen-Image-2.1 is under the Qwen Research "
         "License (non-commercial research and evaluation)."), [
-        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TINY_21_MODEL}}]),
+        (LOAD, [{**TINY_LOADER, "widgets": {**TINY_LOADER["widgets"], "model": TOY_21_MODEL}}]),
         (PAIRS, [
             DEMO_DATA, {"id": 3, "type": "ImageInvert", "links": {"image": (2, "example_control")}},
             {"id": 5, "type": "ImageCompositeMasked", "widgets": {"x": 64, "y": 0, "resize_source": False},

@@ -1,7 +1,8 @@
 """The pretrained toy Qwen-Image-Edit: the tiny architecture with trained VAE and transformer weights.
 
 The weights ship with the package (`toy_weights/`: `vae.safetensors`, `transformer.safetensors` and
-`toy.json` with both configs, the build command, seed and the files' sha256). `build_toy(dir)` writes a
+`toy.json` with both configs, the build command, seed and the files' sha256; the toy Qwen-Image-2.1's in
+`toy21_weights/`, its manifest's `variant` "image-2.1"). `build_toy(dir)` writes a
 complete diffusers-layout directory: the random tiny model of `tiny.build_tiny` (tokenizer, processor,
 scheduler and the random tiny text encoder, seed 0) with the trained VAE and transformer in place of the
 random ones. The classes are diffusers' own, so every code path is the real one.
@@ -21,6 +22,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "toy_weights"
+#: the pretrained toy Qwen-Image-2.1's weights (same files and manifest; its `variant` is "image-2.1")
+WEIGHTS_DIR_21 = Path(__file__).resolve().parent / "toy21_weights"
 MANIFEST = "toy.json"
 FILES = ("vae.safetensors", "transformer.safetensors")
 
@@ -60,26 +63,25 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
     The directory is assembled beside `out_dir` and renamed into place; an existing `out_dir` is replaced
     only if it is empty or holds a previous model (as `build_tiny`).
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
     from qwen_edit_core.model import variants
     from qwen_edit_core.model.tiny import _check_replaceable, _isolated_init, build_tiny
 
     info = check_weights(weights_dir)
+    variant = variants.get(info.get("variant", variants.EDIT.name))
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.toy-", dir=out.parent))
     try:
-        model = build_tiny(work / "model", variant=variants.EDIT.name, seed=info["text_encoder_seed"])
-        for sub, cls, name in (("vae", AutoencoderKLQwenImage, "vae"),
-                               ("transformer", QwenImageTransformer2DModel, "transformer")):
+        model = build_tiny(work / "model", variant=variant.name, seed=info["text_encoder_seed"])
+        for name in ("vae", "transformer"):
             with _isolated_init(0):
-                module = cls(**info[f"{name}_config"])
+                module = variant.family.class_of(name)(**info[f"{name}_config"])
             module.load_state_dict(load_file(str(Path(weights_dir) / f"{name}.safetensors")))
-            shutil.rmtree(model / sub)
-            module.save_pretrained(model / sub)
+            shutil.rmtree(model / name)
+            module.save_pretrained(model / name)
         if out.exists():
             shutil.rmtree(out)
         model.rename(out)
@@ -89,15 +91,15 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
     return out
 
 
-def ensure_toy(out_dir) -> Path:
-    """`out_dir` holding the toy model: built when missing or built from other weights (checked by the
-    manifest's sha256 recorded in `out_dir/toy.json`)."""
+def ensure_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
+    """`out_dir` holding the toy model of `weights_dir` (the 2025 one, or WEIGHTS_DIR_21): built when missing or
+    built from other weights (checked by the manifest's sha256 recorded in `out_dir/toy.json`)."""
     out = Path(out_dir)
-    info = manifest()
+    info = manifest(weights_dir)
     stamp = out / MANIFEST
     if (out / "model_index.json").is_file() and stamp.is_file() and \
             json.loads(stamp.read_text()).get("sha256") == info["sha256"]:
         return out
-    build_toy(out)
+    build_toy(out, weights_dir)
     stamp.write_text(json.dumps({"sha256": info["sha256"]}, indent=1) + "\n")
     return out

@@ -100,14 +100,19 @@ def encode_prompt(components, prompt: str, image, *, area: int | None, vae_area:
 
 
 def encode_image(components, image, area: int) -> torch.Tensor:
-    """Normalized VAE latents (1, 16, 1, h, w) of an image at `area`."""
+    """Normalized VAE latents (1, C, 1, h, w) of an image at `area` (C: the VAE's latent channels). A Qwen-Image-2.1
+    VAE reads RGBA, and the image is sized as the 2.1 pipeline sizes a reference (encode21.prepare_references)."""
+    from qwen_edit_core.model import encode21, variants
     components.require("vae")
+    if variants.get(components.variant).family.alpha:
+        return encode.encode_latents(components.vae, encode21.prepare_references([image], area).pixels[0])
     pil = encode.to_pil(image)
     size = encode.image_size_at_area(pil, area)
     return encode.encode_latents(components.vae, encode.pixels_for_vae(pil, *size))
 
 
 def decode(components, latents: torch.Tensor) -> torch.Tensor:
-    """Normalized latents (B, 16, 1, h, w) -> (B, H, W, 3) float32 in [0, 1], on the CPU."""
+    """Normalized latents (B, C, 1, h, w) -> (B, H, W, 3) float32 in [0, 1], on the CPU ((B, H, W, 4) RGBA for
+    a Qwen-Image-2.1 VAE)."""
     components.require("vae")
     return encode.postprocess(encode.decode_latents(components.vae, latents)).cpu()

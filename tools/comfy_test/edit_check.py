@@ -1,7 +1,11 @@
 """Whether the shipped workflows' pictures show the edit the toy model learns ("invert the colors"): the last
 validation image of each training run (what the live view and Training Status show), the picture the
 train-then-sample workflow saves, and, for contrast, the picture sampled without a LoRA. Each is measured by
-its mean absolute difference (0-255) to the control and to the control's colour inversion (the target)."""
+its mean absolute difference (0-255) to the control and to the control's colour inversion (the target).
+
+The Qwen-Image-2.1 training workflow's edit is its own pair's (Save Pair To Dataset's folder): the picture it samples
+with the new LoRA must be closer to the pair's target than to its first reference (what the toy 2.1 model copies
+without a LoRA) where the two differ, the right half."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from PIL import Image
 DEMO_CONTROL = Path("input") / "qwen_edit_demo_pairs" / "pair000_control.png"
 #: an edited picture must be at least this much closer to the inverted control than to the control
 MARGIN = 0.5
+#: the 2.1 training workflow's pair (its Save Pair To Dataset folder and the first name it writes)
+PAIR_21 = Path("input") / "qwen_image21_pairs" / "pair_00001"
 
 
 def _rgb(path: Path) -> np.ndarray:
@@ -57,4 +63,25 @@ def check_edits(base: Path) -> list[str]:
             to_inverted, to_control = _distances(_rgb(saved), control)
             lines.append(f"{saved.name} (no LoRA, the toy model keeps the picture): mean |difference| to the "
                          f"inverted control {to_inverted:.1f}/255, to the control {to_control:.1f}/255")
+    lines += _check_21(base)
+    return lines
+
+
+def _check_21(base: Path) -> list[str]:
+    """The 2.1 training workflow's sampled picture against its pair's target and first reference (right half)."""
+    target_path = base / PAIR_21.with_suffix(".png")
+    if not target_path.is_file():
+        return []
+    target = _rgb(target_path)
+    reference = _rgb(base / PAIR_21.parent / f"{PAIR_21.name}_control_1.png")
+    half = target.shape[1] // 2
+    lines = []
+    for saved in sorted((base / "output").glob("qwen_image21_after_training_*.png")):
+        image = _rgb(saved)[:, half:]
+        to_target = float(np.abs(image - target[:, half:]).mean())
+        to_reference = float(np.abs(image - reference[:, half:]).mean())
+        line = (f"{saved.name} (sampled with the new LoRA), right half: mean |difference| to the pair's target "
+                f"{to_target:.1f}/255, to its first reference {to_reference:.1f}/255")
+        assert to_target < MARGIN * to_reference, f"the edit is not visible: {line}"
+        lines.append(line)
     return lines
