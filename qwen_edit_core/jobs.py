@@ -130,7 +130,8 @@ class TrainingJob:
         is refused at once (before any weight loads), then train in the background thread."""
         from qwen_edit_core.common.files import OutputLock
         from qwen_edit_core.model.components import resolve_model_dir
-        if self.model is None:  # no usable model: refused before the lock creates the output folder
+        if self.model is None and self._preflight is check_with_trainer:
+            # the default preflight's model check, before the lock creates the output folder
             resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
