@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-slow test-all bench soak clean comfy-test
+.PHONY: venv demo test test-slow test-simulation test-all bench soak clean comfy-test
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,12 +22,16 @@ demo: venv
 	$(VENV)/bin/qwen-edit demo --out demo_out
 
 # `make test` is the inner loop: every test except those marked slow (several processes, inductor
-# compilation); `make test-slow` runs only those, `make test-all` everything. Each prints its slowest tests.
+# compilation) or simulation (real-size memory simulations, minutes of CPU each); `make test-slow` and
+# `make test-simulation` run those, `make test-all` everything. Each prints its slowest tests.
 test: venv
-	$(PY) -m pytest tests -m "not slow" --durations=15
+	$(PY) -m pytest tests -m "not slow and not simulation" --durations=15
 
 test-slow: venv
 	$(PY) -m pytest tests -m slow --durations=15
+
+test-simulation: venv
+	$(PY) -m pytest tests -m simulation --durations=15
 
 test-all: venv
 	$(PY) -m pytest tests --durations=15

@@ -1,9 +1,9 @@
 """The memory planner's promise, checked at real size on the CPU (bench/memory.py: the real 60-block
 transformer, real token counts, the product's levers, LoRA and AdamW under FakeTensorMode). In the default
 suite: the 16 GiB plan at 1024^2 Edit holds at most 16 GiB on the device, margin included, and the planner's
-estimate is within 15% of it. Marked slow (a minute of CPU per plan): every budget (16, 24, 40, 80 GiB) for
-Edit and Edit Plus with two controls, 512^2, 1536^2 and Edit-2511, the reference's measured setting and the
-sampling levers."""
+estimate is within 15% of it. Marked simulation (`make test-simulation`; one to fifteen minutes of CPU per plan): every budget (16, 24, 40, 80 GiB) for
+Edit and Edit Plus with two controls, 512^2, 1536^2 and Edit-2511, the reference's measured setting, the
+sampling levers and Qwen-Image-2.1 with 1, 3 and 10 references."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def _checked_against_the_planner(result, budget: float) -> None:
     assert result.offloaded_resident_after_gib == 0.0, memory.table([result])
 
 
-@pytest.mark.slow  # a real-size step per budget: about a minute of CPU each
+@pytest.mark.simulation  # a real-size step per budget: about a minute of CPU each
 @pytest.mark.parametrize("budget", memory.BUDGETS)
 @pytest.mark.parametrize("variant, controls", [("edit", 1), ("edit-plus", 2)])
 def test_every_budgets_plan_fits_its_budget_at_real_size(variant, controls, budget):
@@ -146,7 +146,7 @@ def test_every_budgets_plan_fits_its_budget_at_real_size(variant, controls, budg
     _checked_against_the_planner(result, budget)
 
 
-@pytest.mark.slow
+@pytest.mark.simulation
 @pytest.mark.parametrize("variant, side, controls, budget", [("edit", 512, 1, 16), ("edit", 1536, 1, 24),
                                                              ("edit-2511", 1024, 2, 16)])
 def test_other_sizes_and_edit_2511_fit_their_budget(variant, side, controls, budget):
@@ -157,7 +157,7 @@ def test_other_sizes_and_edit_2511_fit_their_budget(variant, side, controls, bud
     _checked_against_the_planner(result, budget)
 
 
-@pytest.mark.slow
+@pytest.mark.simulation
 def test_the_references_setting_matches_its_measured_peak():
     """The setting measured on an H100 (docs/MODEL.md: LoRA on the image attention, every block
     checkpointed, bf16, 43.7 GiB): the tracked peak is within 10% of the measured one."""
@@ -166,7 +166,7 @@ def test_the_references_setting_matches_its_measured_peak():
     assert result.tracked_device_gib == pytest.approx(43.7, rel=0.10), memory.table([result])
 
 
-@pytest.mark.slow
+@pytest.mark.simulation
 def test_sampling_levers_peaks_at_one_megapixel():
     """One true-CFG denoising step of a 1 MP edit per sampling lever: the sequential step holds the weights and
     one forward's activations (measured on an H100: 38.9 GiB, docs/MODEL.md); fp8 halves the block weights;
@@ -185,7 +185,7 @@ def test_sampling_levers_peaks_at_one_megapixel():
     assert all(r.kind == "sample" and r.peak_device_gib < 80 for r in rows.values()), table
 
 
-@pytest.mark.slow  # a real-size 2.1 step: 1.5 (one reference) to 10 minutes (three, fp8) of CPU
+@pytest.mark.simulation  # a real-size 2.1 step: 1.5 (one reference) to 10 minutes (three, fp8) of CPU
 @pytest.mark.parametrize("references", [1, 3])
 def test_21_plans_fit_24_gib_at_real_size(references):
     """Qwen-Image-2.1 at 1024^2 with one and three references of 1024^2 (the real 32-block, 4096-wide transformer,
@@ -198,7 +198,7 @@ def test_21_plans_fit_24_gib_at_real_size(references):
     _checked_against_the_planner(result, 24)
 
 
-@pytest.mark.slow  # 45,000 tokens: about 15 minutes of CPU
+@pytest.mark.simulation  # 45,000 tokens: about 15 minutes of CPU
 def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
     """Ten 1024^2 references (45,056 image tokens): the planner refuses 24 GiB, naming what even the smallest plan
     needs, and the simulated step of a plan it accepts (36 GiB: fp8, every block checkpointed, offloading) fits
