@@ -98,8 +98,7 @@ def check_with_trainer(config: Config, resume) -> None:
     QwenImageEditTrainer(config).check_fit(resume=resume)
 
 
-#: seconds of one join slice in `TrainingJob.wait`: how late a signal handler may run while the main thread waits
-JOIN_SLICE = 0.1
+JOIN_SLICE = 0.1  #: seconds of one join slice in `TrainingJob.wait`: how late a waiting main thread's handler runs
 
 
 class TrainingJob:
@@ -193,19 +192,11 @@ class TrainingJob:
         self._cancel.cancel()
 
     def wait(self, timeout: float | None = None) -> JobStatus:
-        """Block until the run (and its LoRA delivery) is over, or `timeout` seconds passed.
-
-        Joins in short slices: a signal the kernel hands to another thread (any thread that does not block it
-        may get Ctrl-C) only runs its Python handler when the main thread next runs bytecode, and one long join
-        would hold that off for the whole wait."""
-        if self._thread.ident is None:  # not started
-            return self.status()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._thread.is_alive():
-            left = JOIN_SLICE if deadline is None else min(JOIN_SLICE, deadline - time.monotonic())
-            if left <= 0:
-                break
-            self._thread.join(left)
+        """Block until the run (and its LoRA delivery) is over, or `timeout` seconds passed. Joins in slices: a
+        Ctrl-C the kernel hands to another thread runs its handler only when the main thread next runs bytecode."""
+        end = time.monotonic() + (float("inf") if timeout is None else timeout)
+        while self._thread.ident is not None and self._thread.is_alive() and time.monotonic() < end:
+            self._thread.join(min(JOIN_SLICE, end - time.monotonic()))
         return self.status()
 
     @property
