@@ -39,6 +39,14 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def reserved_gib(device: torch.device) -> float | None:
+    """The caching allocator's peak reserved memory (what the process takes from the GPU: the allocated peak plus
+    fragmentation), GiB; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

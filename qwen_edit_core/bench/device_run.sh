@@ -3,13 +3,16 @@
 # per run (about 5-8 minutes each on an H100 80 GB):
 #   bash qwen_edit_core/bench/device_run.sh targets | sample | levers1 | levers2   (in that order of priority: the
 #   first two measure the targets, the last two each lever alone)
+# or both targets in one run of about 9.5 minutes, each time-boxed (ALL_S seconds in all, default 570): the
+# training targets in 4 steps, then the sampler's levers and 20-step edits (s/step: a 50-step edit is 2.5x):
+#   bash qwen_edit_core/bench/device_run.sh all
 # Writes <part>.log and device.txt under $OUT (default /tmp/qwen-edit-bench).
 # Needs torch, transformers, peft, accelerate and pyyaml; if diffusers is missing, it installs the wheels in
 # .whl/ (git-ignored), which a machine with internet access downloads with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
 set -euo pipefail
-part=${1:?usage: device_run.sh targets|sample|levers1|levers2}
+part=${1:?usage: device_run.sh targets|sample|levers1|levers2|all}
 out=${OUT:-/tmp/qwen-edit-bench}
 mkdir -p "$out"
 if ! python3 -c "import diffusers" 2>/dev/null; then
@@ -30,5 +33,10 @@ case $part in
                  --variants "ours (checkpointing),+ compile,+ fp8 base" ;;
     levers2) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
-    *) echo "unknown part $part: targets, sample, levers1 or levers2" >&2; exit 2 ;;
+    all) total=${ALL_S:-570}
+         timeout $((total * 56 / 100)) $bench train --real-size --device cuda:0 --steps 4 \
+             --variants "+ fp8 backward,memory_budget_gb 16" || echo "train part ended with $?"
+         timeout $((total - SECONDS - 10)) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+from qwen_edit_core.bench.sample import _real; _real('cuda:0', steps=20, repeats=2)" || echo "sample part ended with $?" ;;
+    *) echo "unknown part $part: targets, sample, levers1, levers2 or all" >&2; exit 2 ;;
 esac 2>&1 | tee "$out/$part.log"

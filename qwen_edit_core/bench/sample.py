@@ -156,6 +156,7 @@ class _RealRun:
         out = fn()
         sync(self.dev)
         self.full_rows.append([label, f"{time.perf_counter() - start:.2f}", _gib(peak_gib(self.dev))])
+        log.info("full edit %s", self.full_rows[-1])  # kept if a time limit cuts the run
         self.outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
 
 
@@ -197,6 +198,7 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
                 reset_peak(dev)
                 rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
                              peak_gib(dev)])
+            log.info("sampler step %s (reference %.3f s)", rows[-1], t_ref)  # kept if a time limit cuts the run
         except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
             log.exception("sampler lever %s failed", name)
             rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])

@@ -20,18 +20,23 @@ from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import peak_gib, print_table, reset_peak, sync
+from qwen_edit_core.bench.common import peak_gib, print_table, reserved_gib, reset_peak, sync
 
 log = logging.getLogger(__name__)
 
 
 def _step_times(fit, device) -> list[float]:
+    """Times between the training steps of `fit(progress)`. The device's peak memory is reset after the first
+    step, so `peak_gib` afterwards is the steady-state step's (not the model's setup: the bench builds the whole
+    bf16 transformer on the device before any lever applies, and the first step compiles)."""
     stamps = []
 
     def progress(event):
         if event.stage == "train":
             sync(device)
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                reset_peak(device)
     fit(progress)
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -163,6 +168,7 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     side = item["target_latents"].shape[-1] * 8
     from qwen_edit_core.adapters import lora
     from qwen_edit_core.config import load_config
+    from qwen_edit_core.data.examples import EditExample
     from qwen_edit_core.train.loop import train
 
     model = _build(device, dtype)
@@ -176,15 +182,32 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
                                     "optimizer": {"lr": 1e-30}, "logging": {"plot": False}})
     reset_peak(device)
     compile_start = time.perf_counter()
-    times = _step_times(lambda p: train(config, model, lambda i: item, [None], [((side, side), ((side, side),))],
+    example = EditExample(name="random", target=Path("random.png"), controls=(Path("random-control.png"),),
+                          caption="", target_size=(side, side), control_sizes=((side, side),))
+    times = _step_times(lambda p: train(config, model, lambda i: item, [example], [((side, side), ((side, side),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
     total = time.perf_counter() - compile_start
-    out = {"s": statistics.median(times), "peak": peak_gib(device), "first_step": total - sum(times)}
+    out = {"s": statistics.median(times), "peak": peak_gib(device), "reserved": reserved_gib(device),
+           "first_step": total - sum(times), "planned": _planned_gib(config, model, side)}
     out["loss"] = fixed_batch_loss(model, item, device, dtype)
     del model
     _free(device)
     return out
+
+
+def _planned_gib(config, model, side: int) -> float | None:
+    """The memory planner's estimate for `config`'s `train.memory_budget_gb` (None without a budget), computed as
+    the training loop plans it (train.loop.setup): the same sizes and sequence length."""
+    from qwen_edit_core import speed
+    from qwen_edit_core.train.distributed import sequence_tokens
+    budget = config.train.memory_budget_gb
+    if not budget:
+        return None
+    tokens = sequence_tokens([((side, side), ((side, side),))], config.model.variant, config.data.vl_area)
+    plan = speed.plan_for_budget(budget, prefer_fp8=config.train.fp8_base, tokens=tokens,
+                                 **speed.model_sizes(model))
+    return plan.estimate.total / 2**30
 
 
 def step_flops(img_tokens=8192, txt_tokens=1408, dim=3072, layers=60) -> float:
@@ -218,7 +241,10 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     results = [("diffusers + peft reference (no mask)", ref)]
     for name in variants or list(VARIANTS):
         try:
+            log.info("%s: device memory at the start %.1f GiB", name,
+                     torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0)
             results.append((name, _ours(dev, dtype, steps, item, VARIANTS[name])))
+            log.info("%s: %s (reference %s)", name, results[-1][1], ref)  # kept if a time limit cuts the run
         except Exception as err:  # noqa: BLE001 - a failed lever is reported in the table, the others still run
             log.exception("variant %s failed", name)
             results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
@@ -226,17 +252,22 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     rows = []
     for name, r in results:
         if "error" in r:
-            rows.append([name, "failed", "-", "-", "-", "-", r["error"]])
+            rows.append([name, "failed", "-", "-", "-", "-", "-", "-", r["error"]])
             continue
-        rows.append([name, f"{r['s']:.3f}", "-" if r["peak"] is None else f"{r['peak']:.1f}", f"{100 * flops / r['s'] / peaks['bf16'] / 1e12:.0f}%",
+        rows.append([name, f"{r['s']:.3f}", _gib(r["peak"]), _gib(r.get("reserved")), _gib(r.get("planned")),
+                     f"{100 * flops / r['s'] / peaks['bf16'] / 1e12:.0f}%",
                      f"{ref['s'] / r['s']:.2f}", f"{100 * (r['loss'] - ref['loss']) / ref['loss']:+.2f}%",
                      f"{r.get('first_step', 0):.0f}"])
     return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({2 * (side // 16) ** 2} image + "
                        f"{text_tokens} text tokens), batch 1, "
                        f"bf16, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
                        f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
-                       ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference",
-                        "fixed-batch loss vs reference", "first step s (compile)"], rows)
+                       ["implementation", "median s/step", "peak GiB", "reserved GiB", "planned GiB", "MFU",
+                        "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)"], rows)
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 10, variants: list[str] | None = None) -> str:
