@@ -36,6 +36,16 @@ def tiny_sampler_roundings(steps: int) -> int:
 
 #: roundings along a short (3-step) sampler run on the tiny model
 TINY_SAMPLER_ROUNDINGS = tiny_sampler_roundings(3)
+#: roundings along one training step of the tiny transformer: the forward, and the backward, which runs two
+#: matmuls for each of the forward's (the gradient of the input and of the weight)
+TINY_TRAIN_STEP_ROUNDINGS = 3 * TINY_FORWARD_ROUNDINGS
+
+
+def tiny_training_roundings(steps: int) -> int:
+    """Roundings along `steps` training steps on the tiny model: the error of each step's gradients moves the
+    weights the next step starts from, so the steps' roundings add up."""
+    return steps * TINY_TRAIN_STEP_ROUNDINGS
+
 #: roundings through the tiny text encoder (2 vision and 2 language layers of attention, MLP and norms, ~8
 #: each), rounded up to a power of two
 TINY_TEXT_ENCODER_ROUNDINGS = 32

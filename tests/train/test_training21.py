@@ -17,7 +17,7 @@ from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
 
 from conftest import make_pairs, train_config
 from tolerances import (TINY_FORWARD_ROUNDINGS, TINY_VAE_ROUNDINGS, assert_close_fp32, fp32_tolerance,
-                        max_abs_diff)
+                        max_abs_diff, tiny_training_roundings)
 
 SIDE = 64
 #: references per pair and their (w, h); targets differ in size too
@@ -420,9 +420,10 @@ def test_compiled_21_blocks_train_the_same(tiny_21_dir, refs_dir, tmp_path):
     compiled = trainer.fit()
     stats = speed.compile_stats(trainer.components.transformer)
     assert stats is not None and stats.fallback is None and stats.blocks == 2
-    # Adam moves a weight by at most lr (1e-3) per step; inductor's fused kernels change the gradients in their
-    # last bits, which moves only weights whose gradient is near zero, by a fraction of a step (here 10%)
-    assert _lora_diff(plain.lora_path, compiled.lora_path) < 1e-4
+    # inductor fuses and reorders each step's forward and backward; the rounding of a step's gradients moves the
+    # weights the next step starts from: the two steps' rounding, against each key's size
+    assert_close_fp32(load_file(compiled.lora_path), load_file(plain.lora_path), ops=tiny_training_roundings(2),
+                      what="compiled vs eager 2.1 LoRA after 2 steps")
 
 
 def test_the_planner_reads_the_real_21_transformer_and_plans_24_gb():
