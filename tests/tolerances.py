@@ -36,6 +36,24 @@ def tiny_sampler_roundings(steps: int) -> int:
 
 #: roundings along a short (3-step) sampler run on the tiny model
 TINY_SAMPLER_ROUNDINGS = tiny_sampler_roundings(3)
+#: roundings along one training step of the tiny transformer: the forward, and the backward, which runs two
+#: matmuls for each of the forward's (the gradient of the input and of the weight)
+TINY_TRAIN_STEP_ROUNDINGS = 3 * TINY_FORWARD_ROUNDINGS
+
+
+def tiny_training_roundings(steps: int) -> int:
+    """Roundings along `steps` training steps on the tiny model: the error of each step's gradients moves the
+    weights the next step starts from, so the steps' roundings add up."""
+    return steps * TINY_TRAIN_STEP_ROUNDINGS
+
+
+#: Adam divides each gradient by its own running size, so a rounding-level difference of a gradient (ops x u of
+#: the largest gradient of its tensor) changes the step (lr) of an element whose gradient is R times smaller by
+#: about ops x u x R of a step, at every step. Nothing bounds R a priori (Adam's eps, 1e-8, caps it only near
+#: 1e-8): the trained-LoRA comparisons cover gradients down to 1/256 of their tensor's largest (the largest
+#: magnification measured on the tiny models' LoRAs is about 6).
+ADAM_GRADIENT_RANGE = 256
+
 #: roundings through the tiny text encoder (2 vision and 2 language layers of attention, MLP and norms, ~8
 #: each), rounded up to a power of two
 TINY_TEXT_ENCODER_ROUNDINGS = 32
@@ -58,6 +76,14 @@ def fp32_tolerance(reference, *, ops: int) -> float:
     if ops < 1:
         raise ValueError(f"ops={ops}: give the number of float32 rounding steps of the path compared (>= 1)")
     return 2 * ops * FP32_U * _magnitude(reference)
+
+
+def adam_trained_size(state: Mapping, *, lr: float) -> dict:
+    """What a LoRA trained by Adam steps of learning rate `lr` is as large as, key by key, for
+    `assert_close_fp32(..., ops=tiny_training_roundings(steps), size=...)`: its weights' own size, plus one step
+    (lr) times ADAM_GRADIENT_RANGE, by which Adam's per-element normalisation can magnify a gradient's rounding
+    (the steps' count is in `ops`)."""
+    return {key: _magnitude(value) + ADAM_GRADIENT_RANGE * lr for key, value in state.items()}
 
 
 def max_abs_diff(got, expected) -> float:

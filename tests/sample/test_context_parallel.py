@@ -17,6 +17,8 @@ from PIL import Image
 
 from qwen_edit_core import QwenImageEditTrainer, load_config
 
+from tolerances import assert_close_fp32, tiny_sampler_roundings
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "make the square blue and the background a little darker"  # an odd prompt token count
 
@@ -73,7 +75,10 @@ def test_two_processes_equal_one_process_with_either_cfg_batching(tiny_edit_dir,
     for cfg_mode in ("sequential", "batched"):
         split = np.load(tmp_path / f"cp-{cfg_mode}-rank0.npy")
         assert split.shape == reference.shape
-        assert np.abs(split - reference).max() < 1e-4, cfg_mode
+        # the processes split the tokens (their matmuls and attention sum in another order): the picture differs
+        # by the rounding of the sampler run
+        assert_close_fp32(torch.from_numpy(split), torch.from_numpy(reference), ops=tiny_sampler_roundings(3),
+                          what=f"picture from 2 processes vs one, cfg_mode {cfg_mode}")
 
 
 @pytest.mark.slow  # torchrun: several processes
@@ -90,7 +95,8 @@ def test_cfg_split_over_two_groups_of_two_equals_one_process(tiny_edit_dir, wide
     for rank in range(4):
         split = np.load(tmp_path / f"cp-split-rank{rank}.npy")
         assert split.shape == reference.shape
-        assert np.abs(split - reference).max() < 1e-4, rank
+        assert_close_fp32(torch.from_numpy(split), torch.from_numpy(reference), ops=tiny_sampler_roundings(2),
+                          what=f"picture on rank {rank} of 4 vs one process")
 
 
 def test_cfg_split_needs_twice_the_processes(monkeypatch):
@@ -123,7 +129,10 @@ def test_cli_at_cfg_1_equals_one_process(tiny_edit_dir, wide_control, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     from qwen_edit_core.cli import main
     assert main(["sample", *common, "--out", str(tmp_path / "one.png")]) == 0
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "cp.png")), np.asarray(Image.open(tmp_path / "one.png")))
+    split, one = (np.asarray(Image.open(tmp_path / name), dtype=np.int16) for name in ("cp.png", "one.png"))
+    # the split sums in another order: within the run's float32 rounding (about 1e-5 of [0, 1]), which moves an
+    # 8-bit value only where it lies at a rounding boundary, and then by one level
+    assert split.shape == one.shape and np.abs(split - one).max() <= 1
 
 
 def test_one_process_asked_for_two_is_refused(tiny_edit_dir, wide_control, tmp_path, monkeypatch):

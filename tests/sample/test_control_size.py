@@ -13,6 +13,8 @@ from PIL import Image
 from qwen_edit_core.model import encode
 from qwen_edit_core.sample import sampler
 
+from tolerances import TINY_VAE_ROUNDINGS, assert_close_fp32
+
 
 class KeepTheImage(torch.nn.Module):
     """A "keep the image" model on the tiny model's token layout: it predicts the exact velocity towards the
@@ -73,7 +75,10 @@ def test_output_size_and_zero_offset(components, mode, size, expected):
     pixels = encode.pixels_for_vae(encode.resize(control, *expected), *expected)
     kept = encode.postprocess(encode.decode_latents(vae, encode.encode_latents(vae, pixels)))[0].numpy()
     assert _peak_offset(out.mean(-1), kept.mean(-1)) == (0, 0)
-    assert np.abs(out - kept).max() < 1e-4
+    # the Euler steps land on the control's latents up to their rounding (a difference, a quotient, a product and
+    # a sum per step), which the decoder carries into the picture with its own
+    assert_close_fp32(torch.from_numpy(out), torch.from_numpy(kept), ops=TINY_VAE_ROUNDINGS + 4 * 4,
+                      what=f"kept picture, {mode} {size}")
     if mode == "target" and size[0] % 16 == 0 and size[1] % 16 == 0:
         assert expected == size  # the control's own size: no rescale
 

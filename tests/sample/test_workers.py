@@ -15,6 +15,8 @@ from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, workers
 
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+
 SETTINGS = sampler.SampleSettings(num_inference_steps=2, true_cfg_scale=4.0, seed=3, vae_area=96 * 64,
                                   cfg_mode="batched")
 PROMPT = "make the square blue and the background a little darker"  # an odd prompt token count
@@ -43,8 +45,11 @@ def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
         again = workers.shared_pool(comps.transformer, ["cpu", "cpu"])
         second = sampler.denoise(dataclasses.replace(comps, transformer=again), cond, SETTINGS)
         assert again is pool and again.pids == pids  # the same worker processes served both calls
-        assert (first - reference).abs().max() < 1e-4
-        assert (second - reference).abs().max() < 1e-4
+        # the workers split the tokens, so their matmuls and attention sum in another order: the latents (no
+        # VAE) differ by the rounding of one transformer forward per step
+        ops = SETTINGS.num_inference_steps * TINY_FORWARD_ROUNDINGS
+        assert_close_fp32(first, reference, ops=ops, what="latents through the pool vs in process")
+        assert_close_fp32(second, reference, ops=ops, what="latents through the reused pool vs in process")
     finally:
         workers.close_pools()
     assert pool.closed and all(p.returncode == 0 for p in pool.processes)  # stopped cleanly, none left running

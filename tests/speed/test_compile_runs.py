@@ -19,7 +19,8 @@ from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler
 
-from conftest import train_config
+from conftest import assert_compiled_lora_close, train_config
+from tolerances import assert_close_fp32, tiny_sampler_roundings, tiny_training_roundings
 
 pytestmark = pytest.mark.slow  # inductor compilation (minutes with a cold cache)
 
@@ -42,8 +43,8 @@ def _compiled_graph_lines(caplog) -> list[str]:
 
 def test_ten_compiled_edits_with_changing_prompts_negatives_and_strengths_match_eager(tiny_edit_dir, caplog):
     """Ten edits, each with its own prompt length, negative prompt and LoRA strength (two image sizes): the
-    compiled blocks give the eager images within 1e-4 and compile at most 2 graphs (no grad, batch 1, padded
-    text: one graph; a prompt of exactly 64 tokens would add the unmasked one)."""
+    compiled blocks give the eager images within the float32 rounding of the sampler run and compile at most 2
+    graphs (no grad, batch 1, padded text: one graph; a prompt of exactly 64 tokens would add the unmasked one)."""
     comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}, dtype="float32"))
     torch.manual_seed(5)
     lora.inject_lora(comps.transformer, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["attn"]))
@@ -65,7 +66,9 @@ def test_ten_compiled_edits_with_changing_prompts_negatives_and_strengths_match_
             for components in (comps, eager):
                 lora.use_adapters(components.transformer, ["default"], [0.25 + 0.2 * i])
                 images.append(sampler.sample(components, prompt, [image], settings))
-            torch.testing.assert_close(images[0], images[1], atol=1e-4, rtol=0)
+            # inductor fuses and reorders the blocks' arithmetic: the pictures differ by the run's rounding
+            assert_close_fp32(images[0], images[1], ops=tiny_sampler_roundings(settings.num_inference_steps),
+                              what=f"compiled vs eager picture, edit {i}")
     stats = speed.compile_stats(comps.transformer)
     assert stats.fallback is None and stats.graphs <= 2, stats
     assert len(_compiled_graph_lines(caplog)) == stats.graphs
@@ -96,7 +99,8 @@ def _text_lengths(cache_dir) -> list[int]:
 def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_eager(one_block_dir, tmp_path,
                                                                                      caplog):
     """Twelve captions of twelve token lengths (several 64-token buckets), images in two size buckets (72 and
-    48 tokens), batches of 2: the compiled run's losses and LoRA equal the eager run's within 1e-4, one block
+    48 tokens), batches of 2: the compiled run's losses and LoRA equal the eager run's within the float32
+    rounding of the training steps, one block
     graph compiles (dynamic lengths; gradients on, batch 2, padded text), and the run's log reports it."""
     from safetensors.torch import load_file
 
@@ -123,9 +127,12 @@ def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_e
     done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training done")]
     assert done and f"{stats.graphs} block graph(s) compiled" in done[-1], done
     assert [s for s, _ in fast.history] == [s for s, _ in eager.history] == list(range(1, 7))
-    for (_, a), (_, b) in zip(fast.history, eager.history):
-        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (fast.history, eager.history)
-    got, expected = load_file(fast.lora_path), load_file(eager.lora_path)
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, atol=1e-4, rtol=1e-4, msg=key)
+    # inductor fuses and reorders each step's forward and backward; the rounding of a step's gradients moves the
+    # weights the next step starts from, so step k's loss carries the rounding of k steps
+    for step, ((_, a), (_, b)) in enumerate(zip(fast.history, eager.history), 1):
+        assert_close_fp32(torch.tensor(a), torch.tensor(b), ops=tiny_training_roundings(step),
+                          what=f"compiled vs eager loss at step {step}")
+    opt = trainer.config.optimizer
+    assert_compiled_lora_close(load_file(fast.lora_path), load_file(eager.lora_path), steps=6,
+                               ops=tiny_training_roundings(6), last_block=0, lr=opt.lr,
+                               weight_decay=opt.weight_decay, what="compiled vs eager LoRA after 6 steps")

@@ -17,7 +17,7 @@ from qwen_edit_core import speed as perf
 from qwen_edit_core.model.tiny import transformer_config
 
 from conftest import train_config
-from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
+from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32
 
 
 def _model(num_layers=4, dtype=torch.float32):
@@ -352,7 +352,9 @@ def test_predict_compile_and_attention_kernel_keep_the_edit(tiny_edit_dir):
     fast = _trainer(tiny_edit_dir, compile=True, attention="efficient")
     got = _edit(fast)
     assert fast.components.transformer._qwen_edit_compiled
-    assert float(abs(got - expected).max()) < 1e-4
+    # inductor's fused kernels and another attention kernel sum in another order: the run's rounding (3 steps)
+    assert_close_fp32(torch.from_numpy(got), torch.from_numpy(expected), ops=TINY_SAMPLER_ROUNDINGS,
+                      what="picture with compiled blocks and the efficient attention kernel vs plain")
 
 
 def test_the_auto_budget_is_the_free_memory_plus_the_resident_transformer(monkeypatch):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tolerances import FP32_U, TINY_FORWARD_ROUNDINGS, assert_close_fp32, fp32_tolerance, tiny_sampler_roundings
+from tolerances import (ADAM_GRADIENT_RANGE, FP32_U, TINY_FORWARD_ROUNDINGS, adam_trained_size, assert_close_fp32,
+                        fp32_tolerance, tiny_sampler_roundings, tiny_training_roundings)
 
 
 def test_the_tolerance_is_rounding_steps_times_unit_roundoff_times_size():
@@ -13,6 +14,7 @@ def test_the_tolerance_is_rounding_steps_times_unit_roundoff_times_size():
     assert fp32_tolerance(reference, ops=8) == 2 * 8 * 2.0 ** -24 * 4.0
     assert FP32_U == 2.0 ** -24
     assert tiny_sampler_roundings(3) == 3 * TINY_FORWARD_ROUNDINGS + 32
+    assert tiny_training_roundings(2) == 2 * 3 * TINY_FORWARD_ROUNDINGS  # forward and backward, per step
     with pytest.raises(ValueError, match="ops=0"):
         fp32_tolerance(reference, ops=0)
 
@@ -35,3 +37,13 @@ def test_state_dicts_compare_key_by_key_against_each_keys_size():
     assert_close_fp32({"s": small, "l": bumped}, {"s": small, "l": large}, ops=2, what="state")
     with pytest.raises(AssertionError, match=r"state \[s\]"):  # 1e-4 is rounding for 1e3, not for 1e-3
         assert_close_fp32({"s": small + 1e-4, "l": large}, {"s": small, "l": large}, ops=2, what="state")
+
+
+def test_an_adam_trained_lora_is_as_large_as_its_weights_plus_a_magnified_step():
+    state = {"down": torch.tensor([0.5, -0.25]), "up": torch.zeros(2)}
+    assert adam_trained_size(state, lr=1e-3) == {"down": 0.5 + ADAM_GRADIENT_RANGE * 1e-3,
+                                                 "up": ADAM_GRADIENT_RANGE * 1e-3}
+    moved = {"down": state["down"], "up": torch.tensor([1e-3, 0.0])}  # a whole Adam step: not rounding
+    with pytest.raises(AssertionError, match=r"LoRA \[up\]"):
+        assert_close_fp32(moved, state, ops=tiny_training_roundings(3), size=adam_trained_size(state, lr=1e-3),
+                          what="LoRA")

@@ -11,7 +11,7 @@ from qwen_edit_core.common.progress import CancelToken
 from qwen_edit_core.train.ema import LoraEma
 
 from conftest import train_config
-from tolerances import assert_close_fp32
+from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
 
 
 def test_ema_equals_the_closed_form_over_a_fixed_sequence():
@@ -101,7 +101,9 @@ def test_validation_can_use_the_ema(tiny_edit_dir, pairs_dir, tmp_path):
         runs[name] = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / name,
                                                        train={**common, **extra}, optimizer=opt)).fit()
     lat = {n: load_file(tmp_path / n / "validation" / "step-0000002.safetensors")["latents_0"] for n in runs}
-    assert (lat["ema"] - lat["base"]).abs().max() < 1e-4
+    # The average moved from the init by (1 - decay) of two steps of lr 1e-2, a few 1e-8 of a weight, under one
+    # rounding of the LoRA's output: the two validation runs (2 steps, latents) differ by their rounding only
+    assert_close_fp32(lat["ema"], lat["base"], ops=2 * TINY_FORWARD_ROUNDINGS, what="validation with the EMA")
     assert (lat["plain"] - lat["base"]).abs().max() > 1e-3
 
 
