@@ -167,13 +167,25 @@ class QwenImageEditTrainer:
 
     def check_fit(self, resume=None) -> None:
         """Preflight of `fit` without loading any weight: config devices, dataset, resume checkpoint, output
-        directory (writable, free space), the LoRA to continue from (qwen_edit_core.preflight)."""
+        directory (writable, free space), the LoRA to continue from (qwen_edit_core.preflight):
+        `check_fit_inputs`, then `check_fit_outputs`."""
+        self.check_fit_inputs(resume)
+        self.check_fit_outputs()
+
+    def check_fit_inputs(self, resume=None) -> None:
+        """The part of `check_fit` that writes nothing (the model first, then the dataset, the devices, the resume
+        checkpoint, the weight files, previews and LoRA files): it may run before the output folder exists."""
         from qwen_edit_core.train.loop import resolve_resume
         examples = self.dataset().examples
         run.encoder_plan(self.config)
         resolve_resume(Path(self.config.train.output_dir), resume)
-        preflight.training(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path),
-                           len(examples))
+        preflight.training_inputs(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path),
+                                  len(examples))
+
+    def check_fit_outputs(self) -> None:
+        """The part of `check_fit` that writes: every folder the run writes, created and probed, the output
+        directory with room for the run's files (preflight.training_outputs)."""
+        preflight.training_outputs(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path))
 
     def check_predict(self, loras=(), out_file=None, *, num_inference_steps: int | None = None,
                       true_cfg_scale: float | None = None,

@@ -24,6 +24,7 @@ from typing import Callable
 from qwen_edit_core.config import Config
 from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import CancelToken, Progress
+from qwen_edit_core.job_hooks import TRAINER_PREFLIGHT, Preflight, fit_with_trainer, resumed_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -78,26 +79,6 @@ class JobStatus:
 Listener = Callable[["TrainingJob", str], None]
 
 
-def fit_with_trainer(config: Config, *, resume, progress, cancel, lock=None, model=None):
-    """The default run of a job: `QwenImageEditTrainer(config).fit(...)`, returning its TrainResult. `lock`: the
-    output directory's lock, already held by the job; `model`: loaded components the run trains on (shared,
-    not loaded again; their encoders serve the cache stage)."""
-    import torch
-
-    from qwen_edit_core.api import QwenImageEditTrainer
-    trainer = QwenImageEditTrainer(config)
-    trainer.components = model
-    # A new thread starts outside inference mode; say so anyway, training needs autograd.
-    with torch.inference_mode(False):
-        return trainer.fit(resume=resume, progress=progress, cancel=cancel, lock=lock, shared=model)
-
-
-def check_with_trainer(config: Config, resume) -> None:
-    """The default preflight of a job, before any weight loads (`QwenImageEditTrainer.check_fit`)."""
-    from qwen_edit_core.api import QwenImageEditTrainer
-    QwenImageEditTrainer(config).check_fit(resume=resume)
-
-
 JOIN_SLICE = 0.1  #: seconds of one join slice in `TrainingJob.wait`: how late a waiting main thread's handler runs
 
 
@@ -107,9 +88,10 @@ class TrainingJob:
     def __init__(self, config: Config, *, name: str | None = None, resume=None,
                  deliver: Callable[[Path], Path] | None = None, listeners: tuple[Listener, ...] = (),
                  on_finish: Callable[["TrainingJob"], None] | None = None, fit=fit_with_trainer,
-                 preflight=check_with_trainer, model=None):
-        """`model`: loaded components (model.components.Components) the job trains on instead of loading its
-        own; while it runs, `uses` names their modules (the ComfyUI sampler refuses to run on them)."""
+                 preflight=TRAINER_PREFLIGHT, model=None):
+        """`preflight`: a job_hooks.Preflight (a plain callable: its check alone); `model`: loaded components
+        (model.components.Components) the job trains on instead of loading its own; while it runs, `uses` names
+        their modules (the ComfyUI sampler refuses to run on them)."""
         self.config = config
         self.model = model
         self.name = name or config.train.lora_name
@@ -125,21 +107,21 @@ class TrainingJob:
         self._validations: list[Path] = []
         self._metrics: tuple[tuple, tuple] = ((), ())  # (metrics.csv's mtime and size, its rows): read once per write
         self._result, self._delivered = None, None
-        self._on_finish, self._fit, self._preflight = on_finish, fit, preflight
+        self._on_finish, self._fit, self._preflight = on_finish, fit, Preflight.of(preflight)
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
 
     def start(self) -> "TrainingJob":
-        """Take the output directory's lock and run the preflight here, so a busy directory or a bad setting
-        is refused at once (before any weight loads), then train in the background thread."""
+        """Run the preflight's checks (they write nothing), then take the output directory's lock (it creates
+        the folder) and run the preflight's probe, so a bad setting or a busy directory is refused at once,
+        before any weight loads and, but for the probe's, before any file is written; then train in the
+        background thread."""
         from qwen_edit_core.common.files import OutputLock
-        from qwen_edit_core.model.components import resolve_model_dir
-        if self.model is None and self._preflight is check_with_trainer:
-            # the default preflight's model check, before the lock creates the output folder
-            resolve_model_dir(self.config.model.pretrained_model_name_or_path)
+        self._preflight.check(self.config, self._resume)
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
-            self._preflight(self.config, self._resume)
-            self._checkpoint = _resumed_checkpoint(self.output_dir, self._resume)
+            if self._preflight.probe is not None:
+                self._preflight.probe(self.config, self._resume)
+            self._checkpoint = resumed_checkpoint(self.output_dir, self._resume)
             self._thread.start()
         except BaseException:
             self._output_lock.release()
@@ -258,24 +240,14 @@ def device_key(name: str) -> str:
     return str(device)
 
 
-def _resumed_checkpoint(output_dir: Path, resume) -> Path | None:
-    """The checkpoint a run resumes from (read once, when the job starts), None for a fresh run."""
-    if not resume:
-        return None
-    from qwen_edit_core.train.loop import resolve_resume
-    try:
-        return resolve_resume(output_dir, resume)
-    except (OSError, ValueError):
-        return None  # the run itself reports what is wrong with it
-
-
 class JobRegistry:
     """Every job of the process by name; one running job per transformer device ("cuda" and "cuda:0" are the
     same device)."""
 
-    def __init__(self, fit=fit_with_trainer, preflight=check_with_trainer) -> None:
-        """`fit(config, resume=, progress=, cancel=, lock=)` runs one job (default: the trainer); `preflight(config,
-        resume)` checks it before the job starts (default: the trainer's `check_fit`)."""
+    def __init__(self, fit=fit_with_trainer, preflight=TRAINER_PREFLIGHT) -> None:
+        """`fit(config, resume=, progress=, cancel=, lock=)` runs one job (default: the trainer); `preflight`
+        checks it before the job starts (a job_hooks.Preflight, or a plain callable `(config, resume)` that
+        writes nothing; default: the trainer's `check_fit`, split where it starts writing)."""
         self._fit, self._preflight = fit, preflight
         self._lock = threading.Lock()
         self._jobs: dict[str, TrainingJob] = {}

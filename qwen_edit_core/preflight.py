@@ -206,14 +206,33 @@ def warn_about_data(config: Config, n_examples: int) -> None:
 
 
 def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
-    """Every training check that needs no weights (see the module docstring)."""
-    from qwen_edit_core.train.checkpoint import list_checkpoints
+    """Every training check that needs no weights (see the module docstring): `training_inputs`, then
+    `training_outputs`."""
+    training_inputs(config, model_dir, n_examples)
+    training_outputs(config, model_dir)
+
+
+def training_inputs(config: Config, model_dir: Path | None, n_examples: int) -> None:
+    """The training checks that write nothing: the launch, the data, the weight files, the validation previews
+    and the LoRA files (a background job runs them before its lock creates the output folder)."""
     from qwen_edit_core.train.distributed import launch_mismatch
     mismatch = launch_mismatch(os.environ)
     if mismatch:
         log.warning(mismatch)
     warn_about_data(config, n_examples)
     check_weights(config, model_dir)
+    if config.train.validation_every and config.train.validation_image:
+        from qwen_edit_core.train.validation import previews_from_config
+        previews_from_config(config)  # settings and LoRA files of every preview
+    paths, keys = _config_loras(config)
+    if paths:
+        check_lora_files(paths, meta_transformer(model_dir), keys)
+
+
+def training_outputs(config: Config, model_dir: Path | None) -> None:
+    """Every folder the run writes, created and probed with a written file; the output directory with room for
+    what the run writes (`output_size`)."""
+    from qwen_edit_core.train.checkpoint import list_checkpoints
     out_dir = Path(config.train.output_dir)
     tensors = trained_tensors(config, model_dir)
     need, detail = 0, ""
@@ -225,12 +244,6 @@ def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
         first = i == 0
         check_output_dir(folder, need if first else 0, what, key, create=not key.endswith("/)"),
                          detail=detail if first else "")
-    if config.train.validation_every and config.train.validation_image:
-        from qwen_edit_core.train.validation import previews_from_config
-        previews_from_config(config)  # settings and LoRA files of every preview
-    paths, keys = _config_loras(config)
-    if paths:
-        check_lora_files(paths, meta_transformer(model_dir), keys)
 
 
 def check_prompts(config: Config, model_dir: Path | None, prompts: dict[str, str]) -> None:

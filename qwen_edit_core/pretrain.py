@@ -40,7 +40,8 @@ import torch
 
 from qwen_edit_core.data import synthetic
 from qwen_edit_core import pretrain21
-from qwen_edit_core.pretrain25 import CONST, VAE_CONFIG, constructed_vae
+from qwen_edit_core.pretrain25 import VAE_CONFIG, constructed_vae
+from qwen_edit_core.pretrain_vae import CONST
 from qwen_edit_core.model import encode, toy, variants
 from qwen_edit_core.model.tiny import _isolated_init, build_tiny, transformer_config
 

@@ -31,6 +31,7 @@ import torch
 
 from qwen_edit_core.data import synthetic
 from qwen_edit_core.model import encode, encode21
+from qwen_edit_core.pretrain_vae import CONST, blank_vae, head_gain, identity_latents
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ SQUARES = 4
 WIDTH = 52
 COLOURS = 3 * SQUARES * SQUARES
 CONST_CHANNEL = COLOURS
-CONST = 1000.0
 VAE_CONFIG = dict(base_dim=WIDTH, decoder_base_dim=WIDTH, z_dim=64, dim_mult=[1], num_res_blocks=1, attn_scales=[],
                   temperal_downsample=[], dropout=0.0, is_residual=True, in_channels=4 * PATCH * PATCH,
                   out_channels=4 * PATCH * PATCH,
@@ -55,25 +55,13 @@ def _patch_channel(colour: int, x: int, y: int) -> int:
     return colour * PATCH * PATCH + x * PATCH + y
 
 
-def _zero_branches(vae) -> None:
-    """Every residual branch's output conv and the attention projections to zero: the blocks are identities."""
-    for name, param in vae.named_parameters():
-        if name.endswith(("conv2.weight", "conv2.bias", "proj.weight", "proj.bias")):
-            param.zero_()
-
-
 @torch.no_grad()
 def constructed_vae(config: dict = VAE_CONFIG):
-    """The 2.1 VAE with the constructed encoder and an identity decoder up to its (unfitted, zero) conv_out."""
+    """The 2.1 VAE (from `blank_vae`: its residual branches and attention outputs zero, the blocks identities) with
+    the constructed encoder and an identity decoder up to its (unfitted, zero) conv_out."""
     from diffusers import AutoencoderKLQwenImage21
 
-    vae = AutoencoderKLQwenImage21(**config)
-    for param in vae.parameters():
-        param.zero_()
-    for name, param in vae.named_parameters():
-        if name.endswith("gamma"):
-            param.fill_(1.0)
-    _zero_branches(vae)
+    vae = blank_vae(AutoencoderKLQwenImage21, config)
     enc, dec = vae.encoder, vae.decoder
     for sy in range(SQUARES):
         for sx in range(SQUARES):
@@ -86,10 +74,8 @@ def constructed_vae(config: dict = VAE_CONFIG):
     # conv_out reads SiLU(RMS_norm(x)) ~ x * sqrt(WIDTH) / |x| / 2 with |x| ~ the constant channel (the down
     # block adds its identity resnet to its identity shortcut, doubling colours and constant alike)
     for k in range(COLOURS):
-        enc.conv_out.weight[k, k, 1, 1] = 2 * CONST / WIDTH ** 0.5
-    vae.quant_conv.weight[:64, :64, 0, 0] = torch.eye(64)
-    vae.quant_conv.bias[64:] = -10.0  # log-variance: the posterior is (almost) its mode
-    vae.post_quant_conv.weight[:, :, 0, 0] = torch.eye(64)
+        enc.conv_out.weight[k, k, 1, 1] = head_gain(WIDTH)
+    identity_latents(vae, 64)
     for k in range(COLOURS):
         dec.conv_in.weight[k, k, 1, 1] = 1.0
     dec.conv_in.bias[CONST_CHANNEL] = CONST

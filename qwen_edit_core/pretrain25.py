@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from qwen_edit_core.pretrain_vae import CONST, blank_vae, head_gain, identity_latents
+
 VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)
-#: the constructed VAE's constant channel (large, so the RMS norms divide by it alone)
-CONST = 1000.0
-
-
 #: the 2x2 sub-positions a latent cell's 12 colour channels hold (4 px squares of an 8 px cell)
 _SUBCELLS = ((0, 0), (0, 1), (1, 0), (1, 1))
-
-
-def _zero_residuals(vae) -> None:
-    """Residual branches and attention outputs to zero: every residual block and attention block is the
-    identity (plus its 1x1 shortcut), so the VAE starts as the linear path set below."""
-    for name, param in vae.named_parameters():
-        if name.endswith(("conv2.weight", "conv2.bias", "proj.weight", "proj.bias")) or ".conv_shortcut." in name:
-            param.zero_()
 
 
 def _copy_shortcuts(vae, channels: int = 4) -> None:
@@ -30,15 +20,10 @@ def _copy_shortcuts(vae, channels: int = 4) -> None:
                 module.weight[c, c, 0, 0, 0] = 1.0
 
 
-def _head_gain(dim: int) -> float:
-    """conv_out's gain after RMS_norm(dim) and SiLU: the norm scales by sqrt(dim)/|f| (|f| ~ CONST, the
-    constant channel) and SiLU(u) ~ u/2 near 0."""
-    return 2 * CONST / dim ** 0.5
-
-
 @torch.no_grad()
 def constructed_vae(config: dict):
-    """An AutoencoderKLQwenImage whose weights compute, exactly up to SiLU's curvature (< 0.3 % here):
+    """An AutoencoderKLQwenImage (from `blank_vae`) whose weights compute, exactly up to SiLU's curvature
+    (< 0.3 % here):
 
     - encoder: RGB and a constant channel (CONST) through 2x2 averages at the first two downsamples, a
       2x2 space-to-depth at the third, so latent channels 0-11 are the mean colours of the four 4x4-pixel
@@ -50,12 +35,7 @@ def constructed_vae(config: dict):
     """
     from diffusers import AutoencoderKLQwenImage
 
-    vae = AutoencoderKLQwenImage(**config)
-    for param in vae.parameters():
-        param.zero_()
-    for name, param in vae.named_parameters():
-        if name.endswith("gamma"):
-            param.fill_(1.0)
+    vae = blank_vae(AutoencoderKLQwenImage, config)
     enc, dec = vae.encoder, vae.decoder
     for c in range(3):
         enc.conv_in.weight[c, c, 2, 1, 1] = 1.0
@@ -71,12 +51,10 @@ def constructed_vae(config: dict):
         for c in range(3):
             last.weight[3 * k + c, c, dy, dx] = 1.0
     last.weight[12, 3, 0, 0] = 1.0
-    gain = _head_gain(enc.conv_out.weight.shape[1])
+    gain = head_gain(enc.conv_out.weight.shape[1])
     for c in range(12):
         enc.conv_out.weight[c, c, 2, 1, 1] = gain
-    vae.quant_conv.weight[:16, :16, 0, 0, 0] = torch.eye(16)
-    vae.quant_conv.bias[16:] = -10.0  # log-variance: the posterior is (almost) its mode
-    vae.post_quant_conv.weight[:, :, 0, 0, 0] = torch.eye(16)
+    identity_latents(vae, 16)
     for k in range(4):
         for c in range(3):
             dec.conv_in.weight[c, 3 * k + c, 2, 1, 1] = 0.25
@@ -87,7 +65,7 @@ def constructed_vae(config: dict):
         for up in block.upsamplers or []:
             for c in range(4):
                 up.resample[1].weight[c, c] = tent
-    gain = _head_gain(dec.conv_out.weight.shape[1])
+    gain = head_gain(dec.conv_out.weight.shape[1])
     for c in range(3):
         dec.conv_out.weight[c, c, 2, 1, 1] = gain
     return vae

@@ -54,6 +54,36 @@ def pairs_dir(tmp_path_factory):
     return make_pairs(tmp_path_factory.mktemp("data") / "pairs")
 
 
+#: Qwen-Image-2.1 pairs of `make_ref_pairs`: pair rK has K references, each (w, h) of its own; targets differ too
+REFS = {1: [(64, 64)], 2: [(96, 64), (64, 96)], 3: [(64, 96), (96, 64), (64, 64)]}
+TARGETS = {1: (96, 64), 2: (64, 64), 3: (64, 96)}
+
+
+def make_ref_pairs(folder, counts=(1, 2, 3), mask: bool = False):
+    """Flat layout: pair rK has K references, each of its own size; the first pair has a mask if `mask`."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(11)
+    folder.mkdir(parents=True)
+    for k in counts:
+        w, h = TARGETS[k]
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"r{k}.png")
+        for i, (cw, ch) in enumerate(REFS[k], start=1):
+            Image.fromarray(rng.integers(0, 255, (ch, cw, 3), dtype=np.uint8)).save(folder / f"r{k}_control_{i}.png")
+        (folder / f"r{k}.txt").write_text("combine " + "them " * k)
+        if mask and k == counts[0]:
+            grey = np.zeros((h, w), dtype=np.uint8)
+            grey[:, : w // 2] = 255
+            Image.fromarray(grey).save(folder / f"r{k}_mask.png")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def refs_dir(tmp_path_factory):
+    """A Qwen-Image-2.1 dataset: pairs with one, two and three references of several sizes."""
+    return make_ref_pairs(tmp_path_factory.mktemp("data21") / "pairs")
+
+
 def train_config(model_dir, data_dir, out_dir, cache_dir=None, **sections):
     """A small, fast training config on the tiny model (overrides by section)."""
     from qwen_edit_core import load_config

@@ -1,9 +1,11 @@
-"""The pretrained toy model: committed weights with their documented hashes, a VAE that reconstructs, and a
-transformer that does its pretrained edits on pictures it never saw."""
+"""The pretrained toys, the Qwen-Image-Edit toy and the toy Qwen-Image-2.1, each checked the same way: committed
+weights with their documented hashes (a changed file refused), a VAE that reconstructs, and a transformer that
+does its pretrained edits on pictures it never saw (the 2.1 toy with the picture as reference 1). Then the 2025
+toy's decoder training; the 2.1 toy's own checks are in test_toy21.py."""
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +16,26 @@ from qwen_edit_core.data import synthetic
 from qwen_edit_core.model import toy
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "TOY_MODEL.md"
-#: the PSNRs docs/TOY_MODEL.md states (dB, 128 px held-out pictures)
-VAE_PSNR, KEEP_PSNR = 30.5, 22.0
+#: the PSNR docs/TOY_MODEL.md states for "keep the image" (dB, 128 px held-out pictures), both toys
+KEEP_PSNR = 22.0
+
+
+@dataclass(frozen=True)
+class Toy:
+    """What differs between the two toys' common checks."""
+
+    weights: Path
+    command: str  #: the build command docs/TOY_MODEL.md and the manifest give
+    max_mib: int  #: each weights file is smaller
+    vae_psnr: float  #: the VAE round trip's PSNR docs/TOY_MODEL.md states (dB, 128 px held-out pictures)
+    latents: tuple  #: a 128 px picture's latents
+    channels: int  #: the decoded picture's (2.1: RGBA, alpha 1)
+
+
+TOYS = [pytest.param(Toy(toy.WEIGHTS_DIR, "qwen-edit tiny --pretrained --train", 4, 30.5, (1, 16, 1, 16, 16), 3),
+                     id="edit"),
+        pytest.param(Toy(toy.WEIGHTS_DIR_21, "qwen-edit tiny --variant image-2.1 --pretrained --train", 8, 27.5,
+                         (1, 64, 1, 8, 8), 4), id="image-2.1")]
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -24,24 +44,26 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _held_out(n: int, size: int = 128):
-    rng = np.random.default_rng(12345)  # the build draws from seeds 0-3; these pictures are new
+    rng = np.random.default_rng(12345)  # the builds draw from seeds 0-4; these pictures are new
     return [synthetic.picture(rng, size) for _ in range(n)]
 
 
-def test_committed_weights_match_the_documented_sha256():
-    info = toy.check_weights()
+@pytest.mark.parametrize("case", TOYS)
+def test_committed_weights_match_the_documented_sha256(case):
+    info = toy.check_weights(case.weights)
     documented = DOCS.read_text()
     for name in toy.FILES:
-        digest = toy.sha256(toy.WEIGHTS_DIR / name)
+        digest = toy.sha256(case.weights / name)
         assert digest == info["sha256"][name]
         assert digest in documented, f"docs/TOY_MODEL.md does not state {name}'s sha256 {digest}"
-        assert (toy.WEIGHTS_DIR / name).stat().st_size < 4 * 2**20
-    assert re.search(r"qwen-edit tiny --pretrained --train", documented)
+        assert (case.weights / name).stat().st_size < case.max_mib * 2**20
+    assert case.command in documented and info["command"].startswith(case.command)
 
 
-def test_a_changed_weights_file_is_refused(tmp_path):
+@pytest.mark.parametrize("case", TOYS)
+def test_a_changed_weights_file_is_refused(case, tmp_path):
     for name in (*toy.FILES, toy.MANIFEST):
-        (tmp_path / name).write_bytes((toy.WEIGHTS_DIR / name).read_bytes())
+        (tmp_path / name).write_bytes((case.weights / name).read_bytes())
     data = bytearray((tmp_path / "vae.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (tmp_path / "vae.safetensors").write_bytes(bytes(data))
@@ -49,37 +71,40 @@ def test_a_changed_weights_file_is_refused(tmp_path):
         toy.check_weights(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def toy_trainer(tmp_path_factory):
+@pytest.fixture(scope="module", params=TOYS)
+def toy_model(request, tmp_path_factory):
+    """(the toy's Toy, a trainer with the toy loaded), one toy at a time."""
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.config import load_config
 
-    model = toy.ensure_toy(tmp_path_factory.mktemp("toy") / "model")
+    case = request.param
+    model = toy.ensure_toy(tmp_path_factory.mktemp("toy") / "model", case.weights)
     trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)},
                                                          "predict": {"vae_area": 128 * 128}}))
     trainer.load_model()
-    return trainer
+    return case, trainer
 
 
-def test_vae_reconstructs_held_out_pictures(toy_trainer):
+def test_vae_reconstructs_held_out_pictures(toy_model):
     from qwen_edit_core.model import encode
 
-    comps = toy_trainer.components
+    case, trainer = toy_model
     for picture in _held_out(3):
-        latents = toy_trainer.encode_image(picture, area=128 * 128)
-        assert latents.shape == (1, 16, 1, 16, 16)
-        decoded = encode.postprocess(encode.decode_latents(comps.vae, latents))[0].numpy()
-        assert psnr(decoded, np.asarray(picture) / 255.0) > VAE_PSNR
+        latents = trainer.encode_image(picture, area=128 * 128)
+        assert latents.shape == case.latents
+        decoded = encode.postprocess(encode.decode_latents(trainer.components.vae, latents))[0].numpy()
+        assert decoded.shape == (128, 128, case.channels) and np.all(decoded[..., 3:] == 1.0)
+        assert psnr(decoded[..., :3], np.asarray(picture) / 255.0) > case.vae_psnr
 
 
 @pytest.mark.parametrize("prompt", list(synthetic.EDITS))
-def test_pretrained_edits_on_held_out_pictures(toy_trainer, prompt):
-    """"keep the image" reconstructs a held-out picture within KEEP_PSNR dB; every pretrained edit lands
-    closer to its own target than to the unedited picture or any other edit."""
-    pictures = _held_out(2)
-    for picture in pictures:
-        out = toy_trainer.predict(picture, prompt, negative_prompt=None, num_inference_steps=20,
-                                  true_cfg_scale=1.0, seed=0)
+def test_pretrained_edits_on_held_out_pictures(toy_model, prompt):
+    """"keep the image" reconstructs a held-out picture (the 2.1 toy's reference 1) within KEEP_PSNR dB; every
+    pretrained edit lands closer to its own target than to the unedited picture or any other edit."""
+    _, trainer = toy_model
+    for picture in _held_out(2):
+        out = trainer.predict(picture, prompt, negative_prompt=None, num_inference_steps=20,
+                              true_cfg_scale=1.0, seed=0)[..., :3]
         targets = {p: np.asarray(f(picture)) / 255.0 for p, f in synthetic.EDITS.items()}
         scores = {p: psnr(out, t) for p, t in targets.items()}
         assert max(scores, key=scores.get) == prompt, scores

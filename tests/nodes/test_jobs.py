@@ -131,6 +131,33 @@ def test_requeue_attaches_to_the_running_job_and_other_settings_refuse(fake, tmp
     assert again.wait().step == 7 and fake.resumes == [None, True]
 
 
+def test_a_preflights_checks_run_before_the_output_folder_exists_and_its_probe_with_the_lock(tmp_path):
+    """A job's own preflight: its check (writes nothing) before the lock creates the output folder, a refused
+    check leaving no folder; its probe with the lock held, a refused probe releasing it."""
+    from qwen_edit_core.common.files import OutputLock
+    seen = []
+
+    def check(config, resume):
+        seen.append(("check", Path(config.train.output_dir).exists()))
+
+    def probe(config, resume):
+        seen.append(("probe", Path(config.train.output_dir).exists()))
+        raise ValueError("probe refused")
+
+    registry = jobs.JobRegistry(fit=StepGate(), preflight=jobs.Preflight(check=check, probe=probe))
+    with pytest.raises(ValueError, match="probe refused"):
+        registry.start(_config(tmp_path))
+    assert seen == [("check", False), ("probe", True)] and registry.jobs() == []
+    OutputLock(tmp_path / "runs" / "lora_a").acquire().release()  # released when the probe refused
+
+    def refuse(config, resume):
+        raise ValueError("bad setting")
+
+    with pytest.raises(ValueError, match="bad setting"):
+        jobs.JobRegistry(fit=StepGate(), preflight=refuse).start(_config(tmp_path, name="lora_b"))
+    assert not (tmp_path / "runs" / "lora_b").exists()
+
+
 def test_status_node_finds_a_job_by_name_and_stop_node_stops_it(fake, tmp_path):
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.release(3)

@@ -14,7 +14,7 @@ import pytest
 
 CORE = Path(__file__).resolve().parents[2] / "qwen_edit_core"
 RANKS = {"common": 0, "speed": 1, "model": 2, "adapters": 3, "data": 4, "sample": 5, "config": 6, "train": 7,
-         "preflight": 8, "api": 8, "jobs": 9, "shutdown": 9, "demo": 9, "pretrain": 9, "pretrain21": 9, "pretrain25": 9, "bench": 10, "cli": 11, "__init__": 11}
+         "preflight": 8, "api": 8, "jobs": 9, "job_hooks": 9, "shutdown": 9, "demo": 9, "pretrain": 9, "pretrain21": 9, "pretrain25": 9, "pretrain_vae": 9, "bench": 10, "cli": 11, "__init__": 11}
 FORBIDDEN_ROOTS = {"comfy", "comfy_extras", "folder_paths", "server", "nodes", "execution"}
 
 

@@ -176,24 +176,30 @@ def test_fsdp_with_checkpointing_and_compiled_blocks_equals_one_eager_process(ti
                                what="LoRA of 2 compiled FSDP processes vs one eager")
 
 
-def test_a_sharded_run_reads_the_transformer_into_host_memory_not_onto_its_device(tiny_edit_dir, pairs_dir,
-                                                                                 tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, data, transformer_class", [
+    ("tiny_edit_dir", "pairs_dir", "QwenImageTransformer2DModel"),
+    ("tiny_21_dir", "refs_dir", "QwenImage21Transformer2DModel")], ids=["edit", "image-2.1"])
+def test_a_sharded_run_reads_the_transformer_into_host_memory_not_onto_its_device(model, data, transformer_class,
+                                                                                 request, tmp_path, monkeypatch):
     """Under FSDP2 the plan made before loading keeps every weight on the host (the model's dtype, nothing
     offloaded, no fp8), whatever the device and the budget: `fully_shard` then moves one block at a time to the
     device and keeps the process's share, so no device ever holds the whole transformer. The loader follows
-    that plan, and the levers are planned later for the process's share (not a training plan)."""
+    that plan, for either family's transformer, and the levers are planned later for the process's share (not
+    a training plan)."""
     from qwen_edit_core import speed
     from qwen_edit_core.model import components
     from qwen_edit_core.model.devices import resolve_dtype
     from qwen_edit_core.train import run
+    model_dir, data_dir = request.getfixturevalue(model), request.getfixturevalue(data)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    config = train_config(tiny_edit_dir, pairs_dir, tmp_path, train={"gradient_checkpointing": True,
-                                                                     "memory_budget_gb": 16})
-    plan = run.training_plan(config, torch.device("cuda:0"), tiny_edit_dir, [((64, 64), ((64, 64),))],
+    config = train_config(model_dir, data_dir, tmp_path, train={"gradient_checkpointing": True,
+                                                                "memory_budget_gb": 16})
+    plan = run.training_plan(config, torch.device("cuda:0"), model_dir, [((64, 64), ((64, 64),))],
                              run.lora_spec(config))
     assert plan == speed.WeightPlan(device=torch.device("cpu"), dtype=resolve_dtype(config.model.dtype))
-    loaded = components.load_components(tiny_edit_dir, run.encoder_plan(config), which=("transformer",),
+    loaded = components.load_components(model_dir, run.encoder_plan(config), which=("transformer",),
                                         transformer_plan=plan).transformer
+    assert type(loaded).__name__ == transformer_class
     assert {t.device.type for t in (*loaded.parameters(), *loaded.buffers())} == {"cpu"}
     assert speed.loaded_plan(loaded) is None and not speed.has_fp8(loaded)

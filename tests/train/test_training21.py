@@ -15,36 +15,11 @@ from qwen_edit_core import QwenImageEditTrainer
 from qwen_edit_core.common.progress import CancelToken
 from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
 
-from conftest import make_pairs, train_config
+from conftest import make_pairs, make_ref_pairs, train_config
 from tolerances import (TINY_FORWARD_ROUNDINGS, TINY_VAE_ROUNDINGS, assert_close_fp32, fp32_tolerance,
                         adam_trained_size, max_abs_diff, tiny_training_roundings)
 
 SIDE = 64
-#: references per pair and their (w, h); targets differ in size too
-REFS = {1: [(64, 64)], 2: [(96, 64), (64, 96)], 3: [(64, 96), (96, 64), (64, 64)]}
-TARGETS = {1: (96, 64), 2: (64, 64), 3: (64, 96)}
-
-
-def _pairs(folder, counts=(1, 2, 3), mask: bool = False):
-    """Flat layout: pair rK has K references, each of its own size; the first pair has a mask if `mask`."""
-    rng = np.random.default_rng(11)
-    folder.mkdir(parents=True)
-    for k in counts:
-        w, h = TARGETS[k]
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"r{k}.png")
-        for i, (cw, ch) in enumerate(REFS[k], start=1):
-            Image.fromarray(rng.integers(0, 255, (ch, cw, 3), dtype=np.uint8)).save(folder / f"r{k}_control_{i}.png")
-        (folder / f"r{k}.txt").write_text("combine " + "them " * k)
-        if mask and k == counts[0]:
-            grey = np.zeros((h, w), dtype=np.uint8)
-            grey[:, : w // 2] = 255
-            Image.fromarray(grey).save(folder / f"r{k}_mask.png")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def refs_dir(tmp_path_factory):
-    return _pairs(tmp_path_factory.mktemp("data21") / "pairs")
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +226,7 @@ def test_pixel_aligned_references_take_the_targets_size(tiny_21_dir, refs_dir, t
 def test_region_mask_weights_the_loss(tiny_21_dir, tmp_path):
     """mask_weight 1, unmasked_weight 0: the loss is the squared error over the masked (left) half only."""
     from qwen_edit_core.train.batch import collate, flow_loss, predict, sample_generator
-    data = _pairs(tmp_path / "d", counts=(1,), mask=True)
+    data = make_ref_pairs(tmp_path / "d", counts=(1,), mask=True)
     config, trainer, _, items = _items(tiny_21_dir, data, tmp_path / "o",
                                        train={"mask_weight": 1.0, "unmasked_weight": 0.0})
     item = items[0]
@@ -375,29 +350,6 @@ def test_training_21_loads_its_transformer_in_the_plan_it_made_before_loading(ti
     assert plan is not None and plan.fp8 and plan.offloaded == (1,) and plan.checkpoint_blocks == -1
     assert speed.has_fp8(transformer) and sorted(transformer._qwen_edit_offloader.slots) == [1]
 
-def test_a_sharded_21_run_reads_its_transformer_into_host_memory_not_onto_its_device(tiny_21_dir, refs_dir, tmp_path,
-                                                                                    monkeypatch):
-    """Under FSDP2 the 2.1 transformer takes the 2025 family's path: the plan made before loading keeps every weight
-    on the host in the model's dtype (nothing offloaded, no fp8), whatever the device and the budget, and the
-    planned loader follows it; `fully_shard` then moves one block at a time to the device."""
-    from diffusers import QwenImage21Transformer2DModel
-
-    from qwen_edit_core import speed
-    from qwen_edit_core.model import components
-    from qwen_edit_core.model.devices import resolve_dtype
-    from qwen_edit_core.train import run
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    config = train_config(tiny_21_dir, refs_dir, tmp_path, train={"gradient_checkpointing": True,
-                                                                  "memory_budget_gb": 16})
-    plan = run.training_plan(config, torch.device("cuda:0"), tiny_21_dir, [((64, 64), ((64, 64),))],
-                             run.lora_spec(config))
-    assert plan == speed.WeightPlan(device=torch.device("cpu"), dtype=resolve_dtype(config.model.dtype))
-    loaded = components.load_components(tiny_21_dir, run.encoder_plan(config), which=("transformer",),
-                                        transformer_plan=plan).transformer
-    assert isinstance(loaded, QwenImage21Transformer2DModel)
-    assert {t.device.type for t in (*loaded.parameters(), *loaded.buffers())} == {"cpu"}
-    assert speed.loaded_plan(loaded) is None and not speed.has_fp8(loaded)
 
 def test_fp8_base_over_21_blocks_trains_close_to_the_full_precision_base(tiny_21_dir, refs_dir, tmp_path):
     """The block linears in fp8 (e4m3 with a per-tensor scale): the trained LoRA's up-projections stay within 0.3
