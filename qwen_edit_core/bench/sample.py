@@ -4,7 +4,7 @@ Tiny (CPU): both on the tiny model, the same control image, prompt, seed and ste
 `--real-size` (GPU): the real transformer config with random bf16 weights (real-width one-layer encoders) at
 1024^2 Edit, in one process: (1) one sampler step, cond + uncond, for the diffusers reference (two forwards
 with the prompt mask, as the pipeline calls them) and for our sampler with one lever added at a time
-(no mask when nothing is padded, cuDNN attention, compiled blocks, fp8 base, CUDA graphs); (2) a full
+(no mask when nothing is padded, cuDNN attention, compiled blocks, fp8 base); (2) a full
 `--steps` edit (default 50) of the diffusers pipeline, of our plain sampler and of our fastest setting, with
 the fast output's distance to the plain one (the quality guard). MFU is against a bf16 matmul peak measured
 in the same run.
@@ -96,8 +96,7 @@ def forward_flops(tokens: int, layers: int = 60, dim: int = 3072) -> float:
 
 
 #: sampler levers, each added on top of the previous row (speed.configure_inference changes the model in place)
-STEP_VARIANTS = ("ours, no mask", "+ cuDNN attention", "+ compiled blocks", "+ fp8 base",
-                 "+ CUDA graphs (reduce-overhead)")
+STEP_VARIANTS = ("ours, no mask", "+ cuDNN attention", "+ compiled blocks", "+ fp8 base")
 
 
 def _apply_variant(name: str, comps, dev, settings: sampler.SampleSettings) -> sampler.SampleSettings:
@@ -107,8 +106,6 @@ def _apply_variant(name: str, comps, dev, settings: sampler.SampleSettings) -> s
         speed.configure_inference(comps.transformer, dev, fp8=False, compile=True)
     elif name == "+ fp8 base":
         speed.configure_inference(comps.transformer, dev, fp8=True, compile=True)
-    elif name == "+ CUDA graphs (reduce-overhead)":
-        speed.compile_blocks(comps.transformer, mode="reduce-overhead")
     return settings
 
 

@@ -5,7 +5,7 @@ What compiles, and when a block compiles again (each graph costs ~30 s at real s
 - Sequence lengths are dynamic (`dynamic=True`): one graph serves every image size and text length. While
   blocks are compiled, prompt embeddings are also padded to a multiple of `TEXT_BUCKET` tokens (the padding
   is masked out of attention, so the numbers do not change; `text_multiple`), which keeps the shapes that
-  CUDA graphs (mode "reduce-overhead") record, and kernels tune for, to a few.
+  kernels tune for to a few.
 - A new graph is compiled for what changes the graph itself: batch size 1 against larger ones (a size of 1
   is always specialised), a text or image padding mask present or not, gradients on or off (training against
   sampling), which LoRA adapters are active (and their ranks), dtype, device or autocast. In training the
@@ -161,16 +161,28 @@ def _fall_back(stats: CompileStats, err: Exception) -> None:
                 "eagerly from now on (same numbers, slower)", stats.fallback, stats.blocks)
 
 
+#: torch.compile modes that record CUDA graphs. A block's graph is shared by the 60 blocks of a forward, so its
+#: CUDA-graph replays follow each other inside one forward and each overwrites the previous block's outputs while
+#: the next block still reads them ("accessing tensor output of CUDAGraphs that has been overwritten by a
+#: subsequent run", the real-size sampler bench on an H100, BENCHMARKS.md); a CUDA graph has to cover a whole
+#: forward instead.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = None,
                    backend="inductor", hooks_outside: bool = False) -> int:
     """Compile each transformer block (not the whole model: 60 identical blocks share one graph per input
     signature, ~30 s each), `fullgraph` with dynamic sequence lengths, falling back to eager on failure.
 
     `skip`: block indices left eager (offloaded blocks, whose forward hooks move weights). `mode`: torch.compile's
-    mode ("reduce-overhead" adds CUDA graphs). `backend`: torch.compile's backend. `hooks_outside`: compile only
-    each block's forward, so module hooks added later (FSDP2's) run eagerly around it. Returns the count compiled;
-    `compile_stats(transformer)` counts the graphs.
+    mode, except "reduce-overhead" (refused, see `CUDA_GRAPH_MODES`). `backend`: torch.compile's backend.
+    `hooks_outside`: compile only each block's forward, so module hooks added later (FSDP2's) run eagerly around
+    it. Returns the count compiled; `compile_stats(transformer)` counts the graphs.
     """
+    if mode in CUDA_GRAPH_MODES:
+        raise ValueError(f"compile mode {mode!r} is not supported for block compilation: one block graph is "
+                         "replayed by every block of a forward, and each CUDA-graph replay overwrites the outputs "
+                         "of the one before (measured on an H100 at real size); use the default mode")
     skipped = set(skip)
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in _compile_parameters() else {}
     eager = _call_forward if hooks_outside else _call_block
@@ -208,8 +220,7 @@ def scales_as_inputs(model) -> int:
     its value, so each new strength would compile the block again (and reach dynamo's recompile limit after
     8); a tensor is a graph input, so one graph serves every strength. Same numbers in eager (a 0-d tensor
     multiplies like the scalar). The tensors stay on the CPU: a CPU scalar multiplies tensors on any device,
-    so moving or replicating the transformer needs nothing (CUDA graphs, mode "reduce-overhead", skip a graph
-    with a CPU input: merge the LoRA for those). LoHa layers keep their floats (peft builds a tensor from the
+    so moving or replicating the transformer needs nothing. LoHa layers keep their floats (peft builds a tensor from the
     scale on each call)."""
     from peft.tuners.lokr import LoKrLayer
     from peft.tuners.lora import LoraLayer

@@ -84,7 +84,8 @@ def release_training(transformer) -> None:
 def configure_inference(transformer, device: torch.device, *, fp8: bool, compile: bool,
                         compile_mode: str | None = None) -> Levers:
     """fp8 base weights and compiled blocks for sampling, in place (LoRAs stay in their own dtype and can
-    still be loaded, switched and scaled afterwards). `compile_mode="reduce-overhead"` adds CUDA graphs.
+    still be loaded, switched and scaled afterwards). `compile_mode`: torch.compile's mode for the blocks (not a
+    CUDA-graph mode: `compile.CUDA_GRAPH_MODES`).
     Idempotent: a transformer already in fp8 or compiled stays so."""
     already = getattr(transformer, "_qwen_edit_compiled", False)
     device = torch.device(device)

@@ -153,3 +153,14 @@ def test_a_copy_of_a_compiled_transformer_is_not_compiled():
     speed.compile_blocks(model, backend="eager")
     clone = copy.deepcopy(model)
     assert speed.text_multiple(model) == speed.TEXT_BUCKET and speed.text_multiple(clone) == 1
+
+
+@pytest.mark.parametrize("mode", compile_mod.CUDA_GRAPH_MODES)
+def test_a_cuda_graph_mode_is_refused_before_anything_is_compiled(mode):
+    """CUDA-graph modes cannot serve a block graph that every block of a forward replays (each replay overwrites the
+    previous block's outputs): the request is refused by name, and the blocks stay as they were."""
+    model = _Toy()
+    with pytest.raises(ValueError, match=mode):
+        speed.compile_blocks(model, mode=mode)
+    assert speed.compile_stats(model) is None
+    assert all(block._compiled_call_impl is None for block in model.transformer_blocks)
