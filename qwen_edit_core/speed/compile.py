@@ -83,9 +83,12 @@ def _call_block(block, *args, **kwargs):
     return block._call_impl(*args, **kwargs)
 
 
-def _call_forward(block, *args, **kwargs):
-    """What is compiled when other wrappers' hooks must stay outside: the block's own forward."""
-    return type(block).forward(block, *args, **kwargs)
+def _forward_of(block):
+    """What is compiled when other wrappers' hooks must stay outside: the block's own forward, the class's plain
+    function (called with the block as its first argument). Taken outside the compiled code: diffusers marks its
+    block classes `allow_in_graph`, so dynamo cannot trace `type(block).forward` from inside a graph ("Dynamo does
+    not know how to trace method `forward` of class `type`"; FSDP2's wrapper subclass hid this)."""
+    return type(block).forward
 
 
 def _graph_count() -> int:
@@ -170,29 +173,35 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = None,
-                   backend="inductor", hooks_outside: bool = False) -> int:
+                   backend="inductor", hooks_outside: bool = False, forward_only: Sequence[int] = ()) -> int:
     """Compile each transformer block (not the whole model: 60 identical blocks share one graph per input
     signature, ~30 s each), `fullgraph` with dynamic sequence lengths, falling back to eager on failure.
 
-    `skip`: block indices left eager (offloaded blocks, whose forward hooks move weights). `mode`: torch.compile's
+    `skip`: block indices left eager. `mode`: torch.compile's
     mode, except "reduce-overhead" (refused, see `CUDA_GRAPH_MODES`). `backend`: torch.compile's backend.
     `hooks_outside`: compile only each block's forward, so module hooks added later (FSDP2's) run eagerly around
-    it. Returns the count compiled; `compile_stats(transformer)` counts the graphs.
+    it; `forward_only`: block indices compiled that way whatever `hooks_outside` says (offloaded blocks: the
+    offloader's hooks copy weights in and out on a side stream, which is no graph, around a compiled forward that
+    takes whatever weights the block holds). Returns the count compiled; `compile_stats(transformer)` counts the
+    graphs.
     """
     if mode in CUDA_GRAPH_MODES:
         raise ValueError(f"compile mode {mode!r} is not supported for block compilation: one block graph is "
                          "replayed by every block of a forward, and each CUDA-graph replay overwrites the outputs "
                          "of the one before (measured on an H100 at real size); use the default mode")
-    skipped = set(skip)
+    skipped, outside = set(skip), set(forward_only)
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in _compile_parameters() else {}
-    eager = _call_forward if hooks_outside else _call_block
-    compiled = torch.compile(eager, fullgraph=True, dynamic=True, mode=mode, backend=backend, **limit)
+    compiled = {}  # one compiled function per eager one: every block of a class shares its graphs
     stats = CompileStats()
     for i, block in enumerate(transformer.transformer_blocks):
         if i in skipped:
             continue
-        call = _CompiledBlock(compiled, block, stats, eager)
-        if hooks_outside:
+        forward_alone = hooks_outside or i in outside
+        eager = _forward_of(block) if forward_alone else _call_block
+        if eager not in compiled:
+            compiled[eager] = torch.compile(eager, fullgraph=True, dynamic=True, mode=mode, backend=backend, **limit)
+        call = _CompiledBlock(compiled[eager], block, stats, eager)
+        if forward_alone:
             block.forward = call  # an instance attribute: nn.Module's call runs the hooks
         else:
             block._compiled_call_impl = call

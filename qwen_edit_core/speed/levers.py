@@ -128,7 +128,9 @@ def _apply(transformer, plan: WeightPlan, *, compile: bool, compile_mode: str | 
         transformer._qwen_edit_offloader = previous = None
     if plan.offloaded and previous is None:
         transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, plan.offloaded, device)
-    compiled = compile_blocks(transformer, skip=list(plan.offloaded), mode=compile_mode,
+    # Offloaded blocks compile their forward alone: the offloader's hooks run eagerly around it. (Left eager, the 37
+    # offloaded blocks of a 16 GiB plan ran uncompiled: measured 2.08 s/step on an H100, BENCHMARKS.md.)
+    compiled = compile_blocks(transformer, forward_only=list(plan.offloaded), mode=compile_mode,
                               hooks_outside=hooks_outside) if compile else 0
     levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=plan.offloaded,
                     compiled=compiled)
