@@ -206,7 +206,7 @@ def _planned_gib(config, model, side: int) -> float | None:
         return None
     tokens = sequence_tokens([((side, side), ((side, side),))], config.model.variant, config.data.vl_area)
     plan = speed.plan_for_budget(budget, prefer_fp8=config.train.fp8_base, tokens=tokens,
-                                 **speed.model_sizes(model))
+                                 **speed.planner.compiled_sizes(speed.model_sizes(model), config.train.compile))
     return plan.estimate.total / 2**30
 
 

@@ -39,6 +39,14 @@ class SpeedPlan:
 #: models at 1024^2 and 512^2 Edit (9,601 and 2,412 tokens; the same within 2% at both sizes):
 #: what one block without checkpointing saves (fused attention saves its output and log-sum-exp, not scores)
 ACTIVATION_FACTOR = 20.2
+#: what one block without checkpointing saves when the blocks are compiled: the compiler's partitioner recomputes
+#: cheap elementwise work in the backward instead of saving it. Measured on an H100 (2026-11-27, torch 2.11,
+#: `qwen-edit bench activations --device cuda:0`: the bytes a real-width block hands to autograd at 1024^2 Edit,
+#: 9,600 tokens, the same as the allocated memory its forward left): 13.79 compiled against 21.50 eager. With it
+#: the planner's estimate of a compiled plan (budget 76: fp8, 19 of 60 blocks checkpointed) comes to 52.6 GiB of
+#: tensors against the 52.2 GiB the step held on that H100 (the eager constant said 72.7). The 2025 family only:
+#: Qwen-Image-2.1's compiled blocks are not measured, so its plans keep the eager constant.
+ACTIVATION_FACTOR_COMPILED = 13.8
 #: what one checkpointed block saves: its two input streams (measured 0.73-1.1)
 BOUNDARY_FACTOR = 1.0
 #: the working set on top of the saved activations, by (fp8 base, any block checkpointed): the block being
@@ -166,6 +174,14 @@ def model_sizes(transformer) -> dict:
     if any(c.__name__ == "QwenImage21Transformer2DModel" for c in type(transformer).__mro__):
         sizes.update(activation_factor=ACTIVATION_FACTOR_21, working_factor=WORKING_FACTOR_21)
     return sizes
+
+
+def compiled_sizes(sizes: dict, compiled: bool) -> dict:
+    """`model_sizes` for a run whose blocks are `compiled`: the 2025 family's compiled activation constant
+    (`ACTIVATION_FACTOR_COMPILED`); a family with constants of its own (2.1) keeps them, as do eager runs."""
+    if not compiled or "activation_factor" in sizes:
+        return sizes
+    return {**sizes, "activation_factor": ACTIVATION_FACTOR_COMPILED}
 
 
 def resident_bytes(module: torch.nn.Module, device: torch.device) -> int:

@@ -19,7 +19,7 @@ import torch
 from qwen_edit_core.speed.checkpointing import checkpointed_indices
 from qwen_edit_core.speed.fp8 import fp8_matmul_supported, probe_fp8
 from qwen_edit_core.speed.offload import offload_indices
-from qwen_edit_core.speed.planner import free_memory_budget_gb, plan_for_budget
+from qwen_edit_core.speed.planner import compiled_sizes, free_memory_budget_gb, plan_for_budget
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, 
     if not budget and train.memory_budget_auto and device.type == "cuda" and available is not None:
         budget = free_memory_budget_gb(available, 0)
     if budget > 0:
-        chosen = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards, **sizes)
+        chosen = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards,
+                                 **compiled_sizes(sizes, train.compile))
         fp8, ckpt, n_off = chosen.fp8, chosen.checkpoint_blocks, chosen.offload_blocks
         log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,

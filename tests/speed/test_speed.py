@@ -190,6 +190,30 @@ def test_memory_planner_picks_the_fastest_settings_that_fit():
         perf.plan_for_budget(2, **REAL)
 
 
+def test_a_compiled_run_is_planned_with_the_compiled_blocks_activations():
+    """Compiled blocks save about 36% less than eager ones (measured on an H100): with compile on, a 76 GiB budget
+    checkpoints no block where the eager constant checkpointed 19, and that plan, estimated with the compiled
+    constant, holds the 52.2 GiB of tensors measured (weights and activations, +-3%). A family with its own
+    constants (2.1) keeps them."""
+    from qwen_edit_core.speed.planner import ACTIVATION_FACTOR_21, compiled_sizes
+    from qwen_edit_core.speed.weight_plan import plan_training
+    from qwen_edit_core.config import load_config
+    real = {"n_blocks": 60, "block_params": 339_831_296, "other_params": 40_523_328, "dim": 3072,
+            "trainable_params": 23_592_960}
+    eager = perf.plan_for_budget(76, prefer_fp8=True, tokens=9601, **real)
+    fast = perf.plan_for_budget(76, prefer_fp8=True, tokens=9601, **compiled_sizes(real, True))
+    assert (eager.checkpoint_blocks, fast.checkpoint_blocks) == (19, 0)
+    measured = perf.estimate_memory(fp8=True, n_checkpointed=19, n_offloaded=0, tokens=9601,
+                                    **compiled_sizes(real, True))
+    assert abs((measured.weights + measured.activations) / 2**30 - 52.2) < 0.03 * 52.2
+    sizes21 = {**real, "activation_factor": ACTIVATION_FACTOR_21}
+    assert compiled_sizes(sizes21, True) == sizes21 and compiled_sizes(real, False) == real
+    train = load_config(overrides={"train": {"output_dir": "unused", "memory_budget_gb": 76, "fp8_base": True,
+                                             "compile": True}}).train
+    plan = plan_training(train, torch.device("cpu"), torch.bfloat16, real, 9601)
+    assert plan.checkpoint_blocks == 0  # the training loop's own path plans with it
+
+
 def test_memory_planner_counts_one_shard_of_the_frozen_weights_per_fsdp_process():
     """Under FSDP2 over N processes each holds 1/N of the frozen weights plus the two blocks and the root's own
     weights gathered in flight; only checkpointing is planned (fp8 and offload are refused under FSDP)."""
