@@ -177,8 +177,8 @@ def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = Non
     """Compile each transformer block (not the whole model: 60 identical blocks share one graph per input
     signature, ~30 s each), `fullgraph` with dynamic sequence lengths, falling back to eager on failure.
 
-    `skip`: block indices left eager. `mode`: torch.compile's
-    mode, except "reduce-overhead" (refused, see `CUDA_GRAPH_MODES`). `backend`: torch.compile's backend.
+    `skip`: block indices left eager. `mode`: torch.compile's mode, except the CUDA-graph ones (refused, see
+    `CUDA_GRAPH_MODES`). `backend`: torch.compile's backend.
     `hooks_outside`: compile only each block's forward, so module hooks added later (FSDP2's) run eagerly around
     it; `forward_only`: block indices compiled that way whatever `hooks_outside` says (offloaded blocks: the
     offloader's hooks copy weights in and out on a side stream, which is no graph, around a compiled forward that
