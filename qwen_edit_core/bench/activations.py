@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core.bench.common import print_table, real_transformer, sync
 from qwen_edit_core.model.devices import resolve_device
@@ -28,9 +29,7 @@ def _model(device: torch.device, layers: int, compiled: bool):
     torch.manual_seed(0)
     model = real_transformer(device, torch.bfloat16, num_layers=layers)
     lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16, targets=lora.TARGET_PRESETS["attn-img"]))
-    for param in model.parameters():
-        if param.requires_grad:  # the trainer's fp32 LoRA (train.loop.setup)
-            param.data = param.data.float()
+    cast_training_params(model, dtype=torch.float32)  # the trainer's fp32 LoRA (train.loop.setup)
     if compiled:
         speed.compile_blocks(model)
     return model

@@ -47,6 +47,11 @@ def reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
+def gib_text(value: float | None) -> str:
+    """A table cell for a GiB figure: one decimal, "-" where there is none (off CUDA)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -24,7 +24,8 @@ from qwen_edit_core import speed
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import (bench_components, matmul_peaks, median_time, peak_gib, print_table, reset_peak, sync)
+from qwen_edit_core.bench.common import (bench_components, gib_text, matmul_peaks, median_time, peak_gib, print_table,
+                                         reset_peak, sync)
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,13 @@ def _tiny(device: str, steps: int, repeats: int) -> str:
     rows = []
     reset_peak(dev)
     t_ref = median_time(reference, dev, repeats)
-    rows.append(["diffusers QwenImageEditPipeline", "sequential", f"{t_ref:.3f}", _gib(peak_gib(dev)), "1.00"])
+    rows.append(["diffusers QwenImageEditPipeline", "sequential", f"{t_ref:.3f}", gib_text(peak_gib(dev)), "1.00"])
     for mode in ("sequential", "batched"):
         settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
                                           seed=0, cfg_mode=mode)
         reset_peak(dev)
         t = median_time(lambda: sampler.sample(comps, PROMPT, [image], settings), dev, repeats)
-        rows.append(["qwen_edit_core sampler", mode, f"{t:.3f}", _gib(peak_gib(dev)), f"{t_ref / t:.2f}"])
+        rows.append(["qwen_edit_core sampler", mode, f"{t:.3f}", gib_text(peak_gib(dev)), f"{t_ref / t:.2f}"])
     title = f"sample: tiny transformer, 1024^2 control, {steps} steps, true CFG 4.0, {dev}, {dtype}"
     text = print_table(title, ["implementation", "cfg", "median s", "peak GiB", "speed vs reference"], rows)
     return text + "\n\n" + _fast_path(comps, image, dev, repeats)
@@ -152,7 +153,7 @@ class _RealRun:
         start = time.perf_counter()
         out = fn()
         sync(self.dev)
-        self.full_rows.append([label, f"{time.perf_counter() - start:.2f}", _gib(peak_gib(self.dev))])
+        self.full_rows.append([label, f"{time.perf_counter() - start:.2f}", gib_text(peak_gib(self.dev))])
         log.info("full edit %s", self.full_rows[-1])  # kept if a time limit cuts the run
         self.outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
 
@@ -230,7 +231,7 @@ def _step_table(rows, t_ref: float, flops: float, peak_tflops: float, hygiene: t
         if isinstance(s, str):
             table.append([name, s, "-", "-", "-"])
         else:
-            table.append([name, f"{s:.3f}", _gib(peak), f"{100 * flops / s / peak_tflops / 1e12:.0f}%",
+            table.append([name, f"{s:.3f}", gib_text(peak), f"{100 * flops / s / peak_tflops / 1e12:.0f}%",
                           f"{t_ref / s:.2f}"])
     syncs, segments = hygiene
     table.append(["one Euler step, every lever: host syncs / new CUDA segments", f"{syncs} / {segments}" if
@@ -290,7 +291,3 @@ def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: i
     from qwen_edit_core.bench import sample21
     text = _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)
     return text + "\n\n" + sample21.run(real_size=real_size, device=device, steps=steps, repeats=repeats)
-
-
-def _gib(value):
-    return "-" if value is None else f"{value:.1f}"

@@ -20,7 +20,7 @@ from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import peak_gib, print_table, reserved_gib, reset_peak, sync
+from qwen_edit_core.bench.common import gib_text, peak_gib, print_table, reserved_gib, reset_peak, sync
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
         if "error" in r:
             rows.append([name, "failed", "-", "-", "-", "-", "-", "-", r["error"]])
             continue
-        rows.append([name, f"{r['s']:.3f}", _gib(r["peak"]), _gib(r.get("reserved")), _gib(r.get("planned")),
+        rows.append([name, f"{r['s']:.3f}", gib_text(r["peak"]), gib_text(r.get("reserved")), gib_text(r.get("planned")),
                      f"{100 * flops / r['s'] / peaks['bf16'] / 1e12:.0f}%",
                      f"{ref['s'] / r['s']:.2f}", f"{100 * (r['loss'] - ref['loss']) / ref['loss']:+.2f}%",
                      f"{r.get('first_step', 0):.0f}"])
@@ -264,10 +264,6 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
                        f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
                        ["implementation", "median s/step", "peak GiB", "reserved GiB", "planned GiB", "MFU",
                         "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)"], rows)
-
-
-def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 10, variants: list[str] | None = None) -> str:
