@@ -1,7 +1,9 @@
-"""Small pieces: no core module over 400 lines, no function over 60 lines (docstring included).
+"""Small pieces: no module of the core or the nodes over 600 lines, no function over 60 lines (docstring
+included).
 
-A long argparse builder is a flat list of `add_argument` calls, easier to read in one place than split; such
-functions are listed in ALLOWED_LONG_FUNCTIONS by name, with the reason.
+A table (an argparse builder's flat list of `add_argument` calls, a node's `INPUT_TYPES`) reads best in one
+place; such functions are listed in ALLOWED_LONG_FUNCTIONS by name, with the reason. Lines are never joined to
+meet a limit: a module that outgrows it is split by what its parts do.
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ from pathlib import Path
 
 import pytest
 
-CORE = Path(__file__).resolve().parents[2] / "qwen_edit_core"
-MAX_MODULE_LINES = 400
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "qwen_edit_core"
+NODES = ROOT / "nodes"
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
-#: "module path relative to the core:function name" -> why it may be longer
+#: "module path relative to the repository:function name" -> why it may be longer
 ALLOWED_LONG_FUNCTIONS = {
-    "cli.py:build_parser": "argparse builder: one flat list of subcommands and their flags",
+    "qwen_edit_core/cli.py:build_parser": "argparse builder: one flat list of subcommands and their flags",
+    "nodes/train_nodes.py:INPUT_TYPES": "a node's schema: one table of inputs, each with its tooltip",
+    "nodes/comfy_runtime.py:_patcher_class": "the ModelPatcher subclass is built against ComfyUI's class at run time",
 }
 
 
 def _modules() -> list[Path]:
-    return sorted(CORE.rglob("*.py"))
+    return sorted([*CORE.rglob("*.py"), *NODES.rglob("*.py")])
 
 
 def _functions(tree: ast.AST):
@@ -30,16 +36,16 @@ def _functions(tree: ast.AST):
             yield node
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(CORE)))
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_is_small(path: Path):
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_MODULE_LINES, (f"{path.relative_to(CORE)} has {lines} lines (limit {MAX_MODULE_LINES}): "
+    assert lines <= MAX_MODULE_LINES, (f"{path.relative_to(ROOT)} has {lines} lines (limit {MAX_MODULE_LINES}): "
                                        "split it by what its parts do")
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(CORE)))
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_functions_are_small(path: Path):
-    rel = str(path.relative_to(CORE))
+    rel = str(path.relative_to(ROOT))
     long = []
     for node in _functions(ast.parse(path.read_text(), filename=str(path))):
         lines = node.end_lineno - node.lineno + 1
@@ -52,6 +58,6 @@ def test_exceptions_still_exist():
     """An exception for a function that no longer exists (or got short) is removed, not left to rot."""
     for key in ALLOWED_LONG_FUNCTIONS:
         rel, name = key.split(":")
-        lengths = [n.end_lineno - n.lineno + 1 for n in _functions(ast.parse((CORE / rel).read_text()))
+        lengths = [n.end_lineno - n.lineno + 1 for n in _functions(ast.parse((ROOT / rel).read_text()))
                    if n.name == name]
         assert lengths and max(lengths) > MAX_FUNCTION_LINES, f"{key} is no longer long: drop its exception"
