@@ -82,10 +82,10 @@ def resolve_model(name: str, path: str = "") -> Path:
     if path and path.strip():
         return Path(path.strip()).expanduser()
     if name == TOY_MODEL:
-        from qwen_edit_core.model.toy import ensure_toy
+        from qwen_edit_core.toys.toy import ensure_toy
         return ensure_toy(comfy_runtime.default_model_root() / "qwen-edit-toy")
     if name == TOY_21_MODEL:
-        from qwen_edit_core.model.toy import WEIGHTS_DIR_21, ensure_toy
+        from qwen_edit_core.toys.toy import WEIGHTS_DIR_21, ensure_toy
         return ensure_toy(comfy_runtime.default_model_root() / "qwen-image-2.1-toy", WEIGHTS_DIR_21)
     if name in (TINY_MODEL, TINY_21_MODEL):
         from qwen_edit_core.model.tiny import build_tiny

@@ -15,8 +15,9 @@ import torch
 
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.common.progress import Cancelled, CancelToken
-from qwen_edit_core.model import encode, encode21
-from qwen_edit_core.sample import sampler21
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 
 from . import comfy_runtime
 from .common import CATEGORY, REFERENCES

@@ -205,7 +205,7 @@ class QwenImageEditTrainer:
         if images is not None:
             sampler.check_controls(images, variant)
         if variant and variants.get(variant).drop is None:
-            prompts = None  # Qwen-Image-2.1's encoder (model/encode21.py) sets no such limit
+            prompts = None  # Qwen-Image-2.1's encoder (families/qwen_image_21/encode.py) sets no such limit
         preflight.sampling(model_dir, loras, out_file, self.config, prompts)
 
     def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):

@@ -37,8 +37,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_tiny(args) -> None:
     if args.pretrained:
-        from qwen_edit_core.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
-        from qwen_edit_core.model.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
+        from qwen_edit_core.toys.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
+        from qwen_edit_core.toys.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
         is_21 = args.variant == variants.IMAGE_21.name
         if args.variant not in (variants.DEFAULT, variants.IMAGE_21.name) or args.size != "tiny":
             raise ValueError(f"--pretrained builds the {variants.DEFAULT} or {variants.IMAGE_21.name} variant at "
@@ -251,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true",
                    help="with --pretrained: train the toy weights from scratch into --weights-dir first")
     p.add_argument("--weights-dir", default=None,
-                   help="with --pretrained: toy weights folder (default: the package's model/toy_weights, or "
-                        "model/toy21_weights with --variant image-2.1)")
+                   help="with --pretrained: toy weights folder (default: the package's toys/weights/qwen-image, or "
+                        "toys/weights/qwen-image-2.1 with --variant image-2.1)")
     p.add_argument("--train-vae", action="store_true",
                    help="with --pretrained: retrain only the VAE's decoder into --weights-dir (its transformer and "
                         "the latents stay as they are)")

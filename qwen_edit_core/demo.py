@@ -1,6 +1,6 @@
 """The main job on the pretrained toy model (`make demo`): teach it an edit it has never seen, as a LoRA.
 
-Builds the toy model (model/toy.py: trained tiny VAE and transformer) from the weights shipped with the
+Builds the toy model (toys/toy.py: trained tiny VAE and transformer) from the weights shipped with the
 package, writes a synthetic dataset of the demo's edit ("invert the colors", data/synthetic.py), caches it,
 trains a LoRA, samples held-out controls before and after, and writes the LoRA, `train/loss.png`, a labelled
 `before_after.png` (control | target | before LoRA | after LoRA) and `metrics.json` (pixel and latent mean
@@ -71,8 +71,10 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
 def _family_sampler(components):
     """The sampler module and latent packing of the components' family (Qwen-Image-2.1: references in the text,
     unpatched latents)."""
-    from qwen_edit_core.model import encode, encode21, variants
-    from qwen_edit_core.sample import sampler, sampler21
+    from qwen_edit_core.model import encode, variants
+    from qwen_edit_core.families.qwen_image_21 import encode as encode21
+    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
     if variants.get(components.variant).family.references == "in-text":
         return sampler21, encode21.pack
     return sampler, encode.pack
@@ -144,7 +146,7 @@ def run_demo(out_dir: Path, steps: int = 250, variant: str = "edit") -> dict:
 
 def _run(out_dir: Path, steps: int, variant: str) -> dict:
     from qwen_edit_core.api import QwenImageEditTrainer
-    from qwen_edit_core.model import toy
+    from qwen_edit_core.toys import toy
 
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)

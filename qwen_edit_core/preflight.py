@@ -76,7 +76,7 @@ def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...
     import torch
 
     from qwen_edit_core.adapters import lora
-    from qwen_edit_core.model.families import family_of_model
+    from qwen_edit_core.families import family_of_model
     from qwen_edit_core.train.run import lora_spec
     # ComfyUI runs nodes under inference mode, and peft refuses to inject into inference tensors
     with torch.inference_mode(False):

@@ -309,7 +309,7 @@ def key_prefix(transformer) -> str:
     or `lycoris_` name (comfy/lora.py), and whose bare keys diffusers' Qwen converter reads (it prepends
     `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/DESIGN.md,
     "LoRA files"."""
-    from qwen_edit_core.model.families import family_of_model
+    from qwen_edit_core.families import family_of_model
     return "" if family_of_model(transformer).references == "in-text" else "diffusion_model."
 
 
@@ -349,7 +349,7 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
     if not tensors:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
     metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    from qwen_edit_core.model.families import family_of_model
+    from qwen_edit_core.families import family_of_model
     metadata.update({"format": "comfyui-lora", "architecture": family_of_model(transformer).name, "type": spec.type,
                      "dora": str(spec.dora).lower(), "rank": str(spec.rank),
                      "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),

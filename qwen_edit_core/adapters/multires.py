@@ -151,8 +151,8 @@ def joint_key_mask(text_mask, image_mask, text_shape, image_shape, device) -> to
 
 def install(transformer) -> JointAttnProcessor | None:
     """Make `transformer` batch mixed resolutions exactly; idempotent. Returns the installed processor; None for a
-    Qwen-Image-2.1 transformer, left as it is (its batches run one call per token layout: train/batch21.py)."""
-    from qwen_edit_core.model.families import family_of_model
+    Qwen-Image-2.1 transformer, left as it is (its batches run one call per token layout: families/qwen_image_21/batch.py)."""
+    from qwen_edit_core.families import family_of_model
     if family_of_model(transformer).references == "in-text":
         return None
     if not isinstance(transformer.pos_embed, PerSampleRope):

@@ -11,7 +11,7 @@ def run_bench(args) -> None:
         if report.recovered < report.injected:
             raise SystemExit(1)
     elif args.what == "sample" and args.variant == "image-2.1":  # only the 2.1 family's prefix-cache table
-        from qwen_edit_core.bench.sample21 import run
+        from qwen_edit_core.families.qwen_image_21.sample_bench import run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
     elif args.what == "sample":
         from qwen_edit_core.bench.sample import run

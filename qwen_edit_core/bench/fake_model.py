@@ -120,7 +120,7 @@ class GlobalFlops(FlopCounterMode):
 
 def is_21(variant: str) -> bool:
     """Whether `variant` is a Qwen-Image-2.1 model (bench.fake_model21 describes its inputs)."""
-    from qwen_edit_core.model.families import QWEN_IMAGE_21
+    from qwen_edit_core.families import QWEN_IMAGE_21
     return variants.get(variant).family is QWEN_IMAGE_21
 
 
@@ -128,7 +128,7 @@ def fake_mode(variant: str = variants.DEFAULT) -> FakeTensorMode:
     """The fake mode every simulated tensor of `variant` lives in; real CPU inputs are taken as constants (2.1:
     operators on its real token layout run for real, see bench.fake_model21)."""
     if is_21(variant):
-        from qwen_edit_core.bench.fake_model21 import LayoutMode
+        from qwen_edit_core.families.qwen_image_21.fake_model import LayoutMode
         return LayoutMode(allow_non_fake_inputs=True)
     return FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -137,7 +137,7 @@ def transformer_config(variant: str, num_layers: int | None = None) -> dict:
     """The real transformer configuration of `variant` (zero_cond_t for Edit-2511; 2.1: its shipped config)."""
     from qwen_edit_core.model.tiny import transformer_config as real_config
     if is_21(variant):
-        from qwen_edit_core.bench import fake_model21
+        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
         return fake_model21.transformer_config(num_layers)
     cfg = real_config("real", num_layers=num_layers)
     if variants.get(variant).zero_cond_t:
@@ -196,7 +196,7 @@ def text_tokens(variant: str, side: int, controls: int) -> int:
     the 2025 family (model/prompt_length.py: Edit 1,369 vision tokens at 1024^2, Edit Plus 196 per control, plus
     a caption); 2.1: its prompt with one vision slot per 32x32 pixels of each reference (bench.fake_model21)."""
     if is_21(variant):
-        from qwen_edit_core.bench import fake_model21
+        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
         return fake_model21.text_tokens(side, controls, prompt_length.CAPTION_TOKENS)
     return prompt_length.prompt_tokens(variant, [(side, side)] * controls)
 
@@ -206,7 +206,7 @@ def cache_item(variant: str, side: int, controls: int) -> dict:
     `controls` control images of the same size, in the layout `train.batch.collate` reads (2.1:
     `train.batch21.collate21`'s)."""
     if is_21(variant):
-        from qwen_edit_core.bench import fake_model21
+        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
         return fake_model21.cache_item(side, controls, CAPTION_TOKENS)
     h = w = side // 8
     n_text = text_tokens(variant, side, controls)

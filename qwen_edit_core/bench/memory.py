@@ -141,8 +141,9 @@ def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
     """`train.loop.micro_step`'s maths and `optimizer_step` on a collated batch (collate draws its dropout
     with `.item()`, which fake tensors cannot answer, so it runs before, on real CPU tensors)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.bench import fake_model21
-    from qwen_edit_core.train import batch21, loop
+    from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
+    from qwen_edit_core.train import loop
+    from qwen_edit_core.families.qwen_image_21 import batch as batch21
     from qwen_edit_core.train.batch import flow_loss
     if isinstance(batch, batch21.TrainBatch21):
         batch = fake_model21.fake_batch(batch, mode)
@@ -160,7 +161,8 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
     from qwen_edit_core.adapters import lora as lora_mod
-    from qwen_edit_core.model import tiny, tiny21
+    from qwen_edit_core.model import tiny
+    from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     from qwen_edit_core.train import loop
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
@@ -187,7 +189,7 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
 def _collate(variant: str):
     """The product's collate function for `variant`'s cache entries."""
     from qwen_edit_core.train.batch import collate
-    from qwen_edit_core.train.batch21 import collate21
+    from qwen_edit_core.families.qwen_image_21.batch import collate21
     return collate21 if fm.is_21(variant) else collate
 
 

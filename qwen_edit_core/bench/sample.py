@@ -287,7 +287,7 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
-    """The 2025 family's table(s), then Qwen-Image-2.1's prefix-cache speed-up (bench/sample21.py)."""
-    from qwen_edit_core.bench import sample21
+    """The 2025 family's table(s), then Qwen-Image-2.1's prefix-cache speed-up (families/qwen_image_21/sample_bench.py)."""
+    from qwen_edit_core.families.qwen_image_21 import sample_bench as sample21
     text = _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)
     return text + "\n\n" + sample21.run(real_size=real_size, device=device, steps=steps, repeats=repeats)

@@ -38,7 +38,7 @@ def run(repeats: int = 5, batch: int = 8) -> dict:
     """Time the step at 1 thread and at torch's default; prints and returns {threads: seconds}."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qwen_edit_core.pretrain import Recipe, transformer_settings
+    from qwen_edit_core.toys.pretrain import Recipe, transformer_settings
 
     default = torch.get_num_threads()
     torch.manual_seed(0)

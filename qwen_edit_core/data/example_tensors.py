@@ -19,7 +19,7 @@ from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identi
 from qwen_edit_core.data.dataset import EditExample, load_rgb
 from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model.families import QWEN_IMAGE
+from qwen_edit_core.families import QWEN_IMAGE
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class EncodeSettings:
 
     @property
     def family(self):
-        """The variant's model family (model/families.py)."""
+        """The variant's model family (families/family.py)."""
         return variants.get(self.variant).family
 
 
@@ -117,10 +117,10 @@ def encode_example(components, example: EditExample, settings: EncodeSettings) -
     Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
     its own bucket. `empty_prompt_embeds` (`EMPTY_PROMPT`, same control images) serve caption dropout. A pair
     with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32). A Qwen-Image-2.1
-    example is encoded by data/example_tensors21.py.
+    example is encoded by families/qwen_image_21/example_tensors.py.
     """
     if settings.family.references == "in-text":
-        from qwen_edit_core.data.example_tensors21 import encode_example21
+        from qwen_edit_core.families.qwen_image_21.example_tensors import encode_example21
         return encode_example21(components, example, settings)
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)

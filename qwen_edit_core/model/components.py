@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import variants
-from qwen_edit_core.model.families import QWEN_IMAGE, Family
+from qwen_edit_core.families import QWEN_IMAGE, Family
 from qwen_edit_core.model.devices import DeviceError
 
 log = logging.getLogger(__name__)

@@ -175,7 +175,7 @@ def encode_prompts(text_encoder, processor, prompts: Sequence[str], images: Sequ
         raise EncodeError(f"{len(prompts)} prompts but {len(images)} image lists")
     if variants.get(variant).drop is None:
         raise EncodeError(f"{variants.get(variant).title} prompts are encoded with their reference images' vision "
-                          "slots (model/encode21.py, used by the sampler); this encoder is the 2025 family's")
+                          "slots (families/qwen_image_21/encode.py, used by the sampler); this encoder is the 2025 family's")
     check_prompt_lengths(processor, prompts, max_tokens)
     texts, drops = zip(*(variants.get(variant).format_prompt(p, len(imgs)) for p, imgs in zip(prompts, images)))
     flat = [img for imgs in images for img in imgs]

@@ -14,7 +14,7 @@ So the device holds, at any moment, the resident weights placed so far plus one 
 converted (at most about 0.4 GiB for the real model's largest linear: bf16 in, fp32 temporaries, fp8 out).
 
 Both model families load here (the 2025 Qwen-Image transformer and Qwen-Image-2.1's): the source names its
-family (model/families.py), which gives the class built on the meta device, the attribute holding the blocks,
+family (families/family.py), which gives the class built on the meta device, the attribute holding the blocks,
 and the layout mapping a single file's keys onto that class's (2.1's ComfyUI files fuse the MLP's gate and up
 projections; `single_file21.split_fused` splits them, scales included, before any conversion).
 

@@ -143,7 +143,7 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
     """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
-    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (model/single_file21.py)
+    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (families/qwen_image_21/single_file.py)
         raise SingleFileError(f"{source}: a Qwen-Image-2.1 transformer (ComfyUI's qwen_image_2.1_*.safetensors), not "
                               "a Qwen-Image-Edit one: give it with a Qwen-Image-2.1 model directory (its variant is "
                               "image-2.1), which loads it as 2.1")
@@ -293,7 +293,7 @@ def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dic
     loads as AutoencoderKLQwenImage21 (`vae_file21`; `config` gives only its latent statistics)."""
     from diffusers import AutoencoderKLQwenImage
 
-    from qwen_edit_core.model import vae_file21
+    from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
     if Path(path).is_file() and vae_file21.is_21(checked_header(path, "VAE")):  # ComfyUI's 2.1 VAE (its layout)
         return vae_file21.load_vae_file(path, device=device, dtype=dtype, statistics=config)
     with torch.inference_mode(False):

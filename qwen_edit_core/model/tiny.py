@@ -89,7 +89,7 @@ def _text_config(size: str, vocab_size: int, token_ids: dict) -> dict:
 def _train_tokenizer(texts: tuple[str, ...] | None = None):
     """Byte-level BPE trained on the templates until every template word is one token, as in Qwen's vocab
     (so the template prefixes come out at the pipelines' drop counts: 64 and 34). `texts`: another family's
-    corpus (model/tiny21.py), default the 2025 templates.
+    corpus (families/qwen_image_21/tiny.py), default the 2025 templates.
 
     Deterministic: the trainer merges until no pair is left inside any pre-token (the Qwen2 regex splits
     the corpus into words), so each word of the corpus ends up whole; `vocab_size` is only a cap well above
@@ -140,7 +140,7 @@ def _prompt_encodings() -> dict[str, tuple[str, str, int]]:
     out = {}
     for variant in variants.VARIANTS.values():
         if variant.drop is None:
-            continue  # counted by the processor (Qwen-Image-2.1, model/tiny21.py)
+            continue  # counted by the processor (Qwen-Image-2.1, families/qwen_image_21/tiny.py)
         text, drop = variant.format_prompt("make it blue", 1)
         out.setdefault(variant.encoding, (variant.template.split("{}")[0].split("<|vision_start|>")[0], text, drop))
     out["t2i"] = (templates.T2I_TEMPLATE.split("{}")[0], templates.T2I_TEMPLATE.format("make it blue"),
@@ -220,7 +220,7 @@ def build_tiny(out_dir, variant: str = variants.DEFAULT, seed: int = 0, size: st
     overrides = {**({"zero_cond_t": True} if spec.zero_cond_t else {}), **(transformer_overrides or {})}
     try:
         if spec.family.references == "in-text":
-            from qwen_edit_core.model import tiny21
+            from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
             tiny21.write(tmp, spec, seed, size, overrides)
         else:
             _write(tmp, spec, seed, size, overrides)

@@ -1,5 +1,5 @@
 """The model variants in one place: a frozen description per release (Qwen-Image-Edit, 2509, 2511, Qwen-Image-2.1)
-that every stage reads; each names its architecture (`family`, model/families.py).
+that every stage reads; each names its architecture (`family`, families/family.py).
 
 A variant says how a model is prompted (template, prompt prefix tokens dropped after encoding), which image
 areas the VAE and the vision-language encoder see, how many control images it takes, whether its transformer
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from qwen_edit_core.model import templates
-from qwen_edit_core.model.families import QWEN_IMAGE, QWEN_IMAGE_21, Family
+from qwen_edit_core.families import QWEN_IMAGE, QWEN_IMAGE_21, Family
 
 #: The key ComfyUI's Qwen-Image model registers (an empty buffer) when its reference method is
 #: "index_timestep_zero": such a transformer file is an Edit-2511 model (`zero_cond_t=True` in diffusers).
@@ -58,7 +58,7 @@ class Variant:
     #: the prompt/image encoding this variant shares with others; cache keys store it, so variants that encode
     #: alike share cache entries
     encoding: str
-    #: the architecture (model/families.py): classes, latent geometry, reference layout, LoRA targets, blocks
+    #: the architecture (families/family.py): classes, latent geometry, reference layout, LoRA targets, blocks
     family: Family = QWEN_IMAGE
     #: put between two images' prefixes (2.1: a space)
     image_separator: str = ""

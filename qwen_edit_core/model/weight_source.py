@@ -3,7 +3,7 @@
 A source gives the architecture (a diffusers config) and every tensor's shape before any weight is read, then
 the host tensors of one module at a time (a weight with its scales and bias), and converts them into that
 module's state-dict entries in the compute dtype (a ComfyUI scaled-fp8 file's block linears stay in fp8 where
-`keeps_fp8` says so). Every source names its model family (model/families.py), whose transformer class the
+`keeps_fp8` says so). Every source names its model family (families/family.py), whose transformer class the
 loader builds and whose file layout (`Family.layout`) maps a single file's keys onto that class's: one code path
 for the 2025 family and Qwen-Image-2.1 (whose ComfyUI files fuse the MLP's gate and up projections). Three
 sources:
@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from qwen_edit_core.model import file_stream, single_file
-from qwen_edit_core.model.families import QWEN_IMAGE, Family, family_of_class, family_of_file
+from qwen_edit_core.families import QWEN_IMAGE, Family, family_of_class, family_of_file
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"

@@ -368,7 +368,7 @@ def sample(components, prompt: str, images: Sequence, settings: SampleSettings =
     """Edit `images` (one control image, or 1-3 for Edit Plus; 0-10 references for Qwen-Image-2.1) by `prompt`;
     returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
     if variants.get(components.variant).family.references == "in-text":
-        from qwen_edit_core.sample import sampler21
+        from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
         return sampler21.sample(components, prompt, images, settings, progress=progress, cancel=cancel)
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,

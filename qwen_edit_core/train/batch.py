@@ -60,8 +60,8 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
     (with the mask) to a multiple of `text_multiple` tokens (`speed.text_multiple`: bounded shapes for
     compiled blocks; the cache keeps exact lengths).
     """
-    from qwen_edit_core.train import batch21
-    if items and batch21.is_21_item(items[0]):  # Qwen-Image-2.1: references in the text (train/batch21.py)
+    from qwen_edit_core.families.qwen_image_21 import batch as batch21
+    if items and batch21.is_21_item(items[0]):  # Qwen-Image-2.1: references in the text (families/qwen_image_21/batch.py)
         return batch21.collate21(items, generators, caption_dropout=caption_dropout, control_dropout=control_dropout,
                                  device=device, dtype=dtype)
     embeds, controls, targets, shapes, masks = [], [], [], [], []
@@ -92,7 +92,7 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
     attention, so each sample's prediction equals its one-by-one prediction.
     """
-    from qwen_edit_core.train import batch21
+    from qwen_edit_core.families.qwen_image_21 import batch as batch21
     if isinstance(batch, batch21.TrainBatch21):
         return batch21.predict21(transformer, batch, config, scheduler_config)
     noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.controls[0].dtype, config,
@@ -145,7 +145,7 @@ def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: 
     """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
 
     Padding is masked out of the loss, so each sample's loss equals its one-by-one loss. A Qwen-Image-2.1 batch
-    (train/batch21.py) predicts with one call per token layout and is weighed the same way. Samples with a mask
+    (families/qwen_image_21/batch.py) predicts with one call per token layout and is weighed the same way. Samples with a mask
     weight each token by `train.unmasked_weight` outside the edited region and `train.mask_weight` inside.
     """
     t = config.train

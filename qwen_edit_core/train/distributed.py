@@ -69,9 +69,9 @@ class Distributed:
 
     def wrap(self, model):
         """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A Qwen-Image-2.1 model is
-        never DDP-wrapped: its micro-batch runs one forward per token layout (train/batch21.py), which DDP's
+        never DDP-wrapped: its micro-batch runs one forward per token layout (families/qwen_image_21/batch.py), which DDP's
         once-per-backward hooks refuse, so its LoRA gradients are averaged in `sync_gradients` (as under FSDP)."""
-        from qwen_edit_core.model.families import family_of_model
+        from qwen_edit_core.families import family_of_model
         if self.fsdp:
             return sharding.shard_frozen_base(model, self.accelerator.device, self.world)
         if self.accelerator is not None and family_of_model(model).references == "in-text":

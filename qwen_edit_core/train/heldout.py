@@ -102,8 +102,9 @@ class HeldOutMetrics:
 
     def pair_errors(self, pair: HeldOutPair, picture_path: Path | None) -> tuple[float, float, float, float]:
         """(latent mse, pixel mse, in mask, out of mask) of one pair sampled now."""
-        from qwen_edit_core.model import encode21
-        from qwen_edit_core.sample import sampler, sampler21
+        from qwen_edit_core.families.qwen_image_21 import encode as encode21
+        from qwen_edit_core.sample import sampler
+        from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
         from qwen_edit_core.train.validation import conditioning21_from_entry, conditioning_from_entry
         transformer = self.components.transformer
         in_text = "prompt_slots" in pair.tensors  # a Qwen-Image-2.1 entry: its own sampler and packing

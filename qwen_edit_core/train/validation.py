@@ -20,11 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen_edit_core import speed
-from qwen_edit_core.model import encode, encode21
-from qwen_edit_core.model.encode21 import PromptWithSlots
-from qwen_edit_core.model.families import QWEN_IMAGE_21
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.config import ValidationPreview
-from qwen_edit_core.sample import sampler, sampler21, schedules
+from qwen_edit_core.sample import sampler, schedules
+from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.model.templates import EMPTY_PROMPT
@@ -244,7 +246,7 @@ class Validator:
         from qwen_edit_core.adapters import lora
         transformer = self.components.transformer
         param = next(transformer.parameters())
-        in_text = "prompt_slots" in self.tensors  # a Qwen-Image-2.1 entry: its own sampler (sample/sampler21.py)
+        in_text = "prompt_slots" in self.tensors  # a Qwen-Image-2.1 entry: its own sampler (families/qwen_image_21/sampler.py)
         make, denoise = (conditioning21_from_entry, sampler21.denoise) if in_text else \
             (conditioning_from_entry, sampler.denoise)
         cond = make(self.tensors, param.device, transformer.img_in.weight.dtype)

@@ -15,8 +15,8 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from qwen_edit_core.adapters import lora
-from qwen_edit_core.model.families import QWEN_IMAGE_21
-from qwen_edit_core.model.tiny21 import transformer_config
+from qwen_edit_core.families import QWEN_IMAGE_21
+from qwen_edit_core.families.qwen_image_21.tiny import transformer_config
 
 from tolerances import assert_close_fp32
 

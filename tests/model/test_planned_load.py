@@ -21,8 +21,9 @@ from qwen_edit_core import speed
 from qwen_edit_core.adapters import lora, multires
 from qwen_edit_core.config import load_config
 from qwen_edit_core.model import components as comp
-from qwen_edit_core.model import planned_load, single_file21, weight_source
-from qwen_edit_core.model.families import QWEN_IMAGE, QWEN_IMAGE_21, family_of_model
+from qwen_edit_core.model import planned_load, weight_source
+from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
+from qwen_edit_core.families import QWEN_IMAGE, QWEN_IMAGE_21, family_of_model
 from qwen_edit_core.model.tiny import build_tiny
 
 from conftest import scaled_fp8
@@ -248,7 +249,8 @@ def test_a_source_that_does_not_match_its_config_is_refused_before_any_weight_is
 def test_the_loader_runs_without_weights_under_fake_tensors(family):
     """A shapes-only source on the stand-in device under FakeTensorMode (how a real-size load is simulated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from qwen_edit_core.model import tiny, tiny21
+    from qwen_edit_core.model import tiny
+    from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     config = tiny.transformer_config("tiny", num_layers=N_BLOCKS) if family == "2025" else \
         {**tiny21.transformer_config("tiny"), "num_layers": N_BLOCKS}
     source = weight_source.ShapeOnlySource(config, torch.bfloat16, family=FAMILIES[family][0])

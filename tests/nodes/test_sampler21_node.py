@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 import nodes
 from nodes.common import TINY_21_MODEL, TINY_MODEL
-from qwen_edit_core.model import encode, single_file21
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
 from qwen_edit_core.sample import sampler
 
 from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
@@ -62,7 +63,7 @@ def test_loader_detects_21_from_the_directory_and_from_comfyuis_file(model21, en
 
 
 def test_component_loaders_detect_21_and_take_comfyuis_vae_file(model21, env, monkeypatch):
-    from qwen_edit_core.model import vae_file21
+    from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
     vae = model21.components.vae
     folder = env / "vae"
     folder.mkdir(exist_ok=True)

@@ -86,7 +86,7 @@ def test_a_21_step_runs_through_the_command_with_its_own_token_layout(monkeypatc
 def test_the_21_prompt_layout_is_the_encoders():
     """The simulated 2.1 prompt: one vision slot per 32x32 pixels of each reference (Qwen3-VL's 16 px patches
     merged 2x2), in order, each reference's slots after its label; each slot stands for 2x2 latent tokens."""
-    from qwen_edit_core.bench import fake_model21
+    from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
     slots = fake_model21.prompt_slots(3, 1024, 40)
     assert int(slots.sum()) == 3 * 1024 and slots.shape[0] == 3 * 1024 + 3 + 3 * 6 + 45
     runs = torch.diff(slots.int(), prepend=torch.zeros(1, dtype=torch.int32))

@@ -1,7 +1,9 @@
 """The folders are the architecture: a module imports only from its own layer or the layers below it.
 
-Layers, lowest first (docs/DESIGN.md draws the same picture): common < speed < model < adapters < data <
-sample < config < train < the application modules at the top of the package (api, jobs, cli, demo, bench).
+Layers, lowest first (docs/DESIGN.md draws the same picture): common < families (the descriptions) < speed < model <
+adapters < data < sample < config < train < the application modules at the top of the package (api, jobs, cli,
+demo, toys, bench). A family's subpackage (`families/<family>/`) holds one module per stage, each at its stage's
+rank (`FAMILY_STAGES`); stages reach them through the family's description, never by import.
 The core never imports ComfyUI (`comfy`, `folder_paths`, `server`) or the pack's `nodes/`.
 """
 
@@ -13,13 +15,20 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parents[2] / "qwen_edit_core"
-RANKS = {"common": 0, "speed": 1, "model": 2, "adapters": 3, "data": 4, "sample": 5, "config": 6, "train": 7,
-         "preflight": 8, "api": 8, "jobs": 9, "job_hooks": 9, "shutdown": 9, "demo": 9, "pretrain": 9, "pretrain21": 9, "pretrain25": 9, "pretrain_vae": 9, "bench": 10, "cli": 11, "__init__": 11}
+RANKS = {"common": 0, "families": 0.5, "speed": 1, "model": 2, "adapters": 3, "data": 4, "sample": 5, "config": 6,
+         "train": 7, "preflight": 8, "api": 8, "jobs": 9, "job_hooks": 9, "shutdown": 9, "demo": 9, "toys": 9,
+         "bench": 10, "cli": 11, "__init__": 11}
+#: a family subpackage's module -> the stage (layer) it serves
+FAMILY_STAGES = {"__init__": "families", "encode": "model", "tiny": "model", "single_file": "model",
+                 "vae_file": "model", "example_tensors": "data", "sampler": "sample", "batch": "train",
+                 "pretrain": "toys", "fake_model": "bench", "sample_bench": "bench"}
 FORBIDDEN_ROOTS = {"comfy", "comfy_extras", "folder_paths", "server", "nodes", "execution"}
 
 
 def _layer(path: Path) -> str:
     rel = path.relative_to(CORE).parts
+    if rel[0] == "families" and len(rel) > 2:
+        return FAMILY_STAGES[path.stem]
     return rel[0] if len(rel) > 1 else path.stem
 
 
@@ -34,8 +43,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 raise AssertionError(f"{path}:{node.lineno}: relative import; the core uses absolute imports")
             base = node.module or ""
             found.append((node.lineno, base))
-            if base == "qwen_edit_core":  # `from qwen_edit_core import speed` names a layer
-                found += [(node.lineno, f"qwen_edit_core.{alias.name}") for alias in node.names]
+            if base == "qwen_edit_core" or base.startswith("qwen_edit_core.families."):
+                # `from qwen_edit_core import speed` names a layer, `from ...families.<family> import batch` a stage
+                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -58,7 +68,7 @@ def test_imports_point_down(path: Path):
             bad.append(f"line {line}: {name} (the core never imports ComfyUI or the nodes)")
         parts = name.split(".")
         if root == "qwen_edit_core" and len(parts) > 1:
-            target = parts[1]
+            target = FAMILY_STAGES.get(parts[3], parts[3]) if parts[1] == "families" and len(parts) > 3 else parts[1]
             if target in RANKS and RANKS[target] > own:
                 bad.append(f"line {line}: {name} ({target} is above {_layer(path)})")
     assert not bad, f"{path.relative_to(CORE)} imports upward:\n" + "\n".join(bad)

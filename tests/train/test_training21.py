@@ -92,7 +92,7 @@ def test_our_prompt_encoding_takes_the_layer_before_the_final_norm(tiny_21_dir):
     """transformers 5 ties `hidden_states[-1]` to the normed last hidden state; the pipeline (and we) read the
     last decoder layer's output before the norm. Ours equals the pipeline's `encode_prompt` and that layer, not
     the normed one."""
-    from qwen_edit_core.model import encode21
+    from qwen_edit_core.families.qwen_image_21 import encode as encode21
     from qwen_edit_core.model.components import load_components
     from qwen_edit_core.model.devices import DevicePlan
     comps = load_components(tiny_21_dir, DevicePlan.from_mapping({}), which=("text_encoder", "vae", "transformer"))
@@ -157,7 +157,7 @@ def test_cached_and_realtime_training_are_equal(tiny_21_dir, refs_dir, tmp_path)
 def test_mixed_reference_counts_batch_equals_one_by_one(tiny_21_dir, refs_dir, tmp_path):
     from qwen_edit_core.adapters import lora
     from qwen_edit_core.train.batch import collate, flow_loss, sample_generator
-    from qwen_edit_core.train.batch21 import layout_groups
+    from qwen_edit_core.families.qwen_image_21.batch import layout_groups
     config, trainer, _, items = _items(tiny_21_dir, refs_dir, tmp_path / "o")
     assert [len(i["img_shapes"]) - 1 for i in items] == [1, 2, 3]
     model, sched = trainer.components.transformer, trainer.components.scheduler_config
@@ -283,7 +283,8 @@ def test_validation_previews_with_a_sigma_list(tiny_21_dir, simple_dir, tmp_path
     the labelled grid is decoded."""
     from safetensors import safe_open
 
-    from qwen_edit_core.sample import sampler, sampler21
+    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
     out = tmp_path / "o"
     image = simple_dir / "p0_control.png"
     config = train_config(tiny_21_dir, simple_dir, out, cache={"enabled": cached}, predict={"true_cfg_scale": 1.0},
@@ -391,8 +392,8 @@ def test_the_planner_reads_the_real_21_transformer_and_plans_24_gb():
 
     from qwen_edit_core import speed
     from qwen_edit_core.adapters import lora
-    from qwen_edit_core.model.families import QWEN_IMAGE_21
-    from qwen_edit_core.model.tiny21 import transformer_config
+    from qwen_edit_core.families import QWEN_IMAGE_21
+    from qwen_edit_core.families.qwen_image_21.tiny import transformer_config
     with torch.device("meta"):
         model = QwenImage21Transformer2DModel(**transformer_config("real")).to(torch.bfloat16)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):

@@ -58,10 +58,10 @@ class Family:
     lora_targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: the weights' licence, for the docs and the load log line
     licence: str = ""
-    #: the module of qwen_edit_core.model that reads this family's transformer as one ComfyUI file: its
+    #: the module (dotted path) that reads this family's transformer as one ComfyUI file: its
     #: `detect_config(tensors, flags, source)` gives the diffusers config from the file's shapes and its
     #: `to_model(tensors)` maps a module's file tensors (weights, scales) onto the diffusers class's keys
-    file_layout: str = "single_file"
+    file_layout: str = "qwen_edit_core.model.single_file"
     #: a key only this family's transformer files have ("" : the family of any file without another's marker)
     file_marker: str = ""
 
@@ -73,7 +73,7 @@ class Family:
     def layout(self):
         """The module reading this family's transformer files (`file_layout`)."""
         import importlib
-        return importlib.import_module(f"qwen_edit_core.model.{self.file_layout}")
+        return importlib.import_module(self.file_layout)
 
     def class_of(self, component: str):
         """The library class of a component ("transformer", "vae", "text_encoder", "processor")."""
@@ -112,7 +112,7 @@ QWEN_IMAGE_21 = Family(
         "all": _ATTN_21 + ("img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
     }),
     licence="Qwen Research License (non-commercial research and evaluation only)",
-    file_layout="single_file21", file_marker="txt_in.text_norm.weight")
+    file_layout="qwen_edit_core.families.qwen_image_21.single_file", file_marker="txt_in.text_norm.weight")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
 

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
-from qwen_edit_core.model import encode21
-from qwen_edit_core.model.encode21 import TOKENS_PER_SLOT
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.families.qwen_image_21.encode import TOKENS_PER_SLOT
 
 
 @dataclass(frozen=True)

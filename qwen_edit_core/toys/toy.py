@@ -1,13 +1,13 @@
 """The pretrained toy Qwen-Image-Edit: the tiny architecture with trained VAE and transformer weights.
 
-The weights ship with the package (`toy_weights/`: `vae.safetensors`, `transformer.safetensors` and
+The weights ship with the package (`weights/qwen-image/`: `vae.safetensors`, `transformer.safetensors` and
 `toy.json` with both configs, the build command, seed and the files' sha256; the toy Qwen-Image-2.1's in
-`toy21_weights/`, its manifest's `variant` "image-2.1"). `build_toy(dir)` writes a
+`weights/qwen-image-2.1/`, its manifest's `variant` "image-2.1"). `build_toy(dir)` writes a
 complete diffusers-layout directory: the random tiny model of `tiny.build_tiny` (tokenizer, processor,
 scheduler and the random tiny text encoder, seed 0) with the trained VAE and transformer in place of the
 random ones. The classes are diffusers' own, so every code path is the real one.
 
-The weights come from `qwen-edit tiny --pretrained` (qwen_edit_core/pretrain.py); see docs/TOY_MODEL.md.
+The weights come from `qwen-edit tiny --pretrained` (qwen_edit_core/toys/pretrain.py); see docs/TOY_MODEL.md.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_DIR = Path(__file__).resolve().parent / "toy_weights"
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights" / "qwen-image"
 #: the pretrained toy Qwen-Image-2.1's weights (same files and manifest; its `variant` is "image-2.1")
-WEIGHTS_DIR_21 = Path(__file__).resolve().parent / "toy21_weights"
+WEIGHTS_DIR_21 = Path(__file__).resolve().parent / "weights" / "qwen-image-2.1"
 MANIFEST = "toy.json"
 FILES = ("vae.safetensors", "transformer.safetensors")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from qwen_edit_core.bench import sample21
-from qwen_edit_core.sample import sampler21
+from qwen_edit_core.families.qwen_image_21 import sample_bench as sample21
+from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 
 from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32
 

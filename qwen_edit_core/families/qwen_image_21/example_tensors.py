@@ -1,4 +1,4 @@
-"""One Qwen-Image-2.1 training sample's tensors, encoded exactly as the 2.1 sampler (sample/sampler21.py) and
+"""One Qwen-Image-2.1 training sample's tensors, encoded exactly as the 2.1 sampler (families/qwen_image_21/sampler.py) and
 diffusers' `QwenImage21Pipeline` encode them.
 
 - Each control image of the pair is a 2.1 reference, in the pair's order (1 to 10): resized once to its own
@@ -20,7 +20,8 @@ import torch
 
 from qwen_edit_core.data.images import load_rgb
 from qwen_edit_core.data.masks import mask_tokens
-from qwen_edit_core.model import encode, encode21
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 

@@ -31,7 +31,7 @@ def components(real_size: bool, device: torch.device, dtype: torch.dtype):
     from qwen_edit_core.model.components import load_components
     from qwen_edit_core.model.devices import DevicePlan
     from qwen_edit_core.model.tiny import build_tiny
-    from qwen_edit_core.model.tiny21 import transformer_config
+    from qwen_edit_core.families.qwen_image_21.tiny import transformer_config
 
     workdir = Path(tempfile.mkdtemp(prefix="qwen-edit-bench-21-"))
     size = "real-width" if real_size else "tiny"
@@ -51,7 +51,8 @@ def components(real_size: bool, device: torch.device, dtype: torch.dtype):
 def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3, side: int | None = None) -> str:
     """Time the 2.1 sampler with and without the prefix cache; returns the printed table. `side`: the output's
     area is side^2 (default 1024 real size, 512 tiny)."""
-    from qwen_edit_core.sample import sampler, sampler21
+    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
     dev = resolve_device(device, component="bench device")
     dtype = torch.bfloat16 if real_size else torch.float32
     side = side or (1024 if real_size else 512)

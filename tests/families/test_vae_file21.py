@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from qwen_edit_core.model import encode, vae_file21
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
 from qwen_edit_core.model.components import ModelNotFoundError, load_components, load_text_encoder, load_vae
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.model.single_file import SingleFileError, load_vae_file

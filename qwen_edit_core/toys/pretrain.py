@@ -1,8 +1,8 @@
 """Build a toy model's weights (`qwen-edit tiny [--variant image-2.1] --pretrained --train`): a VAE, then a
 transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's constructed
-VAE in pretrain25.py; the Qwen-Image-2.1 toy's VAE, transformer settings and reference-1 batches in
-pretrain21.py); the data, the flow-matching loop, the seeds and the manifest are this module's. The steps below are
-the 2025 toy's; pretrain21.py describes the 2.1 toy's.
+VAE in families/qwen_image/pretrain.py; the Qwen-Image-2.1 toy's VAE, transformer settings and reference-1 batches in
+families/qwen_image_21/pretrain.py); the data, the flow-matching loop, the seeds and the manifest are this module's. The steps below are
+the 2025 toy's; families/qwen_image_21/pretrain.py describes the 2.1 toy's.
 
 1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) starts from
    constructed weights (`pretrain25.constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
@@ -39,10 +39,11 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
-from qwen_edit_core import pretrain21
-from qwen_edit_core.pretrain25 import VAE_CONFIG, constructed_vae
-from qwen_edit_core.pretrain_vae import CONST
-from qwen_edit_core.model import encode, toy, variants
+from qwen_edit_core.families.qwen_image_21 import pretrain as pretrain21
+from qwen_edit_core.families.qwen_image.pretrain import VAE_CONFIG, constructed_vae
+from qwen_edit_core.toys.vae import CONST
+from qwen_edit_core.model import encode, variants
+from qwen_edit_core.toys import toy
 from qwen_edit_core.model.tiny import _isolated_init, build_tiny, transformer_config
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Recipe:
     vae_steps: int = 300
     vae_batch: int = 4
     vae_lr: float = 5e-4
-    #: the family's variant: "edit" (the 2025 toy) or "image-2.1" (pretrain21.py's VAE and batches)
+    #: the family's variant: "edit" (the 2025 toy) or "image-2.1" (families/qwen_image_21/pretrain.py's VAE and batches)
     variant: str = variants.EDIT.name
 
     @property
@@ -216,7 +217,7 @@ def edit_dataset(recipe: Recipe, vae, text_encoder, processor) -> list[dict]:
 def _new_transformer(recipe: Recipe):
     """The family's transformer class with the toy settings, seeded."""
     from qwen_edit_core.adapters import multires
-    from qwen_edit_core.model.families import QWEN_IMAGE, QWEN_IMAGE_21
+    from qwen_edit_core.families import QWEN_IMAGE, QWEN_IMAGE_21
 
     family = QWEN_IMAGE_21 if recipe.is_21 else QWEN_IMAGE
     with _isolated_init(recipe.seed):

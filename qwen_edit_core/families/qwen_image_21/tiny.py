@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from qwen_edit_core.model import templates, tiny, variants
-from qwen_edit_core.model.families import QWEN_IMAGE_21
+from qwen_edit_core.families import QWEN_IMAGE_21
 
 #: Qwen3-VL's rendering of a conversation (system, user, assistant turns; text and image items), enough for the
 #: pipeline's `apply_chat_template` of the system message, which gives the number of tokens it drops.

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
-from qwen_edit_core.model import toy
+from qwen_edit_core.toys import toy
 
 
 def test_the_manifest_names_the_2_1_family():
@@ -18,7 +18,7 @@ def test_the_manifest_names_the_2_1_family():
 def test_constructed_encoder_gives_the_square_colours():
     """Latent channels 0-47 of the constructed encoder are the mean RGB of each 16 px cell's sixteen 4x4-pixel
     squares (up to SiLU's curvature), 48-63 are zero: the latents the transformer learns on."""
-    from qwen_edit_core import pretrain21
+    from qwen_edit_core.families.qwen_image_21 import pretrain as pretrain21
 
     vae = pretrain21.constructed_vae().eval()
     pixels = pretrain21._pixels([synthetic.picture(np.random.default_rng(12345), 128)])  # a held-out picture
@@ -35,7 +35,7 @@ def test_a_short_build_writes_weights_that_load_as_a_2_1_model(tmp_path):
     its command, and `build_toy` turns the files into a Qwen-Image-2.1 directory with the fitted VAE."""
     import json
 
-    from qwen_edit_core.pretrain import Recipe, pretrain
+    from qwen_edit_core.toys.pretrain import Recipe, pretrain
 
     info = pretrain(tmp_path / "weights", Recipe(variant="image-2.1", pictures=4, transformer_steps=2,
                                                  transformer_batch=2))

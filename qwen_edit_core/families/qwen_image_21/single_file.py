@@ -27,7 +27,7 @@ import re
 import torch
 
 from qwen_edit_core.model import single_file
-from qwen_edit_core.model.families import QWEN_IMAGE_21, family_of_file
+from qwen_edit_core.families import QWEN_IMAGE_21, family_of_file
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 
-from qwen_edit_core.model.families import QWEN_IMAGE_21
+from qwen_edit_core.families import QWEN_IMAGE_21
 
 #: the 2.1 transformer's architecture entry in the configs the single-file loader matches against
 ARCHITECTURE = "qwen-image-2.1"

@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from qwen_edit_core.model import single_file21
+from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
 from qwen_edit_core.model.components import ModelNotFoundError, load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
-from qwen_edit_core.model.families import QWEN_IMAGE_21
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.model.single_file import load_transformer_file
 from qwen_edit_core.sample import sampler
 

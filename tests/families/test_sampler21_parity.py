@@ -13,10 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from qwen_edit_core.model import encode21
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
-from qwen_edit_core.sample import sampler, sampler21
+from qwen_edit_core.sample import sampler
+from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 
 from tolerances import assert_close_fp32, tiny_sampler_roundings
 

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
-from qwen_edit_core.model import encode, encode21
-from qwen_edit_core.pretrain_vae import CONST, blank_vae, head_gain, identity_latents
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.toys.vae import CONST, blank_vae, head_gain, identity_latents
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def make_vae(seed: int, size: int, pictures: int = 256):
 def transformer_settings(recipe) -> dict:
     """The toy 2.1 transformer's config: tiny 2.1's with `recipe.layers` blocks of `recipe.heads` heads of
     `recipe.head_dim`, Qwen-Image's 1/4 : 3/8 : 3/8 rotary split (6 frequencies per image axis at 32-wide heads)."""
-    from qwen_edit_core.model.tiny21 import transformer_config
+    from qwen_edit_core.families.qwen_image_21.tiny import transformer_config
 
     time = recipe.head_dim // 4
     space = (recipe.head_dim - time) // 2
@@ -164,7 +165,7 @@ def transformer_settings(recipe) -> dict:
 @torch.no_grad()
 def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> list[dict]:
     """Per (picture, prompt): the picture as reference 1 (tokens (64, 64)), the target's tokens, the prompt's
-    embeddings and vision-slot mask, encoded as the 2.1 trainer encodes a pair (`data/example_tensors21.py`)."""
+    embeddings and vision-slot mask, encoded as the 2.1 trainer encodes a pair (`families/qwen_image_21/example_tensors.py`)."""
     rng = np.random.default_rng(recipe.seed + 2)
     drop = encode21.system_tokens(processor)
     area = recipe.size * recipe.size
@@ -186,7 +187,7 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
 
 def batch(picked: list[dict], side: int, generators: list):
     """A `TrainBatch21` of dataset items (reference 1 in its slots, the target last), as `collate21` builds one."""
-    from qwen_edit_core.train.batch21 import TrainBatch21
+    from qwen_edit_core.families.qwen_image_21.batch import TrainBatch21
 
     shapes = [(1, side, side), (1, side, side)]
     slots = [torch.cat([it["slots"], torch.ones(it["target"].shape[0] // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])

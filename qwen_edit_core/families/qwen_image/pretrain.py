@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qwen_edit_core.pretrain_vae import CONST, blank_vae, head_gain, identity_latents
+from qwen_edit_core.toys.vae import CONST, blank_vae, head_gain, identity_latents
 
 VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)

@@ -24,7 +24,7 @@ from PIL import Image
 
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.encode import EncodeError, as_pil
-from qwen_edit_core.model.families import QWEN_IMAGE_21
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.model.geometry import calculate_dimensions
 
 #: the pipeline's output sides are floored to this (the VAE's 16x times 2: a vision slot is 2x2 latent tokens)

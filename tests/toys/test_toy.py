@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qwen_edit_core.data import synthetic
-from qwen_edit_core.model import toy
+from qwen_edit_core.toys import toy
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "TOY_MODEL.md"
 #: the PSNR docs/TOY_MODEL.md states for "keep the image" (dB, 128 px held-out pictures), both toys
@@ -120,7 +120,7 @@ def _round_trip(vae, pixels):
 def test_decoder_training_keeps_the_encoder_and_starts_at_the_constructed_output():
     """The VAE step trains only the decoder: the encoder (so the latents the transformer learned on) is
     unchanged, and waking the residual branches leaves the constructed decoder's output exactly as it was."""
-    from qwen_edit_core import pretrain
+    from qwen_edit_core.toys import pretrain
 
     vae = pretrain.constructed_vae(pretrain.VAE_CONFIG).eval()
     pixels = pretrain._pixels(_held_out(1, size=32))

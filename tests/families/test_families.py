@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from qwen_edit_core.model import families, variants
+from qwen_edit_core.model import variants
+from qwen_edit_core import families
 
 
 def test_every_variant_has_its_family():
@@ -32,7 +33,7 @@ def test_2025_lora_presets_are_unchanged():
 
 def test_tiny_21_loads_in_diffusers_pipeline_offline(tiny_21_dir):
     from diffusers import QwenImage21Pipeline
-    from qwen_edit_core.model.encode21 import system_tokens
+    from qwen_edit_core.families.qwen_image_21.encode import system_tokens
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_dir)
     family = variants.IMAGE_21.family
     for component in ("transformer", "vae", "text_encoder", "processor"):
@@ -72,7 +73,7 @@ def test_21_detection_lora_targets_and_blocks(tiny_21_dir, caplog):
 
 def test_a_21_model_encodes_for_training_under_its_family(tiny_21_dir):
     from qwen_edit_core import load_config
-    from qwen_edit_core.model.families import QWEN_IMAGE_21
+    from qwen_edit_core.families import QWEN_IMAGE_21
     from qwen_edit_core.train.run import encode_settings
     settings = encode_settings(load_config(), "image-2.1")
     assert settings.family is QWEN_IMAGE_21 and settings.prefix_len == 0

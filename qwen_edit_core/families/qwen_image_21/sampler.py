@@ -29,8 +29,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model import encode, encode21
-from qwen_edit_core.model.encode21 import PromptWithSlots
+from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
 
 log = logging.getLogger(__name__)
 
