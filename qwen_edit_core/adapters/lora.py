@@ -7,7 +7,7 @@ The file we write: `diffusion_model.<module path>.lora_down.weight` (= peft lora
 `.lora_up.weight` (= lora_B, (out, r)) and `.alpha` (float32 scalar), plus safetensors metadata. Module paths
 are diffusers' (`transformer_blocks.0.attn.to_q`), which are also ComfyUI's for Qwen-Image. Qwen-Image-2.1 files
 use the bare module path (no prefix), and ComfyUI's fused 2.1 MLP (`img_mlp.gate_up`) is read onto our split
-`gate_layer` / `proj` (lora_files.key_prefix, unfuse_mlp; docs/DESIGN.md, "Contracts").
+`gate_layer` / `proj` (lora_files.key_prefix, unfuse_mlp; docs/MODEL.md, "Qwen-Image-2.1").
 - Stock ComfyUI (comfy/lora.py `model_lora_keys_unet` + `load_lora`, comfy/weight_adapter/lora.py) maps
   `diffusion_model.P` to the weight `diffusion_model.P.weight` and applies `W += strength * alpha / rank *
   up @ down`, with rank = down.shape[0]; without an `.alpha` key the scale is 1. It never reads metadata.

@@ -307,8 +307,8 @@ def key_prefix(transformer) -> str:
     """The prefix of a saved file's keys: `diffusion_model.` (2025 family); none for Qwen-Image-2.1, whose
     `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused `gate_up` weight only under a bare, `transformer.`
     or `lycoris_` name (comfy/lora.py), and whose bare keys diffusers' Qwen converter reads (it prepends
-    `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/DESIGN.md,
-    "LoRA files"."""
+    `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/MODEL.md,
+    "Qwen-Image-2.1"."""
     from qwen_edit_core.families import family_of_model
     return "" if family_of_model(transformer).references == "in-text" else "diffusion_model."
 
