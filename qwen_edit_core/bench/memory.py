@@ -160,7 +160,6 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
                    *, targets: str = "attn", fp8: bool = False, num_layers: int | None = None) -> Simulated:
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
-    from qwen_edit_core.adapters import lora as lora_mod
     from qwen_edit_core.model import tiny
     from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     from qwen_edit_core.train import loop

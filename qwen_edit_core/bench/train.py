@@ -184,7 +184,9 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     compile_start = time.perf_counter()
     example = EditExample(name="random", target=Path("random.png"), controls=(Path("random-control.png"),),
                           caption="", target_size=(side, side), control_sizes=((side, side),))
-    times = _step_times(lambda p: train(config, model, lambda i: item, [example], [((side, side), ((side, side),))],
+    # the lambda runs inside _step_times, before `del model` below frees the weights for the next setting
+    times = _step_times(lambda p: train(config, model, lambda i: item, [example],  # noqa: F821
+                                        [((side, side), ((side, side),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
     total = time.perf_counter() - compile_start
