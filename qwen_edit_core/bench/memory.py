@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 #: H100 SXM dense peaks (NVIDIA H100 datasheet): bf16 and fp8 tensor-core FLOP/s
 H100_BF16, H100_FP8 = 989e12, 1979e12
-#: the reference's measured step on one H100 (docs/MODEL.md): LoRA r16 on the image attention, every block
+#: the reference's measured step on one H100 (BENCHMARKS.md, "Reference timings"): LoRA r16 on the image attention, every block
 #: checkpointed, bf16, 1024^2 Edit, no mask; and its one no-grad forward
 REFERENCE_STEP_S, REFERENCE_FORWARD_S = 1.91, 0.456
 #: the step-time targets (BENCHMARKS.md): a training step, and one sampling step (cond + uncond)
@@ -267,7 +267,7 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
 def run(variant: str = "edit", side: int = 1024, controls: int | None = None, budgets=BUDGETS, *,
         reference: bool = True, sample_levers=SAMPLE_LEVERS) -> list[Simulated]:
     """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
-    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, docs/MODEL.md), and
+    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, BENCHMARKS.md, "Reference timings"), and
     one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
     budget's plan only (its measured reference and sampling levers are the 2025 family's)."""
     results = [simulate_train(variant, side, controls, budget) for budget in budgets]

@@ -5,7 +5,7 @@ Each lever is a small function over a diffusers `QwenImageTransformer2DModel` (w
 layers) that changes only this model instance, through public APIs: module replacement, diffusers'
 `enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `torch.compile` per block, forward hooks.
 
-Why these (the reference timings of docs/MODEL.md, one H100 at 1024^2 Edit; BENCHMARKS.md has the commands
+Why these (the reference timings of BENCHMARKS.md, one H100 at 1024^2 Edit, and the commands there
 that measure each lever): the frozen base's linear layers hold ~65% of the FLOPs and fp8 matmuls ran ~1.6x
 faster than bf16 at their shapes; recomputing every block costs a full extra
 forward per step when memory would hold many blocks' activations; the blocks' elementwise work (modulation,
