@@ -256,7 +256,8 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
     full edits."""
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     run, settings = _real_run(dev, steps, layers, side, full)
     peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
     cond = run.cond

@@ -231,7 +231,8 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     from qwen_edit_core.bench.common import matmul_peaks
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     global _LAYERS
     _LAYERS = layers
     dtype = torch.bfloat16

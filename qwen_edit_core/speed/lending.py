@@ -11,7 +11,7 @@ things that act on the shared tensors themselves:
 - fp8: a layer the copy quantizes no longer uses the original bf16 weight, which would stay on the device beside
   the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in (pinned) host memory as it
   replaces the layer (`park`), and `give_back` moves it back. Cost: host memory for those weights while the run
-  lasts (the block linears: about 38 GiB for the 20 B transformer in bf16) and one copy each way at the start and
+  lasts (the block linears' bf16 size: docs/MODEL.md, "The real model's sizes") and one copy each way at the start and
   the end of a run (seconds at PCIe speed).
 
 Nothing else of the caller's model changes, so it samples bit-identically after the run, whether the run finished,
