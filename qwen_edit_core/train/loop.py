@@ -177,8 +177,7 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
-                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
-                    text_multiple=speed.text_multiple(run.transformer))
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
