@@ -4,6 +4,6 @@ captions, odd sizes), each with its measured figure and a proposed fix; `fixes` 
 folder and `look` draws the worst pairs. One module per check family; `runner.diagnose` runs them all."""
 
 from qwen_edit_core.data.doctor.findings import KINDS, DoctorReport, DoctorSettings, Finding
-from qwen_edit_core.data.doctor.runner import diagnose
+from qwen_edit_core.data.doctor.runner import DoctorRun, diagnose, doctor_folder
 
-__all__ = ["KINDS", "DoctorReport", "DoctorSettings", "Finding", "diagnose"]
+__all__ = ["KINDS", "DoctorReport", "DoctorRun", "DoctorSettings", "Finding", "diagnose", "doctor_folder"]

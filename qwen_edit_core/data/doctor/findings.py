@@ -41,6 +41,8 @@ class DoctorReport:
     held_out: int = 0
     notes: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict)
+    #: pair name -> (its EditExample, its measure.Measures), for the fixes and the report picture
+    pairs_measured: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def flagged(self) -> list[str]:

@@ -130,23 +130,41 @@ def _centre(a: np.ndarray) -> np.ndarray:
     return a[h // 8: h - h // 8, w // 8: w - w // 8]
 
 
-def register(reference: np.ndarray, moving: np.ndarray, upsample: int = 1) -> tuple[np.ndarray, float, float]:
-    """(shift (row, col) that registers `moving` onto `reference`, zoom of `moving`, correlation once aligned), both
-    gradient maps of one shape."""
-    shift, _, _ = phase_cross_correlation(reference, moving, upsample_factor=upsample, normalization="phase")
-    scores = [ncc(_centre(reference), _centre(_warped(moving, s, shift))) for s in SCALES]
+def _best_scale(reference: np.ndarray, moving: np.ndarray, shift: np.ndarray, scales) -> tuple[float, float]:
+    """(the zoom among `scales` (evenly spaced) that best correlates the centres, refined by a parabola through the
+    best score and its two neighbours; that best score)."""
+    scores = [ncc(_centre(reference), _centre(_warped(moving, s, shift))) for s in scales]
     best = int(np.argmax(scores))
-    scale = float(SCALES[best])
-    if 0 < best < len(SCALES) - 1:  # a parabola through the best score and its two neighbours
+    scale = float(scales[best])
+    if 0 < best < len(scales) - 1:
         left, mid, right = scores[best - 1], scores[best], scores[best + 1]
         curvature = left - 2 * mid + right
         if curvature < 0:
-            scale += float(np.clip(0.5 * (left - right) / curvature, -0.5, 0.5)) * (SCALES[1] - SCALES[0])
-    if scale != 1.0:  # the translation again, with the zoom taken out
-        shift, _, _ = phase_cross_correlation(reference, _warped(moving, scale, np.zeros(2)),
-                                              upsample_factor=upsample, normalization="phase")
+            scale += float(np.clip(0.5 * (left - right) / curvature, -0.5, 0.5)) * (scales[1] - scales[0])
+    return scale, scores[best]
+
+
+def _shift(reference: np.ndarray, moving: np.ndarray, scale: float, upsample: int) -> np.ndarray:
+    """The phase correlation's shift of `moving` zoomed by `scale` onto `reference`."""
+    zoomed = moving if scale == 1.0 else _warped(moving, scale, np.zeros(2))
+    shift, _, _ = phase_cross_correlation(reference, zoomed, upsample_factor=upsample, normalization="phase")
+    return np.asarray(shift, dtype=float)
+
+
+def register(reference: np.ndarray, moving: np.ndarray, upsample: int = 1,
+             rounds: int = 1) -> tuple[np.ndarray, float, float]:
+    """(shift (row, col) that registers `moving` onto `reference`, zoom of `moving`, correlation once aligned), both
+    gradient maps of one shape. Each of `rounds` searches the zoom on a grid three times finer around the last one
+    and measures the translation again (1 round: about 1/100 of zoom, enough to flag; 3: for realigning)."""
+    shift = _shift(reference, moving, 1.0, upsample)
+    scales, scale, score = np.asarray(SCALES), 1.0, 0.0
+    for _ in range(rounds):
+        scale, score = _best_scale(reference, moving, shift, scales)
+        shift = _shift(reference, moving, scale, upsample)
+        step = (scales[1] - scales[0]) / 3
+        scales = scale + step * np.arange(-3, 4)
     aligned = ncc(_centre(reference), _centre(_warped(moving, scale, shift)))
-    return np.asarray(shift, dtype=float), scale, max(aligned, scores[best])
+    return shift, scale, max(aligned, score)
 
 
 def _mask_change(diff: np.ndarray, mask: Picture) -> tuple[float, float, float]:
@@ -178,7 +196,7 @@ def measure(pair: PairPictures) -> Measures:
         control_features=tuple(map(float, features(first, gradients[source]))),
         hashes=(perceptual_hash(target), *(perceptual_hash(c) for c in controls)),
         # the phase correlation's shift registers the target: its content moved the other way
-        shift=(float(-shift[1] * to_target_pixels), float(-shift[0] * to_target_pixels)), scale=scale,
+        shift=(float(-shift[1] * to_target_pixels) + 0.0, float(-shift[0] * to_target_pixels) + 0.0), scale=scale,
         aligned_ncc=aligned, change=float(diff.mean()),
         reference_ncc=similarity, source=source,
         mask_area=mask[0], change_inside=mask[1], change_outside=mask[2])

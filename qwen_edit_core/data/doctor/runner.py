@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -17,6 +18,8 @@ from qwen_edit_core.data.doctor.findings import DoctorReport, DoctorSettings, Fi
 from qwen_edit_core.data.doctor.measure import VERSION, Measures, measure
 from qwen_edit_core.data.doctor.pictures import ANALYSIS_SIDE, PairPictures, decode, read_bytes
 from qwen_edit_core.data.examples import EditExample
+from qwen_edit_core.data.doctor.fixes import apply_fixes
+from qwen_edit_core.data.doctor.look import write_report
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +106,30 @@ def diagnose(examples: Sequence[EditExample], held_out: Sequence[EditExample] = 
                regions.check(pairs, settings), captions.check(pairs, settings), sizes.check(pairs, settings)]
     findings: list[Finding] = sorted((f for r in results for f in r.findings), key=lambda f: (-f.severity, f.pair))
     stats = {k: v for r in results for k, v in r.stats.items()}
-    return DoctorReport(tuple(findings), len(pairs), len(held), tuple(n for r in results for n in r.notes), stats)
+    return DoctorReport(tuple(findings), len(pairs), len(held), tuple(n for r in results for n in r.notes), stats,
+                        {p.name: (p.example, p.measures) for p in [*pairs, *held]})
 
 
 def default_workers() -> int:
     """Worker processes for a large dataset: the CPUs this process may use, at most 4."""
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class DoctorRun:
+    """A doctor run on a folder: the report, the report picture (None when nothing is flagged or no output folder
+    was given) and the fixes applied into the --fix folder (one line each)."""
+    report: DoctorReport
+    picture: Optional[Path] = None
+    fixes: tuple[str, ...] = ()
+
+
+def doctor_folder(folder, examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
+                  settings: DoctorSettings = DoctorSettings(), *, out_dir=None, fix_dir=None, cache_dir=None,
+                  workers: int = 1) -> DoctorRun:
+    """`diagnose` the pairs of dataset `folder`, then write the report (report.txt, report.png of the worst pairs)
+    into `out_dir` and a fixed copy of the folder into `fix_dir`, when given."""
+    report = diagnose(examples, held_out, settings, cache_dir=cache_dir, workers=workers)
+    picture = write_report(report, out_dir) if out_dir is not None else None
+    fixes = apply_fixes(report, folder, fix_dir, settings) if fix_dir is not None else []
+    return DoctorRun(report, picture, tuple(fixes))
