@@ -121,6 +121,9 @@ class DataConfig:
     #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
     #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
     control_size: ControlSize = "pipeline"
+    #: the dataset doctor before the first step (data/doctor/): "warn" logs its summary, "refuse" stops the run
+    #: when it flags a pair, "off" skips it
+    doctor: typing.Literal["warn", "refuse", "off"] = "warn"
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
+    run_doctor(config, examples, held)
     model_dir, settings = _model(config)
     resume_path = resolve_resume(out_dir, resume)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
@@ -343,6 +344,23 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
         folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
     log.info("validation: %d held-out pair(s) kept out of training (%s)", len(held), ", ".join(e.name for e in held))
     return train_pairs, held
+
+
+def run_doctor(config: Config, examples: Sequence, held: Sequence):
+    """The dataset doctor on the training and held-out pairs (`data.doctor`): its summary logged ("warn"), or the
+    run refused when it flags a pair ("refuse"); measures kept beside the embedding cache. Returns its report."""
+    if config.data.doctor == "off":
+        return None
+    from qwen_edit_core.data.doctor import DoctorSettings, diagnose
+    d = config.data
+    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.control_size == "target", batch_size=d.batch_size)
+    cache_dir = open_cache(config).root if config.cache.enabled else None
+    report = diagnose(examples, held, settings, cache_dir=cache_dir)
+    if report.findings and d.doctor == "refuse":
+        raise ValueError(f"{report.summary()}\ndata.doctor is 'refuse': fix the pairs (qwen-edit doctor "
+                         f"{d.folder} --fix NEW_FOLDER writes a fixed copy) or set data.doctor: warn")
+    (log.warning if report.findings else log.info)("%s", report.summary())
+    return report
 
 
 def _heldout_metrics(config: Config, comps: comp.Components, held: list, model_dir: Path,
