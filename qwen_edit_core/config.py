@@ -211,6 +211,10 @@ class TrainConfig:
     ema_decay: float = 0.0
     #: with ema_decay: validation images use the averaged LoRA instead of the trained one
     ema_validation: bool = False
+    #: torch's intra-op CPU threads while a background job (ComfyUI's Train LoRA) trains; 0: chosen from the
+    #: cores and load (common/threads.py: 1 on a machine of 4 cores or fewer or a busy one). It matters for
+    #: CPU training only: on a GPU the CPU just launches kernels
+    cpu_threads: int = 0
 
 
 @dataclass(frozen=True)
