@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices="sample train batching threads soak memory activations doctor".split(),
+    p.add_argument("what", choices="sample train batching threads soak memory activations doctor cache".split(),
                    help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
+    p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
+    p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
     p.set_defaults(func=cmd_bench)
     return parser
 

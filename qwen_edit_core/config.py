@@ -35,6 +35,7 @@ LossWeighting = typing.Literal["none", "sigma_sqrt", "cosmap"]
 OptimizerType = typing.Literal["adamw", "adamw8bit"]
 ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cosine"]
 CfgMode = typing.Literal["sequential", "batched", "split"]
+LoraFormat = typing.Literal["split", "fused"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
 #: mirrors adapters.kinds.ADAPTER_TYPES
@@ -182,6 +183,9 @@ class TrainConfig:
     #: N = the dataset's last N pairs by name, or a folder of pairs; 0 / "": none
     validation_pairs: int | str = 0
     lora_name: str = "lora"
+    #: the saved file's MLP layout where the model fuses its MLP input halves in ComfyUI: "split" (diffusers,
+    #: DiffSynth, peft; ComfyUI reads it too) or "fused" (ComfyUI's and ai-toolkit's own); adapters/lora_files.py
+    lora_format: LoraFormat = "split"
     #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
     #: with gradient_checkpointing: how many blocks recompute (-1: all); the rest keep their activations

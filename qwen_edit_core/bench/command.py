@@ -25,6 +25,9 @@ def run_bench(args) -> None:
     elif args.what == "doctor":
         from qwen_edit_core.bench.doctor import run
         run()
+    elif args.what == "cache":
+        from qwen_edit_core.bench.cache import run
+        run(pairs=args.pairs, processes=args.processes)
     elif args.what == "activations":
         from qwen_edit_core.bench.activations import run
         run(device=args.device)

@@ -3,7 +3,7 @@ previews (named schedules, steps, CFG, LoRA files stacked for a preview only) sh
 datasets with masks) the loss inside and outside the edited regions.
 
 The conditioning comes from the embedding cache like any training sample (so training from the cache still
-loads no encoder); the sampled latents are written to `validation/step-N.safetensors` and decoded to PNG
+loads no encoder); the sampled latents are written to `validation/step-0000012.safetensors` and decoded to PNG
 when a VAE is at hand: at once in realtime mode, after training in cached mode.
 """
 
