@@ -18,14 +18,12 @@ import torch
 from qwen_edit_core.model import variants
 from qwen_edit_core.families import QWEN_IMAGE, Family
 from qwen_edit_core.model.devices import DeviceError
+from qwen_edit_core.model.weight_files import (  # noqa: F401 - re-exported: callers catch it from here
+    PICKLE_SUFFIXES, ModelNotFoundError, require_safetensors)
 
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8", "nf4")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model directory, file or hub id that is not available offline; the message says what to do."""
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -92,24 +90,6 @@ def _finish(module: torch.nn.Module, device: torch.device, quantized: bool) -> t
 
 
 #: pickle-based weight files: never read (loading a pickle can run code)
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def require_safetensors(folder: Path, component: str) -> None:
-    """ModelNotFoundError when `folder` holds pickle weights (.bin, ...) but no .safetensors: only safetensors
-    are read from model directories (`use_safetensors=True`)."""
-    folder = Path(folder)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelNotFoundError(
-            f"{component}: {str(folder)!r} holds only pickle-based weights ({', '.join(pickles[:3])}), which are "
-            "never loaded (they can run code); convert them once where you trust the file, e.g. "
-            "`model.save_pretrained(folder, safe_serialization=True)` in diffusers/transformers, or download the "
-            "safetensors release of the model")
-
-
 def family_of(model_dir: Path) -> Family:
     """The model family (families.py) of a diffusers directory, from model_index.json's pipeline class (the 2025
     family without one, as a bare component folder)."""
@@ -370,7 +350,7 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
         comps.transformer = load_transformer_planned(weight_source(model_dir, transformer_file, transformer_fp8),
                                                      transformer_plan)
     elif "transformer" in which and transformer_file:
-        from qwen_edit_core.model.single_file import load_transformer_file
+        from qwen_edit_core.model.planned_load import load_transformer_file
         comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
                                                   fp8=transformer_fp8)
     elif "transformer" in which:
