@@ -36,7 +36,8 @@ from qwen_edit_core.families import QWEN_IMAGE
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
-    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta, fused_mlp_names,
+    LAYOUTS, LORA_FORMATS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, check_fusable,
+    effective_delta, fuse_mlp_tensors, fused_mlp_names,
     lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora, unfuse_mlp)
 
 log = logging.getLogger(__name__)

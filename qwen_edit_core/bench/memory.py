@@ -117,6 +117,16 @@ def _offloaded_resident(transformer) -> int:
                for slots in offloader.slots.values() for owner, name, is_param, _ in slots)
 
 
+def pinned_host_bytes(transformer) -> int:
+    """Pinned host memory the offloaded blocks take on a CUDA device, as torch's caching host allocator rounds
+    it: the offloader's one region (`speed.host_memory.pack`'s power-of-two chunks) for their host copies."""
+    from qwen_edit_core.speed import host_memory
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    if offloader is None:
+        return 0
+    return sum(host_memory.pack([host.nbytes for slots in offloader.slots.values() for *_, host in slots])[0])
+
+
 def _levers_text(transformer, checkpointed: int | None) -> str:
     """The levers in effect: fp8 base, checkpointed and offloaded blocks (`checkpointed` -1: all)."""
     from qwen_edit_core import speed
@@ -199,7 +209,7 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
     return Simulated(plan=plan, kind=kind, variant=variant, size=side, controls=controls, image_tokens=n_image,
                      text_tokens=n_text, budget_gib=budget, planner_estimate_gib=estimate,
                      peak_device_gib=(total + margin_bytes(categories)) / GIB, tracked_device_gib=total / GIB,
-                     peak_host_gib=fm.offloaded_host_bytes(model) / GIB,
+                     peak_host_gib=pinned_host_bytes(model) / GIB,
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
