@@ -3,6 +3,7 @@ tensors, offloaded and fp8-replaced weights are put back exactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
