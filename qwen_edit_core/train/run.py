@@ -298,15 +298,10 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                 # companions: active and frozen; saved files and checkpoints hold only "default"
                 lora_mod.activate_with_trained(comps.transformer, stack)
             ready(comps, spec)
-
-            def write_lora(path: Path, step: int) -> None:
-                lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step,
-                                   layout=config.train.lora_format)
-
             log_resizes(examples, settings)
             result = train(config, comps.transformer, inputs.load_item, examples, keys,
                            scheduler_config=comps.scheduler_config,
-                           write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
+                           write_lora=_lora_writer(config, comps.transformer, spec, model_dir), out_dir=out_dir, resume=resume_path, progress=progress,
                            cancel=cancel, validate=Validations(validator, metrics) if metrics else validator)
         finally:
             if shared is not None:
@@ -317,6 +312,14 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
+
+
+def _lora_writer(config: Config, transformer, spec: lora_mod.LoraSpec, model_dir: Path):
+    """write_lora(path, step): the run's LoRA file at `step`, in `train.lora_format`'s layout."""
+    def write_lora(path: Path, step: int) -> None:
+        lora_mod.save_lora(path, transformer, spec, base_identity=str(model_dir), steps=step,
+                           layout=config.train.lora_format)
+    return write_lora
 
 
 def _lent(comps: comp.Components) -> comp.Components:
