@@ -265,6 +265,14 @@ def load_scheduler_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def shipped_sigmas(model_dir: Path) -> list[float] | None:
+    """The sigma list a few-step checkpoint ships as its default schedule (`sample_sigmas` in model_index.json,
+    which diffusers' pipelines read the same way), or None."""
+    index = Path(model_dir) / "model_index.json"
+    value = json.loads(index.read_text()).get("sample_sigmas") if index.is_file() else None
+    return [float(s) for s in value] if value else None
+
+
 def replicate(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """An independent copy of `module` on `device` (the uncond transformer of split CFG)."""
     with torch.inference_mode(False):
@@ -327,6 +335,9 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     check_file_family({"transformer": transformer_file, "vae": vae_file, "text_encoder": text_encoder_file}, family,
                       comps.variant)  # headers only
     log.info("%s: licence %s", family.title, family.licence)
+    if (sigmas := shipped_sigmas(model_dir)) is not None:
+        log.info("a few-step checkpoint: it ships its own schedule of %d sigmas (model_index.json sample_sigmas), which "
+                 "sampling uses unless sigmas are given", len(sigmas))
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,

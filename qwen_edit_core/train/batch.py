@@ -56,28 +56,24 @@ def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Gene
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-            control_dropout: float, device: torch.device, dtype: torch.dtype, text_multiple: int = 1,
-            family: Family | None = None):
+            control_dropout: float, device: torch.device, dtype: torch.dtype, family: Family | None = None):
     """Per-sample cache tensors -> a batch of their `family` (default: `family_of` the first entry, which tells a
     family by its own cache tensors), by the family's `collate` (families/<family>/batch.py); applies caption and
     control dropout, each draw from the sample's own generator. The batch carries its family, whose `predict`
     runs it."""
     family = family or (family_of(items[0]) if items else DEFAULT)
     batch = family.stage("batch").collate(items, generators, caption_dropout=caption_dropout,
-                                          control_dropout=control_dropout, device=device, dtype=dtype,
-                                          text_multiple=text_multiple)
+                                          control_dropout=control_dropout, device=device, dtype=dtype)
     return batch if batch.family is family else dataclasses.replace(batch, family=family)
 
 
 def collate_packed(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-                   control_dropout: float, device: torch.device, dtype: torch.dtype,
-                   text_multiple: int = 1) -> TrainBatch:
+                   control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
     """`collate` for a family whose controls follow the target's packed tokens (the 2025 family's).
 
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
     (the mean image in normalized latent space). Each draw uses the sample's own generator. Prompts are padded
-    (with the mask) to a multiple of `text_multiple` tokens (`speed.text_multiple`: bounded shapes for
-    compiled blocks; the cache keeps exact lengths).
+    (with the mask) to the batch's longest only: one prompt, or prompts of one length, have no mask.
     """
     embeds, controls, targets, shapes, masks = [], [], [], [], []
     for item, gen in zip(items, generators):
@@ -90,7 +86,7 @@ def collate_packed(items: Sequence[dict], generators: Sequence[torch.Generator],
         targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    text = encode.pad_embeddings(embeds, text_multiple).to(device, dtype)
+    text = encode.pad_embeddings(embeds).to(device, dtype)
     return TrainBatch(targets=targets, controls=controls, embeds=text, img_shapes=shapes, generators=list(generators),
                       loss_masks=masks)
 
@@ -110,8 +106,9 @@ def predict(transformer, batch, config: Config, scheduler_config: dict):
 def predict_packed(transformer, batch: TrainBatch, config: Config, scheduler_config: dict):
     """`predict` for a family whose controls follow the target's packed tokens (the 2025 family's).
 
-    Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
-    attention, so each sample's prediction equals its one-by-one prediction.
+    Samples of different sizes are padded into one call (multires.pack_samples); attention runs over each
+    sample's valid tokens alone (`PackedBatch.packed_kwargs`: variable-length attention, no padded mask), so each
+    sample's prediction equals its one-by-one prediction.
     """
     noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.controls[0].dtype, config,
                                                scheduler_config)
@@ -120,7 +117,8 @@ def predict_packed(transformer, batch: TrainBatch, config: Config, scheduler_con
     pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
                        encoder_hidden_states=batch.embeds.embeds,
                        encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
-                       attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+                       attention_kwargs=packed.packed_kwargs(batch.embeds.lengths, batch.embeds.embeds.shape[1]),
+                       return_dict=False)[0]
     n_max = max(packed.n_target)
     token_mask = None
     if any(n != n_max for n in packed.n_target):

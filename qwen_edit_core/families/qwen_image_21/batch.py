@@ -48,9 +48,8 @@ class TrainBatch21:
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-            control_dropout: float, device: torch.device, dtype: torch.dtype, text_multiple: int = 1) -> TrainBatch21:
-    """Per-sample 2.1 cache tensors -> a batch (`text_multiple` unused: each prompt keeps its length, since the
-    slot mask spans the joint sequence). Caption dropout swaps in the empty caption's embeddings and slot
+            control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch21:
+    """Per-sample 2.1 cache tensors -> a batch. Caption dropout swaps in the empty caption's embeddings and slot
     mask (encoded with the same references); control dropout zeroes the reference latents. The two draws come
     from the sample's generator in the 2025 path's order."""
     targets, refs, embeds, slots, shapes, masks, layouts = [], [], [], [], [], [], []
