@@ -207,13 +207,13 @@ class QwenEditSampler:
                uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
                control_size="pipeline", parallel=False, sigmas="", references=None):
         loaded_models.use(model)
-        in_text = variants.get(model.components.variant).family.references == "in-text"
+        family = variants.get(model.components.variant).family
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
                                  vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size,
                                  sigmas=sigmas)
-            if in_text:
-                _check_21(uncond_device, parallel)
+            if family.ordered_references:
+                _check_one_device(family, uncond_device, parallel)
                 pictures = [p for img in (image, image2, image3) if img is not None
                             for p in sample21.rgba_pictures(img)]
                 return sample21.run(model, prompt, pictures + list(references or ()), settings, unique_id,
@@ -226,11 +226,11 @@ class QwenEditSampler:
             return (picture, latent, torch.zeros(picture.shape[:3]))
 
 
-def _check_21(uncond_device: str, parallel: bool) -> None:
-    """Refuse the multi-GPU settings the 2.1 loop does not have, naming what to set."""
+def _check_one_device(family, uncond_device: str, parallel: bool) -> None:
+    """Refuse the multi-GPU settings a references family's loop does not have, naming what to set."""
     if parallel or uncond_device != "same":
-        raise ValueError("Qwen-Image-2.1 samples on its model's device (its prefix cache and block-causal layout "
-                         "are not split across devices yet): set uncond_device to same and parallel off")
+        raise ValueError(f"{family.file_title} samples on its model's device (its prefix cache and block-causal "
+                         "layout are not split across devices yet): set uncond_device to same and parallel off")
 
 
 class QwenEditEncodePrompt:

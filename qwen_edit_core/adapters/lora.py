@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from qwen_edit_core import speed
-from qwen_edit_core.families import QWEN_IMAGE
+from qwen_edit_core.families import DEFAULT
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
@@ -42,8 +42,8 @@ from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file format
 
 log = logging.getLogger(__name__)
 
-#: the 2025 family's presets (families/family.py holds each family's)
-TARGET_PRESETS: dict[str, tuple[str, ...]] = dict(QWEN_IMAGE.lora_targets)
+#: the default family's presets (families/family.py holds each family's)
+TARGET_PRESETS: dict[str, tuple[str, ...]] = dict(DEFAULT.lora_targets)
 INITS = ("default", "gaussian")
 # Parts of module paths that peft adds inside a wrapped layer: never LoRA targets themselves.
 _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",

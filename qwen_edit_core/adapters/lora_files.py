@@ -368,13 +368,12 @@ def layer_file_tensors(layer, adapter_name: str) -> dict[str, torch.Tensor]:
 
 
 def key_prefix(transformer) -> str:
-    """The prefix of a saved file's keys: `diffusion_model.` (2025 family); none for Qwen-Image-2.1, whose
-    `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused `gate_up` weight only under a bare, `transformer.`
-    or `lycoris_` name (comfy/lora.py), and whose bare keys diffusers' Qwen converter reads (it prepends
-    `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/MODEL.md,
-    "Qwen-Image-2.1"."""
-    from qwen_edit_core.families import family_of_model
-    return "" if family_of_model(transformer).references == "in-text" else "diffusion_model."
+    """The prefix of a saved file's keys: the transformer's family's `lora_prefix` (`diffusion_model.` for the
+    2025 family; none for Qwen-Image-2.1, whose `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused
+    `gate_up` weight only under a bare, `transformer.` or `lycoris_` name (comfy/lora.py), and whose bare keys
+    diffusers' Qwen converter reads). docs/MODEL.md, "Qwen-Image-2.1"."""
+    from qwen_edit_core.families import family_of
+    return family_of(transformer).lora_prefix
 
 
 def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -420,8 +419,8 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
     if not tensors:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
     metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    from qwen_edit_core.families import family_of_model
-    metadata.update({"format": "comfyui-lora", "architecture": family_of_model(transformer).name, "type": spec.type,
+    from qwen_edit_core.families import family_of
+    metadata.update({"format": "comfyui-lora", "architecture": family_of(transformer).name, "type": spec.type,
                      "dora": str(spec.dora).lower(), "rank": str(spec.rank),
                      "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),
                      "base_identity": str(base_identity), "steps": str(int(steps))})

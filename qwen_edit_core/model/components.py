@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import variants
-from qwen_edit_core.families import QWEN_IMAGE, Family
+from qwen_edit_core.families import DEFAULT, Family
 from qwen_edit_core.model.devices import DeviceError
 from qwen_edit_core.model.weight_files import (  # noqa: F401 - re-exported: callers catch it from here
     PICKLE_SUFFIXES, ModelNotFoundError, require_safetensors)
@@ -95,7 +95,7 @@ def family_of(model_dir: Path) -> Family:
     family without one, as a bare component folder)."""
     index = Path(model_dir) / "model_index.json"
     if not index.is_file():
-        return QWEN_IMAGE
+        return DEFAULT
     pipeline = json.loads(index.read_text()).get("_class_name", "")
     found = next((v.family for v in variants.VARIANTS.values() if v.pipeline_class == pipeline), None)
     return found or variants.get(detect_variant(model_dir)).family  # unknown: raises naming the accepted classes
@@ -105,12 +105,12 @@ def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtyp
                      family: Family | None = None):
     """The family's transformer (QwenImageTransformer2DModel, ...) from `model_dir/transformer`, frozen, on
     `device` in `dtype`; the family defaults to the directory's."""
-    QwenImageTransformer2DModel = (family or family_of(model_dir)).class_of("transformer")
+    cls = (family or family_of(model_dir)).class_of("transformer")
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
         require_safetensors(Path(model_dir) / "transformer", "transformer")
-        model = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
+        model = cls.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
                                                             use_safetensors=True, **extra)
         return _finish(model, device, qconfig is not None)
 
@@ -125,10 +125,10 @@ def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, famil
         from qwen_edit_core.model import family_files
         family_files.check_file_family({"vae": vae_file}, family, family.name)
         return family_files.load_vae_file(vae_file, model_dir, family, device=device, dtype=dtype)
-    AutoencoderKLQwenImage = family.class_of("vae")
+    cls = family.class_of("vae")
     with torch.inference_mode(False):
         require_safetensors(Path(model_dir) / "vae", "vae")
-        model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
+        model = cls.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
                                                        use_safetensors=True)
         return _finish(model, device, False)
 
@@ -174,17 +174,17 @@ def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None
     return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE):
+def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = DEFAULT):
     """The family's processor (Qwen2VLProcessor, ...: tokenizer + image processor) from `processor_source`."""
     return read_processor(processor_source(model_dir, comfyui_dir), family)
 
 
-def read_processor(source: Path, family: Family = QWEN_IMAGE):
+def read_processor(source: Path, family: Family = DEFAULT):
     """The processor of a folder: a saved processor (diffusers' processor/, with its image-processor settings), or
     bare Qwen2.5 tokenizer files (ComfyUI's qwen25_tokenizer/) given Qwen-Image's image-processor settings."""
-    Qwen2VLProcessor = family.class_of("processor")
+    cls = family.class_of("processor")
     if any((Path(source) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
-        return Qwen2VLProcessor.from_pretrained(source)
+        return cls.from_pretrained(source)
     from qwen_edit_core.model.text_encoder_file import processor_from_tokenizer_files
     return processor_from_tokenizer_files(source)
 
@@ -195,11 +195,11 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     """Qwen2.5-VL from `model_dir/text_encoder` (or from one `text_encoder_file`, ComfyUI's text_encoders layout)
     and its processor (`load_processor`: `model_dir/processor`, else ComfyUI's bundled tokenizer); the family
     defaults to the directory's (Qwen-Image 2025 without one). Qwen-Image-2.1 takes no text encoder file."""
-    family = family or (family_of(model_dir) if model_dir is not None else QWEN_IMAGE)
+    family = family or (family_of(model_dir) if model_dir is not None else DEFAULT)
     if text_encoder_file:
         from qwen_edit_core.model.family_files import check_text_encoder_file
         check_text_encoder_file(text_encoder_file, family)
-    Qwen2_5_VLForConditionalGeneration = family.class_of("text_encoder")
+    cls = family.class_of("text_encoder")
     if text_encoder_file and quantize != "none":
         raise ValueError(f"text_encoder: quantize={quantize!r} is not available for a single text encoder file "
                          f"({text_encoder_file}); use quantize none, or the model directory's text_encoder/")
@@ -217,7 +217,7 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
         require_safetensors(Path(model_dir) / "text_encoder", "text_encoder")
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype,
+        model = cls.from_pretrained(model_dir / "text_encoder", dtype=dtype,
                                                                    use_safetensors=True, **extra)
         model = _finish(model, device, qconfig is not None)
     return TextEncoder(model=model, processor=processor, device=device, processor_dir=source)

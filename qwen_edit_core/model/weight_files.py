@@ -150,9 +150,11 @@ def meta_shapes(component: str, folder: Path) -> dict[str, tuple[int, ...]]:
     meta device: no weights, no memory."""
     import diffusers
     from accelerate import init_empty_weights
-    default = diffusers.QwenImageTransformer2DModel if component == "transformer" else diffusers.AutoencoderKLQwenImage
+
+    from qwen_edit_core.families import DEFAULT
+    default = DEFAULT.class_of(component)
     config = default.load_config(folder)
-    # the class config.json names (Qwen-Image-2.1 has its own transformer and VAE classes)
+    # the class config.json names (each family has its own transformer and VAE classes)
     cls = getattr(diffusers, config.get("_class_name", ""), None) or default
     with init_empty_weights():
         model = cls.from_config(config)

@@ -30,6 +30,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 from qwen_edit_core.model import encode
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.sample import schedules
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
@@ -202,9 +203,37 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
     return encode.postprocess(pixels).cpu()
 
 
-def sample(components, prompt: str, images: Sequence, settings, *, progress: ProgressFn | None = None,
-           cancel: CancelToken | None = None) -> torch.Tensor:
-    """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1]."""
+def sample(components, prompt: str, images: Sequence, settings, *, uncond_transformer=None, cfg_split=None,
+           progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1].
+    Both CFG passes run here, on the transformer's device: `uncond_transformer` and `cfg_split` (the 2025
+    driver's second-device CFG) are accepted, as every family's `sample` takes them, and not used."""
+    del uncond_transformer, cfg_split
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, progress=progress, cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """Latents (B, 64, 1, h, w) -> the transformer's tokens (B, h * w, 64): one token per latent pixel."""
+    return encode21.pack(latents)
+
+
+def unpack(tokens: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Tokens of a `width` x `height` image -> latents (B, 64, 1, h, w)."""
+    return encode21.unpack(tokens, width, height)
+
+
+def conditioning_from_entry(tensors: dict, device, dtype) -> Conditioning21:
+    """2.1 sampler conditioning from a 2.1 cache entry: the caption and the empty caption (the negative) with
+    their slot masks plus the target's slots, the references' tokens, [references..., target] shapes."""
+    shapes = [tuple(s) for s in tensors["img_shapes"].tolist()]
+    _, rows, cols = shapes[0]
+
+    def prompt(name: str) -> PromptWithSlots:
+        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
+        return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
+    refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
+    return Conditioning21(prompt("prompt"), prompt("empty_prompt"),
+                          torch.cat(refs, dim=1).to(device, dtype) if refs else None, shapes[1:] + shapes[:1],
+                          width=cols * QWEN_IMAGE_21.token_pixels, height=rows * QWEN_IMAGE_21.token_pixels)

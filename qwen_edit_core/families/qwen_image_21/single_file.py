@@ -38,6 +38,13 @@ FUSED = FUSED_MODULE + ".weight"
 FAMILY = QWEN_IMAGE_21.name
 
 
+#: why a text encoder file is refused for this family and what to use ({found}: what the file is)
+TEXT_ENCODER_REFUSAL = (
+    "Qwen-Image-2.1's text encoder (Qwen3-VL) is not read from {found}. ComfyUI ships it only as int8 'convrot' "
+    "(qwen3vl_8b_int8_convrot.safetensors), which this project does not read: leave the text encoder file empty, "
+    "and the 2.1 model directory's text_encoder/ (Qwen3VLForConditionalGeneration) is loaded")
+
+
 def is_21(tensors) -> bool:
     """Whether a transformer file's keys (prefixes stripped or not) are a Qwen-Image-2.1 transformer's."""
     return family_of_file(tensors) is QWEN_IMAGE_21
