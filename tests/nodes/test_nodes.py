@@ -187,7 +187,7 @@ def test_split_cfg_node_equals_batched(model):
         import nodes.sample_nodes as sn
         settings = sn._settings(2, 3.0, 4, 64, 64, "dynamic", " ", vae_area=64)
         from qwen_edit_core.sample import sampler
-        cond = sampler.build_conditioning(handle.components, "x", sn._controls(_image()), settings)
+        cond = sampler.build_conditioning(handle.components, "x", sn._controls(handle, _image()), settings)
         import dataclasses
         from qwen_edit_core.model.components import replicate
         split = sampler.decode(handle.components, sampler.denoise(
