@@ -383,8 +383,11 @@ class QwenEditSpeed:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": MODEL_IN,
-            "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 base weights, fp8 matmuls: ~1.6x faster "
-                                                             "linears, half the weight memory; LoRAs stay bf16"}),
+            "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 block weights, fp8 matmuls (Ada/Hopper): "
+                                                             "faster linears (BENCHMARKS.md). The fp8 copies come on "
+                                                             "top of the input model's bf16 weights, which it keeps: "
+                                                             "1.5x the block weights while both are loaded. LoRAs "
+                                                             "stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
             "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}

@@ -151,9 +151,13 @@ class TrainingJob:
         self._notify("progress")
 
     def _run(self) -> None:
+        from qwen_edit_core.common.threads import torch_threads
         try:
-            result = self._fit(self.config, resume=self._resume, progress=self._progress, cancel=self._cancel,
-                               lock=self._output_lock, model=self.model)
+            # pinned in this thread: two threads per operation on a small or busy machine ran each step several
+            # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
+            with torch_threads(self.config.train.cpu_threads):
+                result = self._fit(self.config, resume=self._resume, progress=self._progress,
+                                   cancel=self._cancel, lock=self._output_lock, model=self.model)
             delivered = self._deliver(result.lora_path) if self._deliver and result.lora_path else None
             with self._lock:
                 self._result, self._delivered = result, delivered

@@ -22,6 +22,12 @@ def run_bench(args) -> None:
     elif args.what == "batching":
         from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
+    elif args.what == "doctor":
+        from qwen_edit_core.bench.doctor import run
+        run()
+    elif args.what == "cache":
+        from qwen_edit_core.bench.cache import run
+        run(pairs=args.pairs, processes=args.processes)
     elif args.what == "activations":
         from qwen_edit_core.bench.activations import run
         run(device=args.device)

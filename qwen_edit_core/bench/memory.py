@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 #: H100 SXM dense peaks (NVIDIA H100 datasheet): bf16 and fp8 tensor-core FLOP/s
 H100_BF16, H100_FP8 = 989e12, 1979e12
-#: the reference's measured step on one H100 (docs/MODEL.md): LoRA r16 on the image attention, every block
+#: the reference's measured step on one H100 (BENCHMARKS.md, "Reference timings"): LoRA r16 on the image attention, every block
 #: checkpointed, bf16, 1024^2 Edit, no mask; and its one no-grad forward
 REFERENCE_STEP_S, REFERENCE_FORWARD_S = 1.91, 0.456
 #: the step-time targets (BENCHMARKS.md): a training step, and one sampling step (cond + uncond)
@@ -117,6 +117,16 @@ def _offloaded_resident(transformer) -> int:
                for slots in offloader.slots.values() for owner, name, is_param, _ in slots)
 
 
+def pinned_host_bytes(transformer) -> int:
+    """Pinned host memory the offloaded blocks take on a CUDA device, as torch's caching host allocator rounds
+    it: the offloader's one region (`speed.host_memory.pack`'s power-of-two chunks) for their host copies."""
+    from qwen_edit_core.speed import host_memory
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    if offloader is None:
+        return 0
+    return sum(host_memory.pack([host.nbytes for slots in offloader.slots.values() for *_, host in slots])[0])
+
+
 def _levers_text(transformer, checkpointed: int | None) -> str:
     """The levers in effect: fp8 base, checkpointed and offloaded blocks (`checkpointed` -1: all)."""
     from qwen_edit_core import speed
@@ -160,7 +170,6 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
                    *, targets: str = "attn", fp8: bool = False, num_layers: int | None = None) -> Simulated:
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
-    from qwen_edit_core.adapters import lora as lora_mod
     from qwen_edit_core.model import tiny
     from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     from qwen_edit_core.train import loop
@@ -200,7 +209,7 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
     return Simulated(plan=plan, kind=kind, variant=variant, size=side, controls=controls, image_tokens=n_image,
                      text_tokens=n_text, budget_gib=budget, planner_estimate_gib=estimate,
                      peak_device_gib=(total + margin_bytes(categories)) / GIB, tracked_device_gib=total / GIB,
-                     peak_host_gib=fm.offloaded_host_bytes(model) / GIB,
+                     peak_host_gib=pinned_host_bytes(model) / GIB,
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
@@ -268,7 +277,7 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
 def run(variant: str = "edit", side: int = 1024, controls: int | None = None, budgets=BUDGETS, *,
         reference: bool = True, sample_levers=SAMPLE_LEVERS) -> list[Simulated]:
     """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
-    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, docs/MODEL.md), and
+    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, BENCHMARKS.md, "Reference timings"), and
     one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
     budget's plan only (its measured reference and sampling levers are the 2025 family's)."""
     results = [simulate_train(variant, side, controls, budget) for budget in budgets]

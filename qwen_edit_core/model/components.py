@@ -18,14 +18,12 @@ import torch
 from qwen_edit_core.model import variants
 from qwen_edit_core.families import QWEN_IMAGE, Family
 from qwen_edit_core.model.devices import DeviceError
+from qwen_edit_core.model.weight_files import (  # noqa: F401 - re-exported: callers catch it from here
+    PICKLE_SUFFIXES, ModelNotFoundError, require_safetensors)
 
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8", "nf4")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model directory, file or hub id that is not available offline; the message says what to do."""
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -92,24 +90,6 @@ def _finish(module: torch.nn.Module, device: torch.device, quantized: bool) -> t
 
 
 #: pickle-based weight files: never read (loading a pickle can run code)
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def require_safetensors(folder: Path, component: str) -> None:
-    """ModelNotFoundError when `folder` holds pickle weights (.bin, ...) but no .safetensors: only safetensors
-    are read from model directories (`use_safetensors=True`)."""
-    folder = Path(folder)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelNotFoundError(
-            f"{component}: {str(folder)!r} holds only pickle-based weights ({', '.join(pickles[:3])}), which are "
-            "never loaded (they can run code); convert them once where you trust the file, e.g. "
-            "`model.save_pretrained(folder, safe_serialization=True)` in diffusers/transformers, or download the "
-            "safetensors release of the model")
-
-
 def family_of(model_dir: Path) -> Family:
     """The model family (families.py) of a diffusers directory, from model_index.json's pipeline class (the 2025
     family without one, as a bare component folder)."""
@@ -285,6 +265,14 @@ def load_scheduler_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def shipped_sigmas(model_dir: Path) -> list[float] | None:
+    """The sigma list a few-step checkpoint ships as its default schedule (`sample_sigmas` in model_index.json,
+    which diffusers' pipelines read the same way), or None."""
+    index = Path(model_dir) / "model_index.json"
+    value = json.loads(index.read_text()).get("sample_sigmas") if index.is_file() else None
+    return [float(s) for s in value] if value else None
+
+
 def replicate(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """An independent copy of `module` on `device` (the uncond transformer of split CFG)."""
     with torch.inference_mode(False):
@@ -347,6 +335,9 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     check_file_family({"transformer": transformer_file, "vae": vae_file, "text_encoder": text_encoder_file}, family,
                       comps.variant)  # headers only
     log.info("%s: licence %s", family.title, family.licence)
+    if (sigmas := shipped_sigmas(model_dir)) is not None:
+        log.info("a few-step checkpoint: it ships its own schedule of %d sigmas (model_index.json sample_sigmas), which "
+                 "sampling uses unless sigmas are given", len(sigmas))
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,
@@ -359,7 +350,7 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
         comps.transformer = load_transformer_planned(weight_source(model_dir, transformer_file, transformer_fp8),
                                                      transformer_plan)
     elif "transformer" in which and transformer_file:
-        from qwen_edit_core.model.single_file import load_transformer_file
+        from qwen_edit_core.model.planned_load import load_transformer_file
         comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
                                                   fp8=transformer_fp8)
     elif "transformer" in which:

@@ -17,7 +17,7 @@ import torch
 from qwen_edit_core.model import file_stream, single_file
 from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
 from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
-from qwen_edit_core.model.components import ModelNotFoundError
+from qwen_edit_core.model.weight_files import ModelNotFoundError
 from qwen_edit_core.families import Family
 
 #: what `is_21` reads in each kind of file

@@ -232,28 +232,6 @@ def _bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
-    """A frozen transformer of the file's family (QwenImageTransformer2DModel or QwenImage21Transformer2DModel, read
-    from its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
-    fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
-
-    The planned loader (model/planned_load.py) with a plan of `device` and `dtype` and no lever: the architecture
-    comes from the file's header, then one module at a time is read, converted and moved to `device`, so host
-    memory stays under the file's size plus one module's tensors whatever `dtype` and `device` are."""
-    from qwen_edit_core import speed
-    from qwen_edit_core.model import planned_load, weight_source
-
-    source = weight_source.SingleFileSource(Path(path), fp8)
-    model = planned_load.load_transformer_planned(source, speed.WeightPlan(device=torch.device(device), dtype=dtype))
-    raw = source.stored()
-    if any(v.dtype in _FP8 for v in raw.values()):
-        upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
-        log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path,
-                 "kept in fp8 (fp8 matmuls)" if speed.has_fp8(model) else f"upcast to {dtype}", _bytes(model) / 2**30,
-                 device, upcast / 2**30, dtype)
-    return model
-
-
 #: the 2025 family's file layout (families.Family.layout): a file's keys are diffusers' already
 def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A module's file tensors under the model's keys: unchanged (the 2025 files use diffusers' module names)."""

@@ -49,7 +49,7 @@ class DirectorySource:
     """The transformer of a diffusers-layout model directory (one safetensors file or a sharded checkpoint)."""
 
     def __init__(self, model_dir: Path):
-        from qwen_edit_core.model.components import ModelNotFoundError, require_safetensors
+        from qwen_edit_core.model.weight_files import ModelNotFoundError, require_safetensors
         folder = Path(model_dir) / "transformer"
         self.name = str(folder)
         require_safetensors(folder, "transformer")

@@ -52,13 +52,12 @@ def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Gene
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-            control_dropout: float, device: torch.device, dtype: torch.dtype, text_multiple: int = 1) -> TrainBatch:
+            control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
     """Per-sample cache tensors -> a batch; applies caption and control dropout.
 
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
     (the mean image in normalized latent space). Each draw uses the sample's own generator. Prompts are padded
-    (with the mask) to a multiple of `text_multiple` tokens (`speed.text_multiple`: bounded shapes for
-    compiled blocks; the cache keeps exact lengths).
+    (with the mask) to the batch's longest only: one prompt, or prompts of one length, have no mask.
     """
     from qwen_edit_core.families.qwen_image_21 import batch as batch21
     if items and batch21.is_21_item(items[0]):  # Qwen-Image-2.1: references in the text (families/qwen_image_21/batch.py)
@@ -75,7 +74,7 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
         targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    text = encode.pad_embeddings(embeds, text_multiple).to(device, dtype)
+    text = encode.pad_embeddings(embeds).to(device, dtype)
     return TrainBatch(targets=targets, controls=controls, embeds=text, img_shapes=shapes, generators=list(generators),
                       loss_masks=masks)
 
@@ -89,8 +88,9 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     """One forward pass at each sample's sampled sigma: (prediction (B, n_max, 64), velocity target (same),
     token mask (B, n_max) or None when nothing is padded, sigmas (B,)).
 
-    Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
-    attention, so each sample's prediction equals its one-by-one prediction.
+    Samples of different sizes are padded into one call (multires.pack_samples); attention runs over each
+    sample's valid tokens alone (`PackedBatch.packed_kwargs`: variable-length attention, no padded mask), so each
+    sample's prediction equals its one-by-one prediction.
     """
     from qwen_edit_core.families.qwen_image_21 import batch as batch21
     if isinstance(batch, batch21.TrainBatch21):
@@ -102,7 +102,8 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
                        encoder_hidden_states=batch.embeds.embeds,
                        encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
-                       attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+                       attention_kwargs=packed.packed_kwargs(batch.embeds.lengths, batch.embeds.embeds.shape[1]),
+                       return_dict=False)[0]
     n_max = max(packed.n_target)
     token_mask = None
     if any(n != n_max for n in packed.n_target):

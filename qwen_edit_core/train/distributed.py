@@ -89,19 +89,12 @@ class Distributed:
         if self.manual:
             sharding.average_gradients(list(params), self.world)
 
-    def mean_tensor(self, value: torch.Tensor) -> float:
-        """The mean of a one-element device tensor over processes, read on the host once."""
+    def sum_read(self, values: torch.Tensor) -> list[float]:
+        """A 1-D device tensor summed over processes (one all-reduce) and read on the host once: the training
+        loop's one host read per logging interval (`train.loop.read_pending`)."""
         if self.accelerator is not None:
-            value = self.accelerator.reduce(value.reshape(1), reduction="mean")
-        return float(value.reshape(-1)[0])
-
-    def agreed(self, flag: bool) -> bool:
-        """True on every process when `flag` is True on any (one small all-reduce): a stop asked of one process
-        (a signal reaches each at a slightly different point) stops all of them at the same step."""
-        if self.accelerator is None:
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
+            values = self.accelerator.reduce(values, reduction="sum")
+        return values.tolist()
 
     def barrier(self) -> None:
         if self.accelerator is not None:

@@ -9,7 +9,7 @@ Per validation step and averaged over the held-out pairs: `latent_mse` (sampled 
 cached latents, in the normalized latent units the loss uses), `pixel_mse` (the decoded picture against the
 target image resized to the sampled size, both as 8-bit RGB in [0, 1]), and for pairs with a mask
 `pixel_mse_in_mask` / `pixel_mse_out_mask` (white = the edited region; empty when no pair has a mask). Each
-pair's picture and sampled latents are written to `validation/heldout/step-N/NAME.png` / `.safetensors`, so the
+pair's picture and sampled latents are written to `validation/heldout/step-0000012/NAME.png` / `.safetensors`, so the
 numbers can be checked by hand.
 """
 

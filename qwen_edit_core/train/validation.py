@@ -3,7 +3,7 @@ previews (named schedules, steps, CFG, LoRA files stacked for a preview only) sh
 datasets with masks) the loss inside and outside the edited regions.
 
 The conditioning comes from the embedding cache like any training sample (so training from the cache still
-loads no encoder); the sampled latents are written to `validation/step-N.safetensors` and decoded to PNG
+loads no encoder); the sampled latents are written to `validation/step-0000012.safetensors` and decoded to PNG
 when a VAE is at hand: at once in realtime mode, after training in cached mode.
 """
 
@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen_edit_core import speed
 from qwen_edit_core.model import encode
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
@@ -315,7 +314,7 @@ class RegionLosses:
         param = next(transformer.parameters())
         gens = [sample_generator(self.config.train.seed, 0, 0, j) for j in range(len(self.items))]
         batch = collate(self.items, gens, caption_dropout=0.0, control_dropout=0.0, device=param.device,
-                        dtype=transformer.img_in.weight.dtype, text_multiple=speed.text_multiple(transformer))
+                        dtype=transformer.img_in.weight.dtype)
         transformer.eval()
         masked, unmasked = region_losses(transformer, batch, self.config, self.scheduler_config)
         self.history.append((step, masked, unmasked))

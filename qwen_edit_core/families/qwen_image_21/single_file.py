@@ -13,7 +13,7 @@ The layout, from ComfyUI's and diffusers' own source (docs/MODEL.md gives the co
 The architecture is read from the shapes (blocks, heads, widths, MLP ratio) and matched by head size against the
 2.1 configs shipped in `model/architectures/transformer_architectures.json` (the rotary axes are not in the
 weights). This module is the 2.1 family's file layout (`families.Family.layout`): the file is loaded by the same
-code as a 2025 one (`single_file.load_transformer_file`, the planned loader of model/planned_load.py), scaled fp8
+code as a 2025 one (`load_transformer_file`, the planned loader of model/planned_load.py), scaled fp8
 layers upcast or kept in fp8 as there; other quantized formats (ComfyUI's int8 "convrot", nvfp4) are refused
 naming the format (`single_file.check_quant_formats`).
 """
