@@ -149,7 +149,7 @@ class ValidationPreview:
     sigmas: tuple[float, ...] | str = ()
     #: LoRA files active in this preview only ([{path, strength}]), beside the trained LoRA and model.lora.stack
     loras: tuple[LoraStackItem, ...] = ()
-    #: the grid label; empty: "<schedule> <steps> steps"
+    #: the grid label; empty: "<schedule> <steps> steps, CFG <cfg>"
     label: str = ""
 
 
