@@ -154,7 +154,8 @@ def cmd_train(args) -> None:
     resume = True if args.resume == "" else args.resume
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
-        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
+        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel,
+                             overwrite=args.overwrite)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
@@ -356,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
     p.add_argument("--output-dir", help="train.output_dir: the run's folder (LoRA, checkpoints, loss plot)")
+    p.add_argument("--overwrite", action="store_true", help="a folder holding another run's LoRA or checkpoints: "
+                   "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")

@@ -338,6 +338,8 @@ _RANGES = [
     ("data.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("data.caption_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.prompt_image_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    # an empty folder would resolve to the current directory: the run's files would land wherever it started
+    ("train.output_dir", lambda v: v.strip() != "", "a folder (empty would write into the current directory)"),
     ("train.max_steps", lambda v: v >= 1, ">= 1"), ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
     ("train.max_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
