@@ -207,6 +207,12 @@ def _train_bar():
 
 
 def cmd_pairs(args) -> None:
+    if args.faults:
+        from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
+        faulty = write_faulty_dataset(Path(args.folder), size=args.size, seed=args.seed, count=max(24, args.count))
+        log.info("wrote the planted-fault dataset to %s and %s: %s", faulty.train, faulty.heldout,
+                 ", ".join(f"{name} {kind}" for name, kind in sorted(faulty.faults.items())))
+        return
     from qwen_edit_core.data.synthetic import write_pairs
     pairs = write_pairs(Path(args.folder), args.count, args.seed, args.edit, args.size)
     log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
@@ -392,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", choices=[DEMO_EDIT[0], *EDITS], default=DEMO_EDIT[0], help="the edit (and caption)")
     p.add_argument("--size", type=int, default=128, help="picture side in pixels")
     p.add_argument("--seed", type=int, default=0, help="pictures seed")
+    p.add_argument("--faults", action="store_true", help="the dataset doctor's planted-fault dataset instead: "
+                   "FOLDER/train (invert the colors, at least 24 pairs, faults planted) and FOLDER/heldout")
     p.set_defaults(func=cmd_pairs)
 
     add_doctor_command(sub)

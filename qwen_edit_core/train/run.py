@@ -274,7 +274,6 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
-    run_doctor(config, examples, held)
     model_dir, settings = _model(config)
     resume_path = resolve_resume(out_dir, resume)
     run_folder.check_free(out_dir, resume_path, overwrite)
@@ -283,6 +282,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
+    run_doctor(config, examples, held)  # after the preflight: it writes its measures beside the cache
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
