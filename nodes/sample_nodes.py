@@ -389,7 +389,7 @@ class QwenEditSpeed:
                                                              "1.5x the block weights while both are loaded. LoRAs "
                                                              "stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
-            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def apply(self, model, fp8, compile, attention):
