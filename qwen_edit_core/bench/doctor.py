@@ -6,6 +6,7 @@ own validation beside them for scale."""
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ def run(pairs: int = PAIRS, workers: int | None = None) -> dict:
             start = time.perf_counter()
             report = diagnose(examples, (), DoctorSettings(), cache_dir=Path(tmp) / "cache", workers=workers)
             rates[label] = pairs / (time.perf_counter() - start)
-    print(f"{pairs} pairs of {SIDE} px, {workers} worker process(es); {len(report.flagged)} flagged")  # noqa: T201
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{pairs} pairs of {SIDE} px, {workers} worker process(es), {os.cpu_count()} CPUs, load average "  # noqa: T201
+          f"{load:.1f} at the end; {len(report.flagged)} flagged")
     for label, rate in rates.items():
         print(f"  {label:22s} {rate:8.0f} pairs/s  ({pairs / rate:5.1f} s)")  # noqa: T201
     return rates
