@@ -154,7 +154,8 @@ def cmd_train(args) -> None:
     resume = True if args.resume == "" else args.resume
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
-        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
+        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel,
+                             overwrite=args.overwrite)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
@@ -362,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
     p.add_argument("--output-dir", help="train.output_dir: the run's folder (LoRA, checkpoints, loss plot)")
+    p.add_argument("--overwrite", action="store_true", help="a folder holding another run's LoRA or checkpoints: "
+                   "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
@@ -409,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices="sample train batching threads soak memory activations doctor".split(),
+    p.add_argument("what", choices="sample train batching threads soak memory activations doctor cache".split(),
                    help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
@@ -423,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
+    p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
+    p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
     p.set_defaults(func=cmd_bench)
     return parser
 
