@@ -123,3 +123,10 @@ def test_an_edit_without_a_common_direction_says_so_instead_of_guessing():
              for i, (c, d) in enumerate(zip(rng.normal(size=(24, 24)), rng.normal(size=(24, 24))))]
     result = swapped.check(pairs, SETTINGS)
     assert not result.findings and result.notes[0].startswith("no common edit direction")
+
+
+def test_the_benchmark_runs_on_a_small_dataset(capsys):
+    from qwen_edit_core.bench import doctor
+    rates = doctor.run(pairs=30, workers=1)
+    assert set(rates) == {"dataset reader", "doctor, cold", "doctor, warm (cache)"}
+    assert "30 pairs of 64 px" in capsys.readouterr().out
