@@ -280,9 +280,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
-    check(model_dir, len(examples))
+    _checked(config, check, model_dir, examples, held)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
-    run_doctor(config, examples, held)  # after the preflight: it writes its measures beside the cache
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
@@ -372,6 +371,12 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
         folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
     log.info("validation: %d held-out pair(s) kept out of training (%s)", len(held), ", ".join(e.name for e in held))
     return train_pairs, held
+
+
+def _checked(config: Config, check: Callable[[Path, int], None], model_dir: Path, examples: list, held: list):
+    """The caller's preflight `check`, then the dataset doctor (`run_doctor`): all before any weight loads."""
+    check(model_dir, len(examples))
+    run_doctor(config, examples, held)
 
 
 def run_doctor(config: Config, examples: Sequence, held: Sequence):
