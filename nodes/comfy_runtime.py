@@ -125,7 +125,7 @@ def nothing():
     Image with no picture to show yet); None outside ComfyUI."""
     if not in_comfy():
         return None
-    from comfy_execution.graph_utils import ExecutionBlocker
+    from comfy_execution.graph import ExecutionBlocker  # 0.3.64 and current ComfyUI both export it here
     return ExecutionBlocker(None)
 
 

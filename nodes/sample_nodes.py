@@ -77,8 +77,17 @@ def _size(name: str) -> tuple:
                     "tooltip": f"output {name} in pixels (multiple of 16); 0: from the first control image"})
 
 
-def _controls(image, image2=None, image3=None) -> list:
-    return [image_to_pils(img)[0] for img in (image, image2, image3) if img is not None]
+def _controls(model, image, image2=None, image3=None) -> list:
+    """The connected control images as PIL images; more than the model takes is refused in the graph's words
+    (which inputs, which model to load) before the core's check, which speaks of the command line's variants."""
+    pils = [image_to_pils(img)[0] for img in (image, image2, image3) if img is not None]
+    spec = variants.get(model.components.variant)
+    if spec.max_controls is not None and len(pils) > spec.max_controls:
+        todo = (f"connect at most {spec.max_controls}" if spec.max_controls > 1 else "disconnect image2 and image3, "
+                "or pick an Edit Plus model (Qwen-Image-Edit-2509 or -2511) in Load Model: they take up to 3")
+        raise ValueError(f"this {spec.title} model takes {spec.controls_text()}, got {len(pils)} (image, image2, "
+                         f"image3): {todo}")
+    return pils
 
 
 def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative="", cfg_mode="batched",
@@ -221,7 +230,8 @@ class QwenEditSampler:
             if references:
                 raise ValueError("references are Qwen-Image-2.1's; this model takes its control images through "
                                  "image, image2 and image3")
-            cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
+            controls = _controls(model, image, image2, image3)
+            cond = sampler.build_conditioning(model.components, prompt, controls, settings)
             picture, latent = _run(model, cond, settings, uncond_device, unique_id, parallel)
             return (picture, latent, torch.zeros(picture.shape[:3]))
 
@@ -254,7 +264,8 @@ class QwenEditEncodePrompt:
         settings = _settings(width=width, height=height, negative=negative_prompt, vae_area=vae_side)
         loaded_models.use(model)
         with torch.inference_mode(False), torch.no_grad():
-            return (sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings),)
+            controls = _controls(model, image, image2, image3)
+            return (sampler.build_conditioning(model.components, prompt, controls, settings),)
 
 
 class QwenEditSampleConditioning:
@@ -378,7 +389,7 @@ class QwenEditSpeed:
                                                              "1.5x the block weights while both are loaded. LoRAs "
                                                              "stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
-            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def apply(self, model, fp8, compile, attention):

@@ -154,7 +154,8 @@ def cmd_train(args) -> None:
     resume = True if args.resume == "" else args.resume
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
-        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
+        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel,
+                             overwrite=args.overwrite)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
@@ -206,6 +207,12 @@ def _train_bar():
 
 
 def cmd_pairs(args) -> None:
+    if args.faults:
+        from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
+        faulty = write_faulty_dataset(Path(args.folder), size=args.size, seed=args.seed, count=max(24, args.count))
+        log.info("wrote the planted-fault dataset to %s and %s: %s", faulty.train, faulty.heldout,
+                 ", ".join(f"{name} {kind}" for name, kind in sorted(faulty.faults.items())))
+        return
     from qwen_edit_core.data.synthetic import write_pairs
     pairs = write_pairs(Path(args.folder), args.count, args.seed, args.edit, args.size)
     log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
@@ -356,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
     p.add_argument("--output-dir", help="train.output_dir: the run's folder (LoRA, checkpoints, loss plot)")
+    p.add_argument("--overwrite", action="store_true", help="a folder holding another run's LoRA or checkpoints: "
+                   "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
@@ -389,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", choices=[DEMO_EDIT[0], *EDITS], default=DEMO_EDIT[0], help="the edit (and caption)")
     p.add_argument("--size", type=int, default=128, help="picture side in pixels")
     p.add_argument("--seed", type=int, default=0, help="pictures seed")
+    p.add_argument("--faults", action="store_true", help="the dataset doctor's planted-fault dataset instead: "
+                   "FOLDER/train (invert the colors, at least 24 pairs, faults planted) and FOLDER/heldout")
     p.set_defaults(func=cmd_pairs)
 
     add_doctor_command(sub)

@@ -1,10 +1,10 @@
 """Plan first, then load: the transformer streamed block by block straight into its planned form and place.
 
-Loading the whole model on the device and applying fp8 or offloading afterwards needs the whole bf16 model on
-the device first (38 GiB for the real transformer, 19 GiB for a scaled-fp8 file), so no plan below that could
-ever be reached. Here the plan (`speed.WeightPlan`: device, dtype, fp8, offloaded blocks) is made before any weight
-is read, the model is built on the meta device (shapes only), and each module's tensors are read from the files
-(model/weight_source.py), converted and placed where the plan keeps them:
+Loading the whole model on the device and applying fp8 or offloading afterwards needs the whole bf16 model (or a
+whole scaled-fp8 file) on the device first (docs/MODEL.md, "The real model's sizes"), so no plan below that could
+ever be reached. Here the plan (`speed.WeightPlan`: device, dtype, fp8, offloaded blocks) is made before any
+weight is read, the model is built on the meta device (shapes only), and each module's tensors are read from the
+files (model/weight_source.py), converted and placed where the plan keeps them:
 - a module of a resident block (and the embedders, norms and output projection) goes to the device as stored
   and is converted there (cast to the compute dtype; fp8 where planned, with `speed.quantize_rows`, the same
   function `speed.quantize_fp8` uses, so the weights equal those of the load-then-quantize path);

@@ -15,8 +15,7 @@ Layout, learned from ComfyUI's and diffusers' own source:
   linears become `speed.Fp8Linear` holding the file's e4m3 bytes unchanged with the per-tensor scale as their
   per-channel scales (the same effective weights), and run fp8 matmuls. `fp8="auto"` keeps them where the
   device computes in fp8 (CUDA, compute capability >= 8.9) and upcasts elsewhere; the log says which, with
-  the weights' memory (the real transformer: 19.1 GiB kept against 38.1 GiB in bf16, counted on a meta-device
-  model).
+  the weights' memory (the real transformer's sizes: docs/MODEL.md, "The real model's sizes").
 The architecture is read from the shapes and matched against the configs shipped in
 `model/architectures/transformer_architectures.json`.
 """

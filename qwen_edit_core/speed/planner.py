@@ -40,12 +40,10 @@ class SpeedPlan:
 #: what one block without checkpointing saves (fused attention saves its output and log-sum-exp, not scores)
 ACTIVATION_FACTOR = 20.2
 #: what one block without checkpointing saves when the blocks are compiled: the compiler's partitioner recomputes
-#: cheap elementwise work in the backward instead of saving it. Measured on an H100 (2026-11-27, torch 2.11,
-#: `qwen-edit bench activations --device cuda:0`: the bytes a real-width block hands to autograd at 1024^2 Edit,
-#: 9,600 tokens, the same as the allocated memory its forward left): 13.79 compiled against 21.50 eager. With it
-#: the planner's estimate of a compiled plan (budget 76: fp8, 19 of 60 blocks checkpointed) comes to 52.6 GiB of
-#: tensors against the 52.2 GiB the step held on that H100 (the eager constant said 72.7). The 2025 family only:
-#: Qwen-Image-2.1's compiled blocks are not measured, so its plans keep the eager constant.
+#: cheap elementwise work in the backward instead of saving it. The simulator runs blocks eagerly, so this one is
+#: the GPU's: the bytes a real-width block hands to autograd, `qwen-edit bench activations --device cuda:0`
+#: (BENCHMARKS.md, "Real size", with the plan it corrects). The 2025 family only: Qwen-Image-2.1's compiled blocks
+#: are not measured, so its plans keep the eager constant.
 ACTIVATION_FACTOR_COMPILED = 13.8
 #: what one checkpointed block saves: its two input streams (measured 0.73-1.1)
 BOUNDARY_FACTOR = 1.0

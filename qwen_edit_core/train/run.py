@@ -22,7 +22,7 @@ from qwen_edit_core.model import components as comp
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.model.weight_source import weight_source
-from qwen_edit_core.train import cache_share, sharding
+from qwen_edit_core.train import cache_share, run_folder, sharding
 from qwen_edit_core.train.heldout import Validations
 from qwen_edit_core.train.distributed import local_device
 
@@ -259,7 +259,8 @@ def _inject(config: Config, transformer, spec: lora_mod.LoraSpec) -> None:
 def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         release: Callable[[], None] = lambda: None,
         ready: Callable[[comp.Components, lora_mod.LoraSpec], None] = lambda comps, spec: None,
-        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None):
+        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None,
+        overwrite: bool = False):
     """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and write
     it to `train.output_dir`; returns loop.TrainResult.
 
@@ -267,18 +268,21 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
     components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: trained as `speed.lend`'s
     copy, given back exactly as it was however the run ends); `ready(components, spec)` as soon as the LoRA is injected;
-    `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
+    `check(model_dir, n_examples)` before any weight loads (the facade's preflight); `overwrite`: another run's
+    files in the output folder are moved aside instead of refusing the run (train.run_folder)."""
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
-    run_doctor(config, examples, held)
     model_dir, settings = _model(config)
     resume_path = resolve_resume(out_dir, resume)
+    run_folder.check_free(out_dir, resume_path, overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))
+    run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
+    run_doctor(config, examples, held)  # after the preflight: it writes its measures beside the cache
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
@@ -301,14 +305,21 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
             log_resizes(examples, settings)
             result = train(config, comps.transformer, inputs.load_item, examples, keys,
                            scheduler_config=comps.scheduler_config,
-                           write_lora=_lora_writer(config, comps.transformer, spec, model_dir), out_dir=out_dir, resume=resume_path, progress=progress,
-                           cancel=cancel, validate=Validations(validator, metrics) if metrics else validator)
+                           write_lora=_lora_writer(config, comps.transformer, spec, model_dir),
+                           out_dir=out_dir, resume=resume_path, progress=progress, cancel=cancel,
+                           validate=Validations(validator, metrics) if metrics else validator, run_id=run_id)
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
+    return _with_validation(result, config, comps, validator, metrics, model_dir, plan)
+
+
+def _with_validation(result, config: Config, comps: comp.Components, validator, metrics, model_dir: Path,
+                     plan: DevicePlan):
+    """`result` with the held-out metrics' rows and the validation pictures: training is over, so a VAE may
+    load now to turn the validation latents into images."""
     result.validation_metrics = metrics.rows if metrics is not None else []
     if validator is not None and validator.latent_files:
-        # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result

@@ -75,8 +75,8 @@ def previews_from_config(config) -> list[Preview]:
             problems.append(f"{where}: {err}")
         loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)
         problems += [f"{where}: LoRA file {path!r} does not exist" for path, _ in loras if not Path(path).is_file()]
-        label = f"sigmas {item.sigmas}" if isinstance(item.sigmas, str) and item.sigmas else \
-            f"{item.schedule} {steps} steps{' (sigma list)' if grid else ''}"
+        label = (f"sigmas {item.sigmas}" if isinstance(item.sigmas, str) and item.sigmas else
+                 f"{item.schedule} {steps} steps{' (sigma list)' if grid else ''}") + f", CFG {cfg:g}"
         previews.append(Preview(item.label or label, settings, loras))
     if problems:
         raise ValueError(_problems("validation previews", problems))

@@ -66,7 +66,7 @@ class HeldRun:
 
 
 class Blocker:
-    """comfy_execution.graph_utils.ExecutionBlocker: the nodes fed by it are skipped (`message` None: silently)."""
+    """comfy_execution.graph.ExecutionBlocker: the nodes fed by it are skipped (`message` None: silently)."""
 
     def __init__(self, message):
         self.message = message
@@ -77,13 +77,13 @@ def training(comfy, tmp_path, monkeypatch):  # noqa: F811 - pytest's fixture by 
     """A registry whose jobs run HeldRun and deliver into the fake loras folder; (run, start(handle))."""
     loras = str(tmp_path / "loras")
     monkeypatch.setattr(sys.modules["folder_paths"], "get_folder_paths", lambda name: [loras] if name == "loras" else [])
-    utils, graph_utils = types.ModuleType("comfy.utils"), types.ModuleType("comfy_execution.graph_utils")
+    utils, graph = types.ModuleType("comfy.utils"), types.ModuleType("comfy_execution.graph")
     utils.ProgressBar = lambda total, node_id=None: types.SimpleNamespace(update_absolute=lambda *args: None)
-    graph_utils.ExecutionBlocker = Blocker
+    graph.ExecutionBlocker = Blocker
     monkeypatch.setitem(sys.modules, "comfy.utils", utils)
     monkeypatch.setattr(sys.modules["comfy"], "utils", utils, raising=False)
     monkeypatch.setitem(sys.modules, "comfy_execution", types.ModuleType("comfy_execution"))
-    monkeypatch.setitem(sys.modules, "comfy_execution.graph_utils", graph_utils)
+    monkeypatch.setitem(sys.modules, "comfy_execution.graph", graph)
     monkeypatch.setattr(comfy, "processing_interrupted", lambda: False, raising=False)
     run = HeldRun()
     registry = jobs.JobRegistry(fit=run, preflight=lambda config, resume: None)

@@ -87,8 +87,10 @@ def measure_all(examples: Sequence[EditExample], cache_dir: Optional[Path] = Non
     fresh = {key: value for key, value in results if key not in cached}
     if cache_path is not None and fresh:
         cached.update(fresh)
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes(cache_path, json.dumps(cached).encode("utf-8"))
+        try:
+            write_bytes(cache_path, json.dumps(cached).encode("utf-8"))
+        except OSError as err:  # a cache is a convenience: the report stands without it
+            log.warning("doctor: measures not cached in %s (%s)", cache_path, err)
     log.debug("doctor: %d pair(s) measured, %d from the cache", len(fresh), len(results) - len(fresh))
     return [Measures.from_dict(value) for _, value in results]
 
