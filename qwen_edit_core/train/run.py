@@ -437,6 +437,6 @@ def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step:
     gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
     batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
-                    dtype=comps.transformer.img_in.weight.dtype)
+                    dtype=comps.transformer.img_in.weight.dtype, family=settings.family)
     loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
     return loss
