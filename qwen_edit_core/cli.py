@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
+    p.add_argument("--comfyui", action="store_true", help="memory: the Train node's job on a card of --budget-gb "
+                   "GiB (default 24), the graph's model from a ComfyUI file lent to it")
+    p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
+                   help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.set_defaults(func=cmd_bench)
     return parser
 

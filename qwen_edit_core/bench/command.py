@@ -27,7 +27,8 @@ def run_bench(args) -> None:
         run(device=args.device)
     elif args.what == "memory":
         from qwen_edit_core.bench.memory import report
-        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json,  # noqa: T201
+                     comfyui=args.comfyui, file_dtype=args.file_dtype))
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),
