@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
     p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
+    p.add_argument("--comfyui", action="store_true", help="memory: the Train node's job on a card of --budget-gb "
+                   "GiB (default 24), the graph's model from a ComfyUI file lent to it")
+    p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
+                   help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.set_defaults(func=cmd_bench)
     return parser
 
