@@ -214,9 +214,9 @@ def packed_attention(query, key, value, index: torch.Tensor, offsets: torch.Tens
 
 def install(transformer) -> JointAttnProcessor | None:
     """Make `transformer` batch mixed resolutions exactly; idempotent. Returns the installed processor; None for a
-    Qwen-Image-2.1 transformer, left as it is (its batches run one call per token layout: families/qwen_image_21/batch.py)."""
-    from qwen_edit_core.families import family_of_model
-    if family_of_model(transformer).references == "in-text":
+    transformer whose family does not pad mixed sizes into one call (`Family.padded_batches`), left as it is."""
+    from qwen_edit_core.families import family_of
+    if not family_of(transformer).padded_batches:
         return None
     if not isinstance(transformer.pos_embed, PerSampleRope):
         transformer.pos_embed = PerSampleRope(transformer.pos_embed)

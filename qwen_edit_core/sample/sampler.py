@@ -366,9 +366,15 @@ def sample(components, prompt: str, images: Sequence, settings: SampleSettings =
            cancel: CancelToken | None = None) -> torch.Tensor:
     """Edit `images` (one control image, or 1-3 for Edit Plus; 0-10 references for Qwen-Image-2.1) by `prompt`;
     returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
-    if variants.get(components.variant).family.references == "in-text":
-        from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
-        return sampler21.sample(components, prompt, images, settings, progress=progress, cancel=cancel)
+    family = variants.get(components.variant).family
+    return family.stage("sampler").sample(components, prompt, images, settings, uncond_transformer=uncond_transformer,
+                                          cfg_split=cfg_split, progress=progress, cancel=cancel)
+
+
+def sample_packed(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
+                  uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
+                  cancel: CancelToken | None = None) -> torch.Tensor:
+    """`sample` for a family whose controls follow the target's packed tokens (the 2025 family's `sample`)."""
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
                       progress=progress, cancel=cancel)

@@ -148,7 +148,7 @@ def _reason(err: Exception) -> str:
         if line.strip().startswith(("Set TORCH", "For more information", "You can suppress")):
             break
         lines.append(line.strip())
-    return f"{type(err).__name__}: {' '.join(l for l in lines if l)}"[:300]
+    return f"{type(err).__name__}: {' '.join(line for line in lines if line)}"[:300]
 
 
 def _fall_back(stats: CompileStats, err: Exception) -> None:

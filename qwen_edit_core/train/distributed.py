@@ -68,13 +68,14 @@ class Distributed:
             log.info("training on %d processes (%s)", self.world, "FSDP2" if self.fsdp else "data parallel")
 
     def wrap(self, model):
-        """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A Qwen-Image-2.1 model is
-        never DDP-wrapped: its micro-batch runs one forward per token layout (families/qwen_image_21/batch.py), which DDP's
-        once-per-backward hooks refuse, so its LoRA gradients are averaged in `sync_gradients` (as under FSDP)."""
-        from qwen_edit_core.families import family_of_model
+        """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A model of a family whose
+        micro-batch runs one forward per token layout (not `Family.padded_batches`) is never DDP-wrapped: DDP's
+        once-per-backward hooks refuse several forwards, so its LoRA gradients are averaged in `sync_gradients`
+        (as under FSDP)."""
+        from qwen_edit_core.families import family_of
         if self.fsdp:
             return sharding.shard_frozen_base(model, self.accelerator.device, self.world)
-        if self.accelerator is not None and family_of_model(model).references == "in-text":
+        if self.accelerator is not None and not family_of(model).padded_batches:
             self.manual = True
             return model
         if self.accelerator is None:

@@ -99,6 +99,7 @@ class RunState:
     drawn: list = field(default_factory=list)  # the example indices of this step's batches
     skipped: int = 0  # steps skipped for a non-finite loss
     progress: ProgressFn | None = None  # also told of every checkpoint and validation file the run writes
+    run_id: str | None = None  # recorded in each checkpoint: pruning and --resume keep to this run's own
 
 
 class NonFiniteLossError(ValueError):
@@ -316,10 +317,11 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
         path = ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
                              optimizer=run.optimizer.state_dict(),
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
-                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
+                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config),
+                                    "run_id": run.run_id},
                              write_lora=lambda path: write_lora(path, at),
                              ema=run.ema.state_dict() if run.ema is not None else None, device=run.device)
-        ckpt.prune(root, run.config.train.keep_checkpoints)
+        ckpt.prune(root, run.config.train.keep_checkpoints, run.run_id)
         if run.progress is not None:
             run.progress(Progress("checkpoint", at, run.config.train.max_steps, path=path))
     run.last_saved = at
@@ -328,7 +330,8 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
 
 def cancel_step(run: RunState) -> None:
     """Stop at the last completed step: the half-accumulated gradient is discarded and the batch order
-    rewound, so a resume redraws this step's batches."""
+    rewound to that step's boundary, so a resume redraws the batches of the step that did not finish (none when
+    the stop came after the optimizer step, e.g. during validation)."""
     run.optimizer.zero_grad(set_to_none=True)
     run.state = "cancelled"
     run.sampler.load_state_dict(run.position)
@@ -378,14 +381,16 @@ def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResul
 def train(config: Config, transformer, load_item: Callable[[int], dict], examples: Sequence[EditExample],
           bucket_keys: Sequence, *, scheduler_config: dict, write_lora: Callable[[Path, int], None],
           out_dir: Path, resume: Path | None = None, progress: ProgressFn | None = None,
-          cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None) -> TrainResult:
+          cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None,
+          run_id: str | None = None) -> TrainResult:
     """Train the LoRA already injected into `transformer` for `config.train.max_steps` optimizer steps.
 
     `load_item(i)` returns example i's cache tensors (from the cache, or encoded in real time).
-    `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory.
+    `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory. `run_id`
+    (train.run_folder) goes into every checkpoint.
     """
     run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
-    run.progress, run.examples = progress, examples
+    run.progress, run.examples, run.run_id = progress, examples, run_id
     masked = [i for i, example in enumerate(examples) if example.mask is not None][:REGION_SAMPLES]
     if masked and config.train.validation_every:
         run.regions = RegionLosses([load_item(i) for i in masked], config, scheduler_config, out_dir)
@@ -404,7 +409,11 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             # No host read here: a non-finite loss skips the update on the device (`optimizer_step`) and is
             # counted at the next read (`read_pending`).
             run.step_loss = total
-            optimizer_step(run)
+            with cancel.shielded() if cancel is not None else contextlib.nullcontext():
+                optimizer_step(run)
+                # From here the state is step `run.step`'s boundary: a stop during validation or a checkpoint
+                # write must save the position after this step's batches, not rewind to before them.
+                run.position = run.sampler.state_dict()
             after_step(run, total, write_lora, progress, validate, cancel)
     except (Cancelled, KeyboardInterrupt):
         cancel_step(run)
@@ -455,10 +464,15 @@ def resolve_resume(out_dir: Path, resume: str | Path | bool | None) -> Path | No
     if not resume:
         return None
     if resume is True:
-        found = ckpt.latest_checkpoint(out_dir / "checkpoints")
-        if found is None:
+        found = ckpt.list_checkpoints(out_dir / "checkpoints")
+        if not found:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {str(out_dir / 'checkpoints')!r}")
-        return found.path
+        runs = {c.state.get("run_id"): c for c in found}  # the newest checkpoint of each run
+        if len(runs) > 1:
+            newest = ", ".join(str(c.path) for c in runs.values())
+            raise ValueError(f"--resume: {str(out_dir / 'checkpoints')!r} holds checkpoints of {len(runs)} runs; "
+                             f"give the one to continue (--resume PATH), the newest of each: {newest}")
+        return found[-1].path
     path = Path(resume)
     if (path / ckpt.STATE_FILE).is_file():
         return path
