@@ -346,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls for the base's block linears (Ada/Hopper)")
     p.add_argument("--compile", action="store_true", help="compile each transformer block (~30 s once)")
-    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
-                   help="attention kernel tried first (cudnn: fastest on Hopper)")
+    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math", "flash3"],
+                   help="attention kernel tried first (docs/MEMORY.md)")
     p.add_argument("--out", required=True, help="output image file (png)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="split the transformer's tokens over N processes started by `torchrun --nproc_per_node N`")
