@@ -63,6 +63,14 @@ def write_bytes(path, data: bytes) -> Path:
     return path
 
 
+def save_png(image, path) -> Path:
+    """Write a PIL image as a PNG file atomically (`write_bytes`): never a partial picture under its name."""
+    import io
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return write_bytes(path, buffer.getvalue())
+
+
 class OutputWriteError(OSError):
     """Writing an output failed for a reason the user can fix (disk full, read-only, permission); the message
     names the path, what was being written and what survived."""
@@ -108,10 +116,10 @@ def free_bytes(path) -> int | None:
 
 
 @contextlib.contextmanager
-def writing(path, what: str, survived: str = "", key: str = ""):
+def writing(path, what: str, survived="", key: str = ""):
     """Turn a disk-full, read-only or permission error inside the block into an OutputWriteError naming
-    `path`, the config `key` that chose it, `what` was being written and what `survived` (other errors pass
-    unchanged)."""
+    `path`, the config `key` that chose it, `what` was being written and what `survived` (a text, or a callable
+    giving it, asked only on an error; other errors pass unchanged)."""
     try:
         yield
     except OSError as err:
@@ -119,6 +127,7 @@ def writing(path, what: str, survived: str = "", key: str = ""):
         if reason is None or isinstance(err, OutputWriteError):
             raise
         where = f" ({key})" if key else ""
+        survived = survived() if callable(survived) else survived
         raise OutputWriteError(err.errno, f"could not write {what} to {str(path)!r}{where}: {reason}."
                                           + (f" {survived}" if survived else "")) from err
 
