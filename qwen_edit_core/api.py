@@ -30,6 +30,27 @@ from qwen_edit_core.train import run
 log = logging.getLogger(__name__)
 
 
+def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: int | None = None,
+                   batch_size: int = 1, out_dir=None, fix_dir=None, cache_dir=None, workers: int = 1):
+    """The dataset doctor on a folder of pairs (qwen_edit_core.data.doctor): returns its DoctorRun (report, report
+    picture, fixes applied). `held_out`: the held-out pairs as `train.validation_pairs` takes them (a number N: the
+    folder's last N pairs; a folder); `pixel_aligned`: the edit keeps every pixel in place (realign with
+    `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
+    `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
+    the measures are kept by content hash."""
+    from qwen_edit_core.data.dataset import load_dataset
+    from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
+    from qwen_edit_core.train.heldout import split_heldout
+    examples = list(load_dataset(folder, skip_invalid=True, convert_modes=True).examples)
+    held: list = []
+    if held_out:
+        examples, held = split_heldout(examples, held_out, lambda path: load_dataset(
+            path, skip_invalid=True, convert_modes=True).examples)
+    settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
+    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, cache_dir=cache_dir,
+                         workers=workers)
+
+
 class QwenImageEditTrainer:
     """Load a Qwen-Image-Edit model on a device plan, then predict (and, later stages, cache and fit)."""
 

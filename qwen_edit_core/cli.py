@@ -1,4 +1,4 @@
-"""`qwen-edit`: tiny | sample | cache | train | pairs | demo | bench.
+"""`qwen-edit`: tiny | sample | cache | train | pairs | doctor | demo | bench.
 
 Errors a user can fix (bad path, device, size, prompt) print one line naming the input and exit with
 status 2; no traceback from inside diffusers.
@@ -212,6 +212,46 @@ def cmd_pairs(args) -> None:
     log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
 
 
+def cmd_doctor(args) -> None:
+    """`qwen-edit doctor DATASET`: the dataset doctor's findings (one JSON object each with --json), the report
+    picture in --out, the fixed copy in --fix."""
+    from qwen_edit_core.api import doctor_dataset
+    from qwen_edit_core.data.doctor.runner import default_workers
+    held = int(args.held_out) if args.held_out and args.held_out.isdigit() else args.held_out
+    run = doctor_dataset(args.dataset, held, pixel_aligned=args.pixel_aligned, area=args.area,
+                         batch_size=args.batch_size, out_dir=args.out, fix_dir=args.fix, cache_dir=args.cache,
+                         workers=args.workers or default_workers())
+    if args.json:
+        if run.report.findings:
+            print(run.report.json_lines())  # noqa: T201  (the command's output)
+    else:
+        log.info("%s", run.report.summary(limit=len(run.report.findings)))
+    if run.picture:
+        log.info("report of the worst pairs: %s", run.picture)
+    for line in run.fixes:
+        log.info("fixed %s", line)
+
+
+def add_doctor_command(sub) -> None:
+    """The `doctor` subcommand's arguments."""
+    p = _command(sub, "doctor", "check what a dataset's pairs mean: swapped, misaligned, references out of order, "
+                                "unchanged, duplicated or leaked pairs, masks, captions, sizes")
+    p.add_argument("dataset", help="dataset folder (the layouts data.folder takes)")
+    p.add_argument("--json", action="store_true", help="one JSON object per finding on stdout: pair, kind, figure, "
+                                                       "fix, why")
+    p.add_argument("--fix", metavar="OUT", help="write a fixed copy of the dataset to this new folder (the original "
+                                                "is never changed)")
+    p.add_argument("--out", default="doctor_out", help="folder for report.txt and report.png (the worst pairs)")
+    p.add_argument("--held-out", help="held-out pairs as train.validation_pairs: N (the last N pairs) or a folder")
+    p.add_argument("--pixel-aligned", action="store_true", help="the edit keeps every pixel in place "
+                   "(data.control_size: target): --fix realigns shifted and zoomed targets")
+    p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
+    p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
+    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
+    p.add_argument("--workers", type=int, help="processes measuring pairs (default: the CPUs, at most 4)")
+    p.set_defaults(func=cmd_doctor)
+
+
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
     run_demo(Path(args.out), steps=args.steps, variant=args.variant)
@@ -354,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="pictures seed")
     p.set_defaults(func=cmd_pairs)
 
+    add_doctor_command(sub)
+
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
     p.add_argument("--steps", type=int, default=250, help="LoRA training steps")
@@ -362,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices="sample train batching threads soak memory activations".split(), help="which benchmark")
+    p.add_argument("what", choices="sample train batching threads soak memory activations doctor cache".split(),
+                   help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
@@ -375,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
+    p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
+    p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
     p.set_defaults(func=cmd_bench)
     return parser
 

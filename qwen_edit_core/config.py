@@ -35,6 +35,7 @@ LossWeighting = typing.Literal["none", "sigma_sqrt", "cosmap"]
 OptimizerType = typing.Literal["adamw", "adamw8bit"]
 ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cosine"]
 CfgMode = typing.Literal["sequential", "batched", "split"]
+LoraFormat = typing.Literal["split", "fused"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
 #: mirrors adapters.kinds.ADAPTER_TYPES
@@ -121,6 +122,9 @@ class DataConfig:
     #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
     #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
     control_size: ControlSize = "pipeline"
+    #: the dataset doctor before the first step (data/doctor/): "warn" logs its summary, "refuse" stops the run
+    #: when it flags a pair, "off" skips it
+    doctor: typing.Literal["warn", "refuse", "off"] = "warn"
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class ValidationPreview:
     sigmas: tuple[float, ...] | str = ()
     #: LoRA files active in this preview only ([{path, strength}]), beside the trained LoRA and model.lora.stack
     loras: tuple[LoraStackItem, ...] = ()
-    #: the grid label; empty: "<schedule> <steps> steps"
+    #: the grid label; empty: "<schedule> <steps> steps, CFG <cfg>"
     label: str = ""
 
 
@@ -179,6 +183,9 @@ class TrainConfig:
     #: N = the dataset's last N pairs by name, or a folder of pairs; 0 / "": none
     validation_pairs: int | str = 0
     lora_name: str = "lora"
+    #: the saved file's MLP layout where the model fuses its MLP input halves in ComfyUI: "split" (diffusers,
+    #: DiffSynth, peft; ComfyUI reads it too) or "fused" (ComfyUI's and ai-toolkit's own); adapters/lora_files.py
+    lora_format: LoraFormat = "split"
     #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
     #: with gradient_checkpointing: how many blocks recompute (-1: all); the rest keep their activations
@@ -208,6 +215,10 @@ class TrainConfig:
     ema_decay: float = 0.0
     #: with ema_decay: validation images use the averaged LoRA instead of the trained one
     ema_validation: bool = False
+    #: torch's intra-op CPU threads while a background job (ComfyUI's Train LoRA) trains; 0: chosen from the
+    #: cores and load (common/threads.py: 1 on a machine of 4 cores or fewer or a busy one). It matters for
+    #: CPU training only: on a GPU the CPU just launches kernels
+    cpu_threads: int = 0
 
 
 @dataclass(frozen=True)

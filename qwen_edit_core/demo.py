@@ -69,15 +69,10 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
 
 
 def _family_sampler(components):
-    """The sampler module and latent packing of the components' family (Qwen-Image-2.1: references in the text,
-    unpatched latents)."""
-    from qwen_edit_core.model import encode, variants
-    from qwen_edit_core.families.qwen_image_21 import encode as encode21
-    from qwen_edit_core.sample import sampler
-    from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
-    if variants.get(components.variant).family.references == "in-text":
-        return sampler21, encode21.pack
-    return sampler, encode.pack
+    """The sampler module of the components' family (families/<family>/sampler.py: its conditioning, loop,
+    decoding and latent packing)."""
+    from qwen_edit_core.model import variants
+    return variants.get(components.variant).family.stage("sampler")
 
 
 def _evaluate(trainer, held_out, steps: int = 20) -> dict:
@@ -87,7 +82,7 @@ def _evaluate(trainer, held_out, steps: int = 20) -> dict:
     from qwen_edit_core.model import encode
     from qwen_edit_core.sample import sampler
     comps = trainer.components
-    family_sampler, pack = _family_sampler(comps)
+    family_sampler = _family_sampler(comps)
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, negative_prompt=None, seed=0,
                                       vae_area=SIZE * SIZE)
     latent_err, pixel_err, edges, images = [], [], [], []
@@ -95,7 +90,7 @@ def _evaluate(trainer, held_out, steps: int = 20) -> dict:
         control, target = encode.open_image(control_path), encode.open_image(target_path)
         cond = family_sampler.build_conditioning(comps, CAPTION, [control], settings)
         latents = family_sampler.denoise(comps, cond, settings)
-        target_latents = pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
+        target_latents = family_sampler.pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
         image = family_sampler.decode(comps, latents, cond.width, cond.height)[0][..., :3]
         target_pixels = torch.from_numpy(np.asarray(target, dtype=np.float32) / 255.0)
         latent_err.append(float((latents - target_latents).float().pow(2).mean()))

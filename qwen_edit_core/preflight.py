@@ -47,11 +47,12 @@ def meta_transformer(model_dir: Path | None):
     the model directory has no transformer config (a transformer given as one file)."""
     if model_dir is None or not (Path(model_dir) / "transformer" / "config.json").is_file():
         return None
-    import diffusers
     from accelerate import init_empty_weights
-    config = diffusers.QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer")
-    # the family's class (Qwen-Image-2.1 has its own), as config.json names it
-    cls = getattr(diffusers, config.get("_class_name", ""), None) or diffusers.QwenImageTransformer2DModel
+
+    from qwen_edit_core.families import DEFAULT, family_of_class
+    config = DEFAULT.class_of("transformer").load_config(Path(model_dir) / "transformer")
+    # the family's class, as config.json names it
+    cls = family_of_class(config.get("_class_name", "")).class_of("transformer")
     with init_empty_weights():
         return cls.from_config(config)
 

@@ -70,11 +70,10 @@ def default_dtype(dtype: torch.dtype):
 
 def real_transformer(device: torch.device, dtype: torch.dtype, num_layers: int | None = None):
     """The real Qwen-Image transformer config with random weights, built directly on `device` in `dtype`."""
-    from diffusers import QwenImageTransformer2DModel
-
+    from qwen_edit_core.families import DEFAULT
     from qwen_edit_core.model.tiny import transformer_config
     with default_dtype(dtype), torch.device(device):
-        model = QwenImageTransformer2DModel(**transformer_config("real", num_layers=num_layers))
+        model = DEFAULT.class_of("transformer")(**transformer_config("real", num_layers=num_layers))
     return model.eval().requires_grad_(False)
 
 

@@ -256,7 +256,8 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
     full edits."""
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     run, settings = _real_run(dev, steps, layers, side, full)
     peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
     cond = run.cond
@@ -287,7 +288,12 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
-    """The 2025 family's table(s), then Qwen-Image-2.1's prefix-cache speed-up (families/qwen_image_21/sample_bench.py)."""
-    from qwen_edit_core.families.qwen_image_21 import sample_bench as sample21
-    text = _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)
-    return text + "\n\n" + sample21.run(real_size=real_size, device=device, steps=steps, repeats=repeats)
+    """Every family's sampling table(s) (each family's families/<family>/sample_bench.py `run`), in FAMILIES order."""
+    from qwen_edit_core.families import FAMILIES
+    return "\n\n".join(f.stage("sample_bench").run(real_size=real_size, device=device, steps=steps, repeats=repeats)
+                       for f in FAMILIES.values())
+
+
+def run_packed(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
+    """The 2025 family's table(s) (its `sample_bench.run`)."""
+    return _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)

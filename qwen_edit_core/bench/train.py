@@ -3,7 +3,7 @@
 Tiny (CPU): the tiny model on a synthetic 256^2 dataset; realtime encodes every batch with the text encoder
 and VAE, cached reads the embedding cache. `--real-size` (GPU): the real transformer config with random
 bf16 weights at 1024^2 Edit shapes (8192 image + 1,408 text tokens), our step against the plain reference
-of docs/MODEL.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient checkpointing + AdamW); the
+of BENCHMARKS.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient checkpointing + AdamW); the
 realtime column there uses the real-width one-layer encoders, so it shows the plumbing, not a 7B encoder.
 """
 
@@ -109,7 +109,7 @@ def _build(device, dtype):
 
 
 def _reference(device, dtype, steps: int, item) -> dict:
-    """The plain reference of docs/MODEL.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
+    """The plain reference of BENCHMARKS.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
     from peft import LoraConfig
     model = _build(device, dtype)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
@@ -184,7 +184,9 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     compile_start = time.perf_counter()
     example = EditExample(name="random", target=Path("random.png"), controls=(Path("random-control.png"),),
                           caption="", target_size=(side, side), control_sizes=((side, side),))
-    times = _step_times(lambda p: train(config, model, lambda i: item, [example], [((side, side), ((side, side),))],
+    # the lambda runs inside _step_times, before `del model` below frees the weights for the next setting
+    times = _step_times(lambda p: train(config, model, lambda i: item, [example],  # noqa: F821
+                                        [((side, side), ((side, side),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
     total = time.perf_counter() - compile_start
@@ -229,7 +231,8 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     from qwen_edit_core.bench.common import matmul_peaks
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     global _LAYERS
     _LAYERS = layers
     dtype = torch.bfloat16

@@ -6,13 +6,18 @@ changes only that tree: peft's LoRA layers, fp8 module replacement, compiled blo
 multi-resolution RoPE module and attention processors, train/eval mode. `give_back(copy)` then restores the two
 things that act on the shared tensors themselves:
 
-- the block offloader gives the copy's offloaded blocks new Parameters (the lender's stay as they are:
-  exact, but their device memory is not freed while the run lasts; `give_back` removes the offloader);
+- block offload: the copy's offloaded blocks get new Parameters, and the lender's tensors of those blocks would
+  stay on the device beside them (offloading would free nothing). The offloader hands each lent tensor it copies
+  to the loan, which parks the lender's tensor on that same pinned host copy (one copy serves both); `give_back`
+  removes the offloader and copies each back, bit for bit;
 - fp8: a layer the copy quantizes no longer uses the original bf16 weight, which would stay on the device beside
-  the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in (pinned) host memory as it
-  replaces the layer (`park`), and `give_back` moves it back. Cost: host memory for those weights while the run
-  lasts (the block linears: about 38 GiB for the 20 B transformer in bf16) and one copy each way at the start and
-  the end of a run (seconds at PCIe speed).
+  the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in pageable host memory as it
+  replaces the layer (`park`: one synchronous copy each way needs no pinning), and `give_back` moves it back.
+  Cost: host memory for those weights while the run lasts (the block linears' bf16 size: docs/MODEL.md, "The
+  real model's sizes") and one copy each way at the start and the end of a run (seconds at PCIe speed).
+
+`give_back` ends by handing the pinned host blocks torch's allocator keeps cached back to the system
+(speed.host_memory.release_cache).
 
 Nothing else of the caller's model changes, so it samples bit-identically after the run, whether the run finished,
 was stopped or failed. `requires_grad` is a flag of the shared Parameter objects: it is recorded and restored.
@@ -25,6 +30,8 @@ import logging
 
 import torch
 from torch import nn
+
+from qwen_edit_core.speed import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +55,31 @@ class _Loan:
 
     def __init__(self, original: nn.Module) -> None:
         self.flags = [(p, p.requires_grad) for p in original.parameters()]
-        self.parked: list[tuple[nn.Parameter, torch.Tensor, torch.device]] = []
+        self.lent = {id(t): t for t in (*original.parameters(), *original.buffers())}
+        self.parked: list[tuple[torch.Tensor, torch.Tensor, torch.device]] = []
         self.parked_bytes = 0
 
-    def park(self, param: nn.Parameter) -> None:
-        """Move one lent weight to host memory until `give_back` (its Parameter object stays, emptied)."""
-        data = param.data
-        if on_host(data) or data.numel() == 0:
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is one of the lender's own (a Parameter or buffer object of the lent model)."""
+        return self.lent.get(id(tensor)) is tensor
+
+    def park(self, tensor: torch.Tensor, host: torch.Tensor | None = None) -> None:
+        """Free one lent tensor's device memory until `give_back` (the tensor object stays, emptied). `host`: a
+        host copy someone else made of it already (the block offloader's), which then serves both; otherwise
+        a pageable copy is made (one copy each way needs no pinning)."""
+        data = tensor.data
+        if data.numel() == 0 or (host is None and on_host(data)):
             return
-        host = data.detach().to("cpu", copy=True)
-        if data.device.type == "cuda":
-            host = host.pin_memory()
-        self.parked.append((param, host, data.device))
-        self.parked_bytes += host.numel() * host.element_size()
-        param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+        if host is None:
+            host = data.detach().to("cpu", copy=True)
+        self.parked.append((tensor, host, data.device))
+        self.parked_bytes += host.nbytes
+        tensor.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
     def restore(self) -> None:
         with torch.no_grad():
-            for param, host, device in self.parked:
-                param.data = host.to(device)
+            for tensor, host, device in self.parked:
+                tensor.data = host.to(device)
         self.parked = []
         for param, flag in self.flags:
             param.requires_grad_(flag)
@@ -84,6 +97,11 @@ def lend(transformer: nn.Module) -> nn.Module:
     return fresh
 
 
+def loan_of(transformer: nn.Module):
+    """The loan of a lent copy (what `give_back` restores), or None for a model that is not lent."""
+    return getattr(transformer, LENT, None)
+
+
 def park(transformer: nn.Module, linear: nn.Linear) -> None:
     """`linear` (a layer of a lent copy, just replaced by an fp8 one) no longer needs its weights: when they
     belong to the lender, park them in host memory; a transformer that is not lent keeps them (they are its
@@ -98,11 +116,13 @@ def park(transformer: nn.Module, linear: nn.Linear) -> None:
 def give_back(transformer: nn.Module) -> None:
     """End a loan: the offloader removed (offloaded weights back on their device), parked weights back, the
     requires_grad flags as lent. The copy itself is dropped by the caller."""
+    loan = getattr(transformer, LENT, None)
     offloader = getattr(transformer, "_qwen_edit_offloader", None)
     if offloader is not None:
-        offloader.remove()
+        # A lent copy is given up: its offloaded tensors are not copied back to the device for it (the lender's
+        # come back below, from the same host copies).
+        offloader.remove(restore=loan is None)
         transformer._qwen_edit_offloader = None
-    loan = getattr(transformer, LENT, None)
     if loan is None:
         return
     if loan.parked:
@@ -110,3 +130,4 @@ def give_back(transformer: nn.Module) -> None:
                  loan.parked_bytes / 2**30)
     loan.restore()
     delattr(transformer, LENT)
+    host_memory.release_cache()

@@ -10,7 +10,7 @@ import torch
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks
 from qwen_edit_core.speed.compile import compile_blocks
 from qwen_edit_core.speed.fp8 import _set_fp8_backward, dequantize_fp8, has_fp8, probe_fp8, quantize_fp8
-from qwen_edit_core.speed.lending import shared_copy
+from qwen_edit_core.speed.lending import loan_of, shared_copy
 from qwen_edit_core.speed.offload import BlockOffloader
 from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, resident_bytes
 from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
@@ -127,7 +127,8 @@ def _apply(transformer, plan: WeightPlan, *, compile: bool, compile_mode: str | 
         previous.remove()
         transformer._qwen_edit_offloader = previous = None
     if plan.offloaded and previous is None:
-        transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, plan.offloaded, device)
+        transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, plan.offloaded, device,
+                                                          loan=loan_of(transformer))
     # Offloaded blocks compile their forward alone: the offloader's hooks run eagerly around it. (Left eager, the 37
     # offloaded blocks of a 16 GiB plan ran uncompiled: measured 2.08 s/step on an H100, BENCHMARKS.md.)
     compiled = compile_blocks(transformer, forward_only=list(plan.offloaded), mode=compile_mode,

@@ -38,6 +38,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from qwen_edit_core.speed.host_memory import HostRegion
+
+
 class BlockOffloader:
     """Keeps the frozen tensors of some blocks in pinned CPU memory and copies each block to the device just
     before it runs, prefetching the next offloaded block on a side stream so copies overlap compute.
@@ -47,10 +50,13 @@ class BlockOffloader:
     checkpointed in training: a block's weights then live on the device only while it runs or is recomputed.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], indices: Sequence[int], device: torch.device):
+    def __init__(self, blocks: Sequence[nn.Module], indices: Sequence[int], device: torch.device, *,
+                 loan=None, pin: bool | None = None):
         self.device = torch.device(device)
         self.indices = sorted(set(indices))
         self.cuda = self.device.type == "cuda"
+        #: host copies are page-locked (asynchronous copies): on CUDA unless told otherwise
+        self.pin = self.cuda if pin is None else pin
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.slots: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
         self.ready: dict[int, tuple[list[torch.Tensor], object]] = {}
@@ -60,35 +66,58 @@ class BlockOffloader:
         #: block calls whose copy was not prefetched (copied when the block started): the first offloaded block of
         #: a forward pass and the first recompute of a backward pass; any more means a wrong prefetch guess
         self.unprefetched = 0
+        #: the host region the copies made here live in (None when every tensor was in host memory already)
+        self.region: HostRegion | None = None
         self.handles = []
+        self._take_all(blocks, loan)
         for i in self.indices:
-            self.slots[i] = self._take(blocks[i])
             self.handles.append(blocks[i].register_forward_pre_hook(self._make_pre(i)))
             self.handles.append(blocks[i].register_forward_hook(self._make_post(i)))
 
-    def _take(self, block: nn.Module):
-        slots = []
-        with torch.no_grad():
-            for module in block.modules():
-                for is_param, table in ((True, module._parameters), (False, module._buffers)):
-                    for name, tensor in table.items():
-                        if tensor is None or (is_param and tensor.requires_grad):
-                            continue
-                        slots.append((module, name, is_param, self._host(tensor.detach())))
-                        placeholder = torch.empty(0, dtype=tensor.dtype, device=self.device)
-                        if is_param and tensor.device != self.device:  # a host Parameter: a device one in its place
-                            module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
-                        else:
-                            self._set(module, name, is_param, placeholder)
-        return slots
+    def _frozen(self, block: nn.Module):
+        """(module, name, is_param, tensor) of every frozen parameter and buffer of a block."""
+        for module in block.modules():
+            for is_param, table in ((True, module._parameters), (False, module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is not None and not (is_param and tensor.requires_grad):
+                        yield module, name, is_param, tensor
 
-    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The host copy of a block tensor: a tensor already in host memory (pinned where the device is CUDA),
-        as the planned loader leaves an offloaded block's weights, is taken as it is, never copied again."""
-        if tensor.device.type == "cpu" and (tensor.is_pinned() or not self.cuda):
-            return tensor
-        host = tensor.to("cpu", copy=True)
-        return host.pin_memory() if self.cuda else host
+    def _in_host_memory(self, tensor: torch.Tensor) -> bool:
+        """A tensor already in host memory (pinned where copies must be asynchronous), as the planned loader
+        leaves an offloaded block's weights: taken as it is, never copied again."""
+        return tensor.device.type == "cpu" and (not self.pin or tensor.is_pinned())
+
+    def _take_all(self, blocks: Sequence[nn.Module], loan) -> None:
+        """Move every offloaded block's frozen tensors to host memory: one region for all the copies made (pinned
+        on CUDA, exactly their bytes: speed.host_memory), the modules pointed at empty placeholders. A tensor
+        of a lent model (`loan`: speed.lending) is the lender's too: the loan parks it on that same host copy
+        (its device memory is freed, and `give_back` restores it from there)."""
+        found = {i: list(self._frozen(blocks[i])) for i in self.indices}
+        to_copy = [t for entries in found.values() for *_, t in entries if not self._in_host_memory(t)]
+        self.region = HostRegion([(t.shape, t.dtype) for t in to_copy], self.pin) if to_copy else None
+        copied = 0
+        with torch.no_grad():
+            for i, entries in found.items():
+                self.slots[i] = []
+                for module, name, is_param, tensor in entries:
+                    if self._in_host_memory(tensor):
+                        host = tensor.detach()  # a new tensor object over the same memory
+                    else:
+                        host = self.region.put(copied, tensor)
+                        copied += 1
+                    if loan is not None and loan.owns(tensor):
+                        loan.park(tensor, host)
+                    self.slots[i].append((module, name, is_param, host))
+                    placeholder = torch.empty(0, dtype=tensor.dtype, device=self.device)
+                    if is_param and tensor.device != self.device:  # a host Parameter: a device one in its place
+                        module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
+                    else:
+                        self._set(module, name, is_param, placeholder)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the offloaded blocks' host copies."""
+        return sum(host.nbytes for slots in self.slots.values() for *_, host in slots)
 
     @staticmethod
     def _set(module, name, is_param, value):
@@ -175,14 +204,17 @@ class BlockOffloader:
             return output
         return post
 
-    def remove(self) -> None:
-        """Put every offloaded tensor back on the device and remove the hooks."""
+    def remove(self, restore: bool = True) -> None:
+        """Remove the hooks and put every offloaded tensor back on the device (`restore`), or leave the modules
+        with empty placeholders (not `restore`: a lent copy being given up, whose lent tensors its loan restores;
+        the host copies are let go)."""
         for handle in self.handles:
             handle.remove()
         for i, slots in self.slots.items():
             for owner, name, is_param, host in slots:
-                self._set(owner, name, is_param, host.to(self.device))
-        self.slots, self.ready, self.live = {}, {}, set()
+                value = host.to(self.device) if restore else torch.empty(0, dtype=host.dtype, device=self.device)
+                self._set(owner, name, is_param, value)
+        self.slots, self.ready, self.live, self.region = {}, {}, set(), None
 
 
 def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Training checkpoints: written whole or not at all, found by their own metadata, the last K kept.
 
-A checkpoint is a directory `checkpoints/step-<n>/` holding `adapter.safetensors` (the trainable LoRA
+A checkpoint is a directory `checkpoints/step-0000012/` (the step, seven digits) holding `adapter.safetensors` (the trainable LoRA
 parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
 `optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`), `ema.safetensors` (the LoRA's moving average, with
 `train.ema_decay`) and `state.json` (step, LR

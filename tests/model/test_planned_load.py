@@ -213,7 +213,7 @@ def test_the_planned_load_equals_loading_whole_then_applying_the_levers(request,
         source = weight_source.DirectorySource(model_dir)
         old = comp.load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32, family=family)
     else:
-        from qwen_edit_core.model.single_file import load_transformer_file
+        from qwen_edit_core.model.planned_load import load_transformer_file
         source = _source(model_dir, family, tmp_path, layout)
         old = load_transformer_file(tmp_path / "t.safetensors", device=torch.device("cpu"), dtype=torch.float32,
                                     fp8="keep")
@@ -231,6 +231,39 @@ def test_the_planned_load_equals_loading_whole_then_applying_the_levers(request,
     assert old_host.keys() == new_host.keys() and all(torch.equal(old_host[k], new_host[k]) for k in old_host)
     assert torch.equal(old_loss, new_loss)
     assert old_grads.keys() == new_grads.keys() and all(torch.equal(old_grads[k], new_grads[k]) for k in old_grads)
+
+
+@pytest.mark.parametrize("family, layout", [CASES[2], CASES[4]])
+def test_a_planned_load_pins_one_region_of_exactly_the_offloaded_blocks(request, tmp_path, monkeypatch, family,
+                                                                         layout):
+    """Pinning as on CUDA (`WeightPlan.pin` on, "meta" standing in for the GPU): the offloaded blocks' converted
+    tensors go into one region sized from the file's header, whose power-of-two chunks are all the allocator is
+    asked for (no tensor pinned on its own), and the offloader takes them from there as they are."""
+    from qwen_edit_core.speed import host_memory
+    requests, chunks = [], []
+
+    def allocate(nbytes, pin):
+        requests.append(nbytes)
+        chunks.append(torch.empty(nbytes, dtype=torch.uint8))
+        return chunks[-1]
+
+    def pin_memory(self, *args, **kwargs):
+        raise AssertionError("a tensor was pinned on its own")
+
+    family, model_dir = _model_dir(request, family)
+    source = _source(model_dir, family, tmp_path, layout)
+    plan = speed.checked_plan("meta", torch.float32, N_BLOCKS, fp8=True, n_checkpointed=-1, n_offloaded=3,
+                              already_fp8=source.keeps_fp8(torch.device("meta")))
+    monkeypatch.setattr(host_memory, "_allocate", allocate)
+    monkeypatch.setattr(host_memory, "MIN_CHUNK", host_memory.ALIGN)
+    monkeypatch.setattr(speed.WeightPlan, "pin", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    model = planned_load.load_transformer_planned(source, plan)
+    hosts = _host_copies(model)
+    assert sum(requests) == sum(host_memory.pack([h.nbytes for h in hosts.values()])[0])
+    assert sum(h.nbytes for h in hosts.values()) <= sum(requests) <= 2 * sum(h.nbytes for h in hosts.values())
+    assert model._qwen_edit_offloader.region is None  # the offloader copied nothing again: it took the views
+    assert {h.untyped_storage().data_ptr() for h in hosts.values()} <= {c.data_ptr() for c in chunks}
 
 
 def test_a_source_that_does_not_match_its_config_is_refused_before_any_weight_is_read(six_block_dir, tmp_path):

@@ -12,9 +12,24 @@ from qwen_edit_core.speed import lending
 from qwen_edit_core.model.tiny import transformer_config
 
 
-def _model():
+def _model(num_layers: int = 2):
     torch.manual_seed(0)
-    return QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=2)).requires_grad_(False).eval()
+    return QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=num_layers)).requires_grad_(False).eval()
+
+
+def _held_bytes(*models) -> int:
+    """Bytes the models' modules hold (parameters and buffers, each storage once): with the CPU standing for the
+    device, what they keep on the device (host copies are held by the offloader, not by a module)."""
+    storages = {}
+    for model in models:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _frozen_bytes(block) -> int:
+    return sum(t.nbytes for t in (*block.parameters(), *block.buffers()) if not t.requires_grad)
 
 
 def _state(model):
@@ -67,3 +82,31 @@ def test_a_model_that_is_not_lent_keeps_its_replaced_layers_weights(monkeypatch)
     linear = model.transformer_blocks[0].attn.to_q
     speed.quantize_fp8(model)
     assert linear.weight.numel() > 0  # nothing parked: the layer was the model's own
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_offloading_k_blocks_of_a_lent_fp8_model_frees_k_blocks_and_gives_them_back_exactly(k):
+    """The 24 GB ComfyUI path: the graph's model loaded from a scaled-fp8 file (fp8 block linears), lent to a run
+    whose plan offloads k blocks. The lender's tensors of those blocks are parked on the offloader's host copies
+    (one copy serves both): the two trees together hold k blocks' bytes fewer, the host copies are exactly k
+    blocks, the copy still runs, and `give_back` restores every tensor object bit for bit."""
+    from qwen_edit_core.speed import levers
+    from qwen_edit_core.speed.weight_plan import WeightPlan
+    model = _model(num_layers=3)
+    speed.quantize_fp8(model)
+    before, objects, total = _state(model), [*model.parameters(), *model.buffers()], _held_bytes(model)
+    block = _frozen_bytes(model.transformer_blocks[0])
+    copy = speed.lend(model)
+    plan = WeightPlan(device=torch.device("cpu"), dtype=torch.float32, fp8=True, offloaded=tuple(range(k)),
+                      checkpoint_blocks=-1, training=True)
+    levers._apply(copy, plan, compile=False)
+    assert _held_bytes(model, copy) == total - k * block
+    assert copy._qwen_edit_offloader.host_bytes == k * block
+    with torch.no_grad():  # the copy computes with its offloaded blocks copied in
+        copy(hidden_states=torch.randn(1, 48, 64), timestep=torch.tensor([0.6]), encoder_hidden_states=torch.randn(
+            1, 12, 32), img_shapes=[[(1, 6, 8)]], return_dict=False)
+    speed.give_back(copy)
+    assert [*model.parameters(), *model.buffers()] == objects
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert _held_bytes(model) == total

@@ -195,7 +195,8 @@ def test_a_compiled_run_is_planned_with_the_compiled_blocks_activations():
     checkpoints no block where the eager constant checkpointed 19, and that plan, estimated with the compiled
     constant, holds the 52.2 GiB of tensors measured (weights and activations, +-3%). A family with its own
     constants (2.1) keeps them."""
-    from qwen_edit_core.speed.planner import ACTIVATION_FACTOR_21, compiled_sizes
+    from qwen_edit_core.families.qwen_image_21.planner import ACTIVATION_FACTOR_21
+    from qwen_edit_core.speed.planner import compiled_sizes
     from qwen_edit_core.speed.weight_plan import plan_training
     from qwen_edit_core.config import load_config
     real = {"n_blocks": 60, "block_params": 339_831_296, "other_params": 40_523_328, "dim": 3072,
