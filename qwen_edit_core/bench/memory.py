@@ -166,7 +166,6 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
                    num_layers: int | None = None) -> Simulated:
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
-    from qwen_edit_core.adapters import lora as lora_mod
     from qwen_edit_core.train import loop
     from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens

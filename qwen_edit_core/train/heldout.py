@@ -26,7 +26,6 @@ import torch
 
 from qwen_edit_core.common.files import save_png, save_safetensors, writing
 from qwen_edit_core.data.examples import EditExample
-from qwen_edit_core.model import encode
 
 log = logging.getLogger(__name__)
 

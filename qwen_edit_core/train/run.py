@@ -276,8 +276,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     examples, held = _split_heldout(config, list(load_examples(config).examples))
     run_doctor(config, examples, held)
     model_dir, settings = _model(config)
-    resume_path = resolve_resume(out_dir, resume)
-    run_folder.check_free(out_dir, resume_path, overwrite)
+    resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))

@@ -68,7 +68,9 @@ def _cfg(tmp_path, model, data, **train) -> Path:
 
 
 WRITERS = {  # writer -> (the marker of its paths, its settings, what the message names)
-    "cache": ("/cache/", {}, "could not write an embedding cache entry to '{tmp}/cache/"),
+    # (the cache stage writes the first safetensors files of a run: its entries, under temporary names)
+    "cache": (".safetensors.", {}, "could not write an embedding cache entry to '{tmp}/cache/"),
+    "dataset check": ("doctor-measures", {}, "could not write the dataset check's measures to '{tmp}/cache/"),
     "validation": ("/validation/", {"validation_every": 1, "validation_steps": 1, "validation_prompt": "x"},
                    "could not write the validation picture of step 1 to '{tmp}/o/validation/step-0000001"),
     "heldout": ("/heldout/", {"validation_every": 1, "validation_steps": 1, "validation_pairs": 1},
@@ -105,7 +107,7 @@ def test_a_full_disk_in_any_training_writer_is_one_line_and_exit_2(tiny_edit_dir
     if writer == "loss log":
         assert "The checkpoint at step 1 is intact" in err and "--resume" in err
     if writer == "cache":  # nothing under an entry's name, no temporary file left
-        assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+        assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "safetensors" in p.name]
 
 
 def test_a_full_disk_in_the_pair_writer_names_the_pair_and_leaves_nothing(tmp_path, monkeypatch):
