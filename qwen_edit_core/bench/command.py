@@ -33,7 +33,8 @@ def run_bench(args) -> None:
         from qwen_edit_core.bench.activations import run
         run(device=args.device)
     elif args.what == "memory":
-        from qwen_edit_core.bench.memory import report
+        from qwen_edit_core.bench.memory import check_edit, report
+        check_edit(args.variant, args.size, args.controls)
         print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
     else:
         from qwen_edit_core.bench.train import run

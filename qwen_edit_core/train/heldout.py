@@ -26,6 +26,7 @@ import torch
 
 from qwen_edit_core.common.files import save_png, save_safetensors, writing
 from qwen_edit_core.data.examples import EditExample
+from qwen_edit_core.model.geometry import open_bounded
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def mask_pixels(example: EditExample, width: int, height: int) -> np.ndarray | N
     if example.mask is None:
         return None
     from PIL import Image
-    with Image.open(example.mask) as mask:
+    with open_bounded(example.mask, "mask") as mask:
         return np.asarray(mask.convert("L").resize((width, height), Image.BILINEAR)) >= 128
 
 
