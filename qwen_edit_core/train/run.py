@@ -321,7 +321,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
 def _lora_writer(config: Config, transformer, spec: lora_mod.LoraSpec, model_dir: Path):
     """write_lora(path, step): the run's LoRA file at `step`, in `train.lora_format`'s layout."""
     def write_lora(path: Path, step: int) -> None:
-        lora_mod.save_lora(path, transformer, spec, base_identity=str(model_dir), steps=step,
+        lora_mod.save_lora(path, transformer, spec, base_identity=comp.model_identity(model_dir, config.model.variant),
+                           steps=step,
                            layout=config.train.lora_format)
     return write_lora
 
