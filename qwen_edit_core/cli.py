@@ -32,7 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     can only have been raised once its module is loaded, and importing the rest here would pull in torch
     (seconds) just to report a config error."""
     found = tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
-    return (*found, FileNotFoundError, ValueError)
+    return (*found, FileNotFoundError, FileExistsError, ValueError)
 
 
 def cmd_tiny(args) -> None:

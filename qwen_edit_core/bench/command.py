@@ -33,7 +33,8 @@ def run_bench(args) -> None:
         from qwen_edit_core.bench.activations import run
         run(device=args.device)
     elif args.what == "memory":
-        from qwen_edit_core.bench.memory import report
+        from qwen_edit_core.bench.memory import check_edit, report
+        check_edit(args.variant, args.size, args.controls)
         results = None
         if args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24): bench/memory_comfyui.py
             from qwen_edit_core.bench.memory_comfyui import simulate_comfyui

@@ -305,6 +305,18 @@ def table(results: list[Simulated]) -> str:
     return "\n".join(lines)
 
 
+def check_edit(variant: str, side: int, controls: int | None) -> None:
+    """ValueError naming `--size` or `--controls` when the simulated edit is outside what the model takes: a side
+    from 64 px (a multiple of 16 once rounded) to the image limit, 1 control image up to the variant's most."""
+    from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
+    if not MIN_SIDE <= side <= int(MAX_PIXELS ** 0.5):
+        raise ValueError(f"--size {side}: the edit's side must be in [{MIN_SIDE}, {int(MAX_PIXELS ** 0.5)}] px")
+    most = variants.get(variant).max_controls
+    if controls is not None and (controls < 1 or most is not None and controls > most):
+        raise ValueError(f"--controls {controls}: variant {variant!r} takes 1 to {most or 'any number of'} control "
+                         "images")
+
+
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
            budget_gb: float | None = None, *, as_json: bool = False, results: list[Simulated] | None = None) -> str:
     """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`), of `results` (by
