@@ -170,7 +170,8 @@ TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "ma
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
-               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"))
+               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"),
+               ("lora_format", "train", "lora_format"))
 
 
 def train_overrides(args) -> dict:
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
+    p.add_argument("--lora-format", choices=["split", "fused"], help="train.lora_format: the file's MLP layout "
+                   "where ComfyUI fuses it (Qwen-Image-2.1): split (diffusers, peft) or fused (ComfyUI's own)")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
     p.add_argument("--validation-pairs", type=lambda v: int(v) if v.isdigit() else v, help="train.validation_pairs: "
                    "keep the dataset's last N pairs (or a folder's) out of training; errors: validation/metrics.csv")

@@ -166,7 +166,6 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
                    num_layers: int | None = None) -> Simulated:
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
-    from qwen_edit_core.adapters import lora as lora_mod
     from qwen_edit_core.train import loop
     from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
@@ -180,7 +179,7 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
     _warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
     batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
-                    device=fm.STAND_IN, dtype=torch.bfloat16)
+                    device=fm.STAND_IN, dtype=torch.bfloat16, family=variants.get(variant).family)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:
