@@ -179,7 +179,7 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
     _warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
     batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
-                    device=fm.STAND_IN, dtype=torch.bfloat16)
+                    device=fm.STAND_IN, dtype=torch.bfloat16, family=variants.get(variant).family)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:

@@ -88,7 +88,7 @@ class CacheKey:
     format_version: int = CACHE_FORMAT_VERSION
     #: sha256 of the pair's mask file ("" without a mask): the entry then holds `loss_mask`
     mask_hash: str = ""
-    #: the model family whose tensor layout the entry holds (families/family.py name); "" = the 2025 Qwen-Image
+    #: the model family whose tensor layout the entry holds (its `Family.cache_name`); "" = the 2025 Qwen-Image
     #: family. Part of the digest and checked on read, so an entry of one family is never trained on by another.
     family: str = ""
 

@@ -25,6 +25,7 @@ from qwen_edit_core.common.files import writing
 from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, ProgressFn
 from qwen_edit_core.config import Config, to_dict
 from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
+from qwen_edit_core.families import family_of
 from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.validation import RegionLosses
@@ -178,7 +179,8 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
-                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
+                    family=family_of(run.transformer))
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \

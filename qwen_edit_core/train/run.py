@@ -280,9 +280,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
-    check(model_dir, len(examples))
+    _checked(config, check, model_dir, examples, held)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
-    run_doctor(config, examples, held)  # after the preflight: it writes its measures beside the cache
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
@@ -374,6 +373,12 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
     return train_pairs, held
 
 
+def _checked(config: Config, check: Callable[[Path, int], None], model_dir: Path, examples: list, held: list):
+    """The caller's preflight `check`, then the dataset doctor (`run_doctor`): all before any weight loads."""
+    check(model_dir, len(examples))
+    run_doctor(config, examples, held)
+
+
 def run_doctor(config: Config, examples: Sequence, held: Sequence):
     """The dataset doctor on the training and held-out pairs (`data.doctor`): its summary logged ("warn"), or the
     run refused when it flags a pair ("refuse"); measures kept beside the embedding cache. Returns its report."""
@@ -432,6 +437,6 @@ def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step:
     gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
     batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
-                    dtype=comps.transformer.img_in.weight.dtype)
+                    dtype=comps.transformer.img_in.weight.dtype, family=settings.family)
     loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
     return loss
