@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data.examples import EditExample
-from qwen_edit_core.model import encode
 
 log = logging.getLogger(__name__)
 

@@ -310,9 +310,15 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
+    return _with_validation(result, config, comps, validator, metrics, model_dir, plan)
+
+
+def _with_validation(result, config: Config, comps: comp.Components, validator, metrics, model_dir: Path,
+                     plan: DevicePlan):
+    """`result` with the held-out metrics' rows and the validation pictures: training is over, so a VAE may
+    load now to turn the validation latents into images."""
     result.validation_metrics = metrics.rows if metrics is not None else []
     if validator is not None and validator.latent_files:
-        # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
@@ -431,6 +437,6 @@ def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step:
     gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
     batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
-                    dtype=comps.transformer.img_in.weight.dtype)
+                    dtype=comps.transformer.img_in.weight.dtype, family=settings.family)
     loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
     return loss
