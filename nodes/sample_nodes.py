@@ -18,7 +18,8 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.model import variants
 
 from . import comfy_runtime, loaded_models, sample21
-from .common import CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils
+from .common import (CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils,
+                     side_of)
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
 # Widget specs several nodes share (same names, defaults and ranges everywhere).
@@ -43,9 +44,10 @@ SHIFT = (SHIFT_MODES, {"tooltip": "timestep shift: dynamic by image size (diffus
                                   "token count), or ComfyUI's fixed shift 1.15 (ModelSamplingAuraFlow default)"})
 UNCOND = (["same"] + device_choices(), {"tooltip": "same: batched CFG on the model's device; another device "
                                                    "(e.g. cuda:1): both CFG branches at once, uncond on a copy there"})
-VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                    "tooltip": "control images are resized to about this side squared in pixels (1024: "
-                               "~1 megapixel, the model's native size; 512 for quick tries)"})
+VAE_SIDE = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
+                    "tooltip": "control images are resized to about this side squared in pixels; 0 (auto): the "
+                               "model's own size (1024, ~1 megapixel, for real models; 128 for the built-in toy "
+                               "ones); 512 for quick tries"})
 
 
 PARALLEL = ("BOOLEAN", {
@@ -219,7 +221,8 @@ class QwenEditSampler:
         family = variants.get(model.components.variant).family
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size,
+                                 vae_area=side_of(vae_side, model), schedule=schedule, shift=shift,
+                                 control_size=control_size,
                                  sigmas=sigmas)
             if family.ordered_references:
                 _check_one_device(family, uncond_device, parallel)
@@ -261,7 +264,8 @@ class QwenEditEncodePrompt:
                 "optional": dict(EXTRA_IMAGES)}
 
     def encode(self, model, image, prompt, negative_prompt, width, height, vae_side, image2=None, image3=None):
-        settings = _settings(width=width, height=height, negative=negative_prompt, vae_area=vae_side)
+        settings = _settings(width=width, height=height, negative=negative_prompt,
+                             vae_area=side_of(vae_side, model))
         loaded_models.use(model)
         with torch.inference_mode(False), torch.no_grad():
             controls = _controls(model, image, image2, image3)
@@ -325,7 +329,7 @@ class QwenEditEncodeImage:
         with torch.inference_mode(False), torch.no_grad():
             latents = []
             for pil in image_to_pils(image):
-                size = encode.image_size_at_area(pil, vae_side * vae_side)
+                size = encode.image_size_at_area(pil, side_of(vae_side, model) ** 2)
                 latents.append(encode.encode_latents(comps.vae, encode.pixels_for_vae(pil, *size)))
             raw = torch.cat([encode.to_raw_latents(comps.vae, x) for x in latents])  # one IMAGE: one size
             return (latents, {"samples": raw.float().cpu()})
@@ -389,7 +393,7 @@ class QwenEditSpeed:
                                                              "1.5x the block weights while both are loaded. LoRAs "
                                                              "stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
-            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def apply(self, model, fp8, compile, attention):

@@ -22,13 +22,15 @@ from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
 from . import comfy_runtime, loaded_models
 from .job_service import outcome
-from .common import CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils
+from .common import (CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils,
+                     side_of)
 
 log = logging.getLogger(__name__)
 
-RESOLUTION = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                      "tooltip": "training side in pixels: images are resized to about this side squared "
-                                 "(1024 native; 512 trains ~4x faster)"})
+RESOLUTION = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
+                      "tooltip": "training side in pixels: images are resized to about this side squared; 0 (auto): "
+                                 "the model's own size (1024 native for real models; 128 for the built-in toy "
+                                 "ones); 512 trains ~4x faster than 1024"})
 
 
 def _folder(folder: str) -> Path:
@@ -104,6 +106,7 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
             **sections):
     """A core Config from the loaded model (its directory and devices) and the node's widgets."""
     comps = handle.components
+    resolution = side_of(resolution, handle)
     te = comps.text_encoder.device if comps.text_encoder is not None else "cpu"
     vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
     transformer = next(comps.transformer.parameters())
@@ -171,7 +174,7 @@ class QwenEditBuildCache:
                 comfy_runtime.raise_if_interrupted()
                 raise
         summary = f"{stats['total']} entries: {stats['hits']} reused, {stats['computed']} computed"
-        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), resolution)
+        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), side_of(resolution, model))
         return {"ui": {"text": [summary]}, "result": (handle, summary)}
 
 

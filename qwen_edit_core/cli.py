@@ -192,7 +192,8 @@ TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "ma
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
-               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"))
+               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"),
+               ("lora_format", "train", "lora_format"))
 
 
 def train_overrides(args) -> dict:
@@ -229,6 +230,12 @@ def _train_bar():
 
 
 def cmd_pairs(args) -> None:
+    if args.faults:
+        from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
+        faulty = write_faulty_dataset(Path(args.folder), size=args.size, seed=args.seed, count=max(24, args.count))
+        log.info("wrote the planted-fault dataset to %s and %s: %s", faulty.train, faulty.heldout,
+                 ", ".join(f"{name} {kind}" for name, kind in sorted(faulty.faults.items())))
+        return
     from qwen_edit_core.data.synthetic import write_pairs
     pairs = write_pairs(Path(args.folder), args.count, args.seed, args.edit, args.size)
     log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
@@ -368,8 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls for the base's block linears (Ada/Hopper)")
     p.add_argument("--compile", action="store_true", help="compile each transformer block (~30 s once)")
-    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
-                   help="attention kernel tried first (cudnn: fastest on Hopper)")
+    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math", "flash3"],
+                   help="attention kernel tried first (docs/MEMORY.md)")
     p.add_argument("--out", required=True, help="output image file (png)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="split the transformer's tokens over N processes started by `torchrun --nproc_per_node N`")
@@ -392,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
+    p.add_argument("--lora-format", choices=["split", "fused"], help="train.lora_format: the file's MLP layout "
+                   "where ComfyUI fuses it (Qwen-Image-2.1): split (diffusers, peft) or fused (ComfyUI's own)")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
     p.add_argument("--validation-pairs", type=lambda v: int(v) if v.isdigit() else v, help="train.validation_pairs: "
                    "keep the dataset's last N pairs (or a folder's) out of training; errors: validation/metrics.csv")
@@ -423,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", choices=[DEMO_EDIT[0], *EDITS], default=DEMO_EDIT[0], help="the edit (and caption)")
     p.add_argument("--size", type=int, default=128, help="picture side in pixels")
     p.add_argument("--seed", type=int, default=0, help="pictures seed")
+    p.add_argument("--faults", action="store_true", help="the dataset doctor's planted-fault dataset instead: "
+                   "FOLDER/train (invert the colors, at least 24 pairs, faults planted) and FOLDER/heldout")
     p.set_defaults(func=cmd_pairs)
 
     add_doctor_command(sub)
@@ -451,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
     p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
+    p.add_argument("--comfyui", action="store_true", help="memory: the Train node's job on a card of --budget-gb "
+                   "GiB (default 24), the graph's model from a ComfyUI file lent to it")
+    p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
+                   help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -25,7 +25,7 @@ from qwen_edit_core.model.templates import EMPTY_PROMPT
 log = logging.getLogger(__name__)
 
 #: mirrors speed.ATTENTION_KERNELS (kept here so reading a config never imports torch)
-AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
+AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math", "flash3"]
 Quantize = typing.Literal["none", "int8", "nf4"]
 ControlSize = typing.Literal["pipeline", "target"]
 BucketGrouping = typing.Literal["equal", "similar", "similar-count"]
@@ -200,7 +200,8 @@ class TrainConfig:
     #: with memory_budget_gb 0 on a CUDA device: size the planner to the device's free memory when training
     #: starts (plus the transformer's own weights already there; the ComfyUI Train node turns this on)
     memory_budget_auto: bool = False
-    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS); "cudnn" is fastest on Hopper
+    #: which attention kernel goes first (speed/attention.py: "auto" is torch's order; cudnn, flash, efficient,
+    #: math; flash3 where FlashAttention-3 is installed)
     attention: AttentionKernel = "auto"
     #: with an fp8 base: the base's input gradients as fp8 matmuls too (e4m3, per-row scales; faster,
     #: slightly noisier gradients)
@@ -283,7 +284,7 @@ class PredictConfig:
     #: compile each transformer block (CUDA; ~30 s once) and keep the base's block linears in fp8
     compile: bool = False
     fp8: bool = False
-    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS)
+    #: which attention kernel goes first (speed/attention.py, as train.attention)
     attention: AttentionKernel = "auto"
     #: "target": controls resized to the output size (the control's own when a multiple of 16): for LoRAs
     #: trained with data.control_size: target; "pipeline": as diffusers

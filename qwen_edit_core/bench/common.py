@@ -47,6 +47,14 @@ def reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
+def pinned_gib(device: torch.device) -> float | None:
+    """Pinned host memory torch's host allocator holds now (offloaded blocks, staging buffers), GiB; None off CUDA
+    or on a torch without its statistics (`torch.cuda.host_memory_stats`)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30
+
+
 def gib_text(value: float | None) -> str:
     """A table cell for a GiB figure: one decimal, "-" where there is none (off CUDA)."""
     return "-" if value is None else f"{value:.1f}"

@@ -60,6 +60,9 @@ class Simulated:
     #: bytes of offloaded blocks' weights still on the device after the step (should be 0)
     offloaded_resident_after_gib: float = 0.0
     levers: str = ""
+    #: what the card must reserve: the peak with the margin. Offloaded blocks are copied into the offloader's fixed
+    #: device buffers (allocated once, tracked), so no in-flight copy waits outside the tracked bytes
+    reserved_gib: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -179,7 +182,7 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
     _warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
     batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
-                    device=fm.STAND_IN, dtype=torch.bfloat16)
+                    device=fm.STAND_IN, dtype=torch.bfloat16, family=variants.get(variant).family)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:
@@ -201,7 +204,8 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
-                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB, levers=_levers_text(model, checkpointed))
+                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB, levers=_levers_text(model, checkpointed),
+                     reserved_gib=(total + margin_bytes(categories)) / GIB)
 
 
 def _prompt(n_tokens: int, mode):
@@ -314,7 +318,9 @@ def check_edit(variant: str, side: int, controls: int | None) -> None:
 
 
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
-           budget_gb: float | None = None, *, as_json: bool = False) -> str:
-    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
-    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+           budget_gb: float | None = None, *, as_json: bool = False, results: list[Simulated] | None = None) -> str:
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`), of `results` (by
+    default the command line's plans, simulated now)."""
+    if results is None:
+        results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
     return "\n".join(r.to_json() for r in results) if as_json else table(results)

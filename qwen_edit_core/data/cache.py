@@ -23,7 +23,7 @@ On-disk format (format version 1).
   ((1, h, w): 2.1 reads latents unpatched) and two more tensors: `prompt_slots` (S,) and `empty_prompt_slots`
   (S0,) bool, True at the vision slots the transformer fills with the controls' (references') latent tokens.
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
-  (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
+  (docs/DESIGN.md, "Contracts"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
   `format_version` included, and `tensors_sha256`: the sha256 of every tensor's name, dtype, shape and bytes
   in name order (`tensors_checksum`).
 
@@ -88,7 +88,7 @@ class CacheKey:
     format_version: int = CACHE_FORMAT_VERSION
     #: sha256 of the pair's mask file ("" without a mask): the entry then holds `loss_mask`
     mask_hash: str = ""
-    #: the model family whose tensor layout the entry holds (families/family.py name); "" = the 2025 Qwen-Image
+    #: the model family whose tensor layout the entry holds (its `Family.cache_name`); "" = the 2025 Qwen-Image
     #: family. Part of the digest and checked on read, so an entry of one family is never trained on by another.
     family: str = ""
 

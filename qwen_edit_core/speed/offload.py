@@ -21,14 +21,24 @@ step with its weights on the device. Neither are the block's backward hooks (`re
 block swapper of musubi-tuner): they fire when the gradients of the block's inputs are ready, and for a block
 whose inputs need no gradient (the first block's come from the frozen input projections) they fire at the start
 of its backward, before its weights are last used. So the offloader does not try to detect the last use; it
-only drops its own references, and lets autograd free each copy after its last use:
-- the device copies are new Parameter objects (never `.data` swapped into the old ones), so a tensor autograd
-  saved during a recompute stays valid after the module lets go of it, and is freed when its backward node ran;
+only drops its own references:
+- the device copies are new Parameter objects (never `.data` swapped into the old ones) over one of two fixed
+  device buffers, so a tensor autograd saved during a recompute stays valid after the module lets go of it: its
+  buffer is next overwritten when the offloaded block after the next one is copied in, which the backward reaches
+  only once this block's backward ran;
 - a block's references are dropped after its forward call (post-hook), when another block starts (pre-hook:
   blocks run one at a time, so the previous one is done, its recompute included), and at the end of every
   backward pass (a callback queued on the autograd engine, `Variable._execution_engine.queue_callback`, as
   FSDP2 queues its post-backward work in torch/distributed/fsdp/_fully_shard/_fsdp_state.py), which ends the
   last recompute of the step. After a step no offloaded weight is on the device (tests/speed/test_offload.py).
+
+Why fixed buffers rather than a new device copy per call: a freed copy returns to the caching allocator but may be
+reused only once the compute stream passed its last use (`record_stream`); with compiled blocks the host runs many
+blocks ahead, so the copies still reserved were bounded by that run-ahead, not by the two blocks the planner counts
+(`planner.OFFLOAD_IN_FLIGHT`). Here every offloaded block is copied into one of that many buffers made once, with
+an event each way: the copy waits for the compute that last read its buffer, the compute for its copy, and the
+host waits before reusing a buffer (as FSDP2 rate-limits its all-gathers in flight), so the device never holds
+more, compiled or not.
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from qwen_edit_core.speed.host_memory import HostRegion
+from qwen_edit_core.speed.host_memory import ALIGN, HostRegion
+from qwen_edit_core.speed.planner import OFFLOAD_IN_FLIGHT
 
 
 class BlockOffloader:
@@ -51,15 +62,17 @@ class BlockOffloader:
     """
 
     def __init__(self, blocks: Sequence[nn.Module], indices: Sequence[int], device: torch.device, *,
-                 loan=None, pin: bool | None = None):
+                 loan=None, pin: bool | None = None, copies=None):
         self.device = torch.device(device)
         self.indices = sorted(set(indices))
         self.cuda = self.device.type == "cuda"
         #: host copies are page-locked (asynchronous copies): on CUDA unless told otherwise
         self.pin = self.cuda if pin is None else pin
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        #: how copies and compute wait for each other (`StreamCopies` on CUDA, `SyncCopies` elsewhere)
+        self.copies = copies if copies is not None else StreamCopies(self.device) if self.cuda else SyncCopies()
         self.slots: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
-        self.ready: dict[int, tuple[list[torch.Tensor], object]] = {}
+        #: prefetched blocks: block -> the device buffer its copy is in
+        self.ready: dict[int, DeviceBuffer] = {}
         self.last, self.forward_dir = None, True
         self.live: set[int] = set()  # blocks whose device copies are set on their modules now
         self.queued_for = None  # the backward pass (graph task) whose end releases every block
@@ -70,6 +83,11 @@ class BlockOffloader:
         self.region: HostRegion | None = None
         self.handles = []
         self._take_all(blocks, loan)
+        self.layout = {i: _layout(self.slots[i]) for i in self.indices}
+        size = max((needed for _, needed in self.layout.values()), default=0)
+        #: the fixed device memory every offloaded block is copied into, one buffer per block in flight
+        self.buffers = [DeviceBuffer(torch.empty(size, dtype=torch.uint8, device=self.device))
+                        for _ in range(OFFLOAD_IN_FLIGHT if self.indices else 0)]
         for i in self.indices:
             self.handles.append(blocks[i].register_forward_pre_hook(self._make_pre(i)))
             self.handles.append(blocks[i].register_forward_hook(self._make_post(i)))
@@ -129,17 +147,21 @@ class BlockOffloader:
             module._buffers[name] = value
 
     def _release(self, i: int) -> None:
-        """Drop the module's references to block i's device copies; autograd keeps what a backward still
-        needs and frees it after its last use."""
+        """Drop the module's references to block i's device copies; its buffer is free for another block once
+        the compute queued so far has run (an event the next copy into it waits for)."""
         for owner, name, is_param, host in self.slots[i]:
             self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
         self.live.discard(i)
+        for buffer in self.buffers:
+            if buffer.holder == i:
+                buffer.freed, buffer.holder = self.copies.compute_done(), None
 
     def _release_all(self) -> None:
         """End of a backward pass: no block runs any more, so no device copy stays (nor any prefetch)."""
         for i in list(self.live):
             self._release(i)
-        self.ready.clear()
+        for i in list(self.ready):
+            self._drop_prefetch(i)
         self.queued_for = None
 
     def _release_after_backward(self) -> None:
@@ -149,19 +171,37 @@ class BlockOffloader:
             torch.autograd.Variable._execution_engine.queue_callback(self._release_all)
             self.queued_for = task
 
-    def _fetch(self, i: int) -> None:
+    def _drop_prefetch(self, i: int) -> None:
+        """Forget a prefetched block no one used (a wrong guess): its buffer is free (no compute read it)."""
+        self.ready.pop(i).holder = None
+
+    def _free_buffer(self, keep: int | None) -> DeviceBuffer:
+        """A buffer no running block holds: a free one, else one holding a prefetch other than `keep`'s."""
+        free = [b for b in self.buffers if b.holder is None]
+        if free:
+            return free[0]
+        stale = next((j for j in self.ready if j != keep), None)
+        if stale is None:
+            raise RuntimeError(f"BlockOffloader: every device buffer is held by a running block ({sorted(self.live)}); "
+                               "blocks must run one at a time")
+        buffer = self.ready[stale]
+        self._drop_prefetch(stale)
+        return buffer
+
+    def _fetch(self, i: int, keep: int | None = None) -> None:
+        """Copy block i into a free device buffer (prefetch), unless it is there already. The host first waits
+        until the compute that last read that buffer has run (as FSDP2 limits its all-gathers in flight), so
+        however far ahead the host runs (compiled blocks), no more than the buffers' blocks are ever on the
+        device, and a copy never overwrites weights a queued kernel still reads."""
         if i in self.ready or i not in self.slots:
             return
-        while len(self.ready) >= 2:  # a wrong guess never holds more than two blocks
-            self.ready.pop(next(iter(self.ready)))
-        if self.cuda:
-            with torch.cuda.stream(self.stream):
-                tensors = [host.to(self.device, non_blocking=True) for _, _, _, host in self.slots[i]]
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:
-            tensors, event = [host.to(self.device, copy=True) for _, _, _, host in self.slots[i]], None
-        self.ready[i] = (tensors, event)
+        buffer = self._free_buffer(keep)
+        self.copies.host_waits(buffer.freed)
+        views = _views(buffer.memory, self.layout[i])
+        buffer.copied = self.copies.copy([(view, host) for view, (*_, host) in zip(views, self.slots[i])],
+                                         after=buffer.freed)
+        buffer.holder, buffer.freed = i, None
+        self.ready[i] = buffer
 
     def _next(self, i: int) -> int | None:
         """The offloaded block expected after block i: further in the current direction, else the turn."""
@@ -184,18 +224,14 @@ class BlockOffloader:
             self._release_after_backward()
             self.unprefetched += i not in self.ready
             self._fetch(i)
-            tensors, event = self.ready.pop(i)
-            if self.cuda:
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(event)
-                for t in tensors:
-                    t.record_stream(current)  # freed copies must not be reused before compute is done
-            for (owner, name, is_param, _), t in zip(self.slots[i], tensors):
+            buffer = self.ready.pop(i)
+            self.copies.compute_waits(buffer.copied)
+            for (owner, name, is_param, _), t in zip(self.slots[i], _views(buffer.memory, self.layout[i])):
                 self._set(owner, name, is_param, t)
             self.live.add(i)
             nxt = self._next(i)
             if nxt is not None and nxt != i:
-                self._fetch(nxt)
+                self._fetch(nxt, keep=i)
         return pre
 
     def _make_post(self, i: int):
@@ -214,7 +250,87 @@ class BlockOffloader:
             for owner, name, is_param, host in slots:
                 value = host.to(self.device) if restore else torch.empty(0, dtype=host.dtype, device=self.device)
                 self._set(owner, name, is_param, value)
-        self.slots, self.ready, self.live, self.region = {}, {}, set(), None
+        self.slots, self.ready, self.live, self.region, self.buffers = {}, {}, set(), None, []
+
+
+class DeviceBuffer:
+    """Device memory one offloaded block at a time is copied into: which block holds it (None: free), the
+    event its copy completes with, and the event after which the compute that last read it has run."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory
+        self.holder: int | None = None
+        self.copied = None
+        self.freed = None
+
+
+class SyncCopies:
+    """Copies where the device runs in step with the host (the CPU, the simulator's stand-in device): each copy
+    is done when it returns, so there is nothing to wait for."""
+
+    def copy(self, pairs, after=None):
+        """Copy each (device view, host tensor) pair; returns the event the copy completes with."""
+        for view, host in pairs:
+            view.copy_(host)
+        return None
+
+    def compute_done(self):
+        """An event after which the compute queued so far has run."""
+        return None
+
+    def compute_waits(self, event) -> None:
+        """Later compute waits for `event` (a copy)."""
+
+    def host_waits(self, event) -> None:
+        """The host waits for `event` (compute that read a buffer)."""
+
+
+class StreamCopies(SyncCopies):
+    """Copies on a side stream of a CUDA device, overlapping compute: events order them both ways."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, pairs, after=None):
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for view, host in pairs:
+                view.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def compute_done(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def compute_waits(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def host_waits(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+def _layout(entries) -> tuple[list[tuple[int, torch.Size, torch.dtype]], int]:
+    """Where each of a block's tensors lies in a device buffer, (byte offset, shape, dtype), each offset aligned;
+    and the bytes the block needs."""
+    spans, offset = [], 0
+    for *_, host in entries:
+        spans.append((offset, host.shape, host.dtype))
+        offset += -(-host.nbytes // ALIGN) * ALIGN
+    return spans, offset
+
+
+def _views(memory: torch.Tensor, layout) -> list[torch.Tensor]:
+    """A block's tensors as views of a device buffer (`_layout`)."""
+    spans, _ = layout
+    return [memory[offset: offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for offset, shape, dtype in spans]
 
 
 def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:

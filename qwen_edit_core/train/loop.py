@@ -25,6 +25,7 @@ from qwen_edit_core.common.files import writing
 from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, ProgressFn
 from qwen_edit_core.config import Config, to_dict
 from qwen_edit_core.data.dataset import BucketBatchSampler, EditExample
+from qwen_edit_core.families import family_of
 from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.validation import RegionLosses
@@ -178,7 +179,8 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
-                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
+                    family=family_of(run.transformer))
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
@@ -335,7 +337,8 @@ def cancel_step(run: RunState) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     run.state = "cancelled"
     run.sampler.load_state_dict(run.position)
-    read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
+    if run.dist.world == 1:  # several processes stop only where they agreed, at a read: nothing is pending then
+        read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
     log.info("training stopped at step %d; saving a checkpoint", run.step)
 
 

@@ -282,13 +282,12 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
-    run_doctor(config, examples, held)
     model_dir, settings = _model(config)
     resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, examples, held)
-    check(model_dir, len(examples))
+    _checked(config, check, model_dir, examples, held)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
@@ -318,9 +317,15 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
+    return _with_validation(result, config, comps, validator, metrics, model_dir, plan)
+
+
+def _with_validation(result, config: Config, comps: comp.Components, validator, metrics, model_dir: Path,
+                     plan: DevicePlan):
+    """`result` with the held-out metrics' rows and the validation pictures: training is over, so a VAE may
+    load now to turn the validation latents into images."""
     result.validation_metrics = metrics.rows if metrics is not None else []
     if validator is not None and validator.latent_files:
-        # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
@@ -374,6 +379,12 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
         folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
     log.info("validation: %d held-out pair(s) kept out of training (%s)", len(held), ", ".join(e.name for e in held))
     return train_pairs, held
+
+
+def _checked(config: Config, check: Callable[[Path, int], None], model_dir: Path, examples: list, held: list):
+    """The caller's preflight `check`, then the dataset doctor (`run_doctor`): all before any weight loads."""
+    check(model_dir, len(examples))
+    run_doctor(config, examples, held)
 
 
 def run_doctor(config: Config, examples: Sequence, held: Sequence):
@@ -434,6 +445,6 @@ def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step:
     gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
     batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
-                    dtype=comps.transformer.img_in.weight.dtype)
+                    dtype=comps.transformer.img_in.weight.dtype, family=settings.family)
     loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
     return loss

@@ -286,7 +286,7 @@ class RegionLosses:
         param = next(transformer.parameters())
         gens = [sample_generator(self.config.train.seed, 0, 0, j) for j in range(len(self.items))]
         batch = collate(self.items, gens, caption_dropout=0.0, control_dropout=0.0, device=param.device,
-                        dtype=transformer.img_in.weight.dtype)
+                        dtype=transformer.img_in.weight.dtype, family=family_of(transformer))
         transformer.eval()
         masked, unmasked = region_losses(transformer, batch, self.config, self.scheduler_config)
         self.history.append((step, masked, unmasked))

@@ -274,3 +274,20 @@ def test_a_dora_lora_in_the_fused_layout_reads_back_with_the_split_files_effect(
     a, b = _merged(from_fused), _merged(from_split)
     for k in a:
         assert_close_fp32(a[k], b[k], ops=MERGE_ROUNDINGS, what=f"{k} DoRA from the fused file vs the split one")
+
+
+def test_the_lora_format_flag_sets_the_config_key():
+    from qwen_edit_core.cli import build_parser, train_overrides
+    args = build_parser().parse_args(["train", "c.yaml", "--lora-format", "fused"])
+    assert train_overrides(args) == {"train": {"lora_format": "fused"}}
+
+
+def test_a_fused_layout_on_a_model_without_the_fused_mlp_is_refused_before_the_first_step(tiny_edit_dir, pairs_dir,
+                                                                                          tmp_path):
+    from conftest import train_config
+
+    from qwen_edit_core import QwenImageEditTrainer
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"lora_format": "fused"})
+    with pytest.raises(ValueError, match="train.lora_format 'fused': this model has no fused MLP layout"):
+        QwenImageEditTrainer(config).fit()
+    assert not (tmp_path / "o" / "checkpoints").exists() and not list((tmp_path / "o").glob("*.safetensors"))

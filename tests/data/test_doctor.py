@@ -111,3 +111,22 @@ def test_cli_json_prints_one_object_per_finding(faulty, tmp_path, capsys):
     found = [json.loads(line) for line in lines]
     assert all(set(f) >= {"pair", "kind", "figure", "fix"} and f["kind"] in KINDS for f in found)
     assert {"pair": "held001", "kind": "leak"}.items() <= next(f for f in found if f["kind"] == "leak").items()
+
+
+def test_an_edit_without_a_common_direction_says_so_instead_of_guessing():
+    from types import SimpleNamespace
+
+    from qwen_edit_core.data.doctor import swapped
+    from qwen_edit_core.data.doctor.findings import Measured
+    rng = np.random.default_rng(0)
+    pairs = [Measured(f"p{i}", None, SimpleNamespace(control_features=tuple(c), target_features=tuple(c + d)))
+             for i, (c, d) in enumerate(zip(rng.normal(size=(24, 24)), rng.normal(size=(24, 24))))]
+    result = swapped.check(pairs, SETTINGS)
+    assert not result.findings and result.notes[0].startswith("no common edit direction")
+
+
+def test_the_benchmark_runs_on_a_small_dataset(capsys):
+    from qwen_edit_core.bench import doctor
+    rates = doctor.run(pairs=30, workers=1)
+    assert set(rates) == {"dataset reader", "doctor, cold", "doctor, warm (cache)"}
+    assert "30 pairs of 64 px" in capsys.readouterr().out

@@ -91,3 +91,22 @@ def test_convrot_files_are_refused_with_what_to_use(tmp_path):
                "img_in.comfy_quant": note}, tmp_path / "convrot.safetensors")
     with pytest.raises(SingleFileError, match="quantized as 'int8_convrot'.*bf16 file.*diffusers directory"):
         load_transformer_file(tmp_path / "convrot.safetensors", device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_family_of_answers_for_each_kind_of_thing(tiny_edit_dir, tiny_21_dir):
+    """One question, one function: a model directory, a transformer file's keys, a cache key, a cache entry's
+    tensors and a stage module all lead to the same family."""
+    from qwen_edit_core.data.cache import CacheKey
+    from qwen_edit_core.families import QWEN_IMAGE, QWEN_IMAGE_21, family_of
+    assert family_of(tiny_edit_dir) is QWEN_IMAGE and family_of(tiny_21_dir) is QWEN_IMAGE_21
+    assert family_of(["model.diffusion_model.txt_in.text_norm.weight"]) is QWEN_IMAGE_21
+    assert family_of(["img_in.weight"]) is QWEN_IMAGE
+    key = CacheKey(image_hashes=("0" * 64,), caption="c", component_identity="i", vae_area=64, vl_area=0,
+                   target_bucket=(64, 64), control_buckets=(), template="t", prefix_len=0, dtype="float32",
+                   family=QWEN_IMAGE_21.cache_name)
+    assert family_of(key) is QWEN_IMAGE_21
+    entry = {"prompt_embeds": torch.zeros(2, 4), **{name: torch.ones(2, dtype=torch.bool)
+                                                     for name in QWEN_IMAGE_21.cache_tensors}}
+    assert family_of(entry) is QWEN_IMAGE_21 and family_of({"prompt_embeds": torch.zeros(2, 4)}) is QWEN_IMAGE
+    with pytest.raises(NotImplementedError, match="has no 'nowhere' stage module"):
+        QWEN_IMAGE.stage("nowhere")

@@ -79,3 +79,19 @@ def test_a_retrained_name_shows_no_picture_of_its_previous_run_and_a_failure_say
     assert first[:2] == ["http://x/v?step=5", "block"]
     assert retrained[:2] == [None, "none"], "the previous run's validation picture is still shown"
     assert "Cannot copy out of meta tensor" in failed[2]
+
+
+def test_fresh_nodes_size_pictures_for_their_model_the_default_toy_at_128(tmp_path, monkeypatch):
+    from nodes.common import TINY_21_MODEL, TOY_21_MODEL, TOY_MODEL, ModelHandle, resolve_model, side_of
+    from qwen_edit_core.model.components import Components
+    monkeypatch.setenv("QWEN_EDIT_HOME", str(tmp_path))
+    for node, name in ((nodes.QwenEditSampler, "vae_side"), (nodes.QwenEditEncodePrompt, "vae_side"),
+                       (nodes.QwenEditTrainLoRA, "resolution"), (nodes.QwenEditBuildCache, "resolution")):
+        assert node.INPUT_TYPES()["required"][name][1]["default"] == 0, f"{node.__name__}.{name}: not auto"
+
+    def handle(name):
+        return ModelHandle(Components(model_dir=resolve_model(name), variant="edit", scheduler_config={}))
+
+    toy, toy21, tiny21 = handle(TOY_MODEL), handle(TOY_21_MODEL), handle(TINY_21_MODEL)
+    assert side_of(0, toy) == side_of(0, toy21) == 128  # what the built-in toy models were trained at
+    assert side_of(0, tiny21) == 1024 and side_of(512, toy) == 512  # else a real model's side; a set side stays

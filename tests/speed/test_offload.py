@@ -17,6 +17,7 @@ from diffusers import QwenImageTransformer2DModel
 from qwen_edit_core import speed
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.speed import offload
 
 OFFLOADED = [1, 3]
 
@@ -47,7 +48,7 @@ class DeviceCopies:
         """Bytes of device copies still alive (held by anyone), prefetched copies included."""
         gc.collect()
         alive = [t for t in (r() for r in self.refs) if t is not None and t.numel()]
-        alive += [t for tensors, _ in offloader.ready.values() for t in tensors]
+        alive += [buffer.memory for buffer in offloader.ready.values()]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
         return sum(storages.values())
 
@@ -131,3 +132,67 @@ def test_offloaded_blocks_are_compiled_and_train_as_eager_blocks_do(monkeypatch)
     assert runs[True][2] <= 4, "a new graph per call: the offloader's fresh weights must not recompile"
     for key, value in runs[False][1].items():  # three steps of a forward, a recompute and a backward each
         assert_close_fp32(runs[True][1][key], value, ops=9 * TINY_FORWARD_ROUNDINGS, what=key)
+
+
+class LaggingDevice(offload.SyncCopies):
+    """A stand-in device whose compute lags behind the host without bound: an event marking that compute read a
+    buffer completes only when the host waits for it. Each copy checks that the buffer it overwrites was waited
+    for, and every block call counts the offloaded weights alive on the device."""
+
+    def __init__(self):
+        self.copies, self.waited = 0, set()
+
+    def compute_done(self):
+        return object()  # a new event, not complete until waited for
+
+    def host_waits(self, event) -> None:
+        if event is not None:
+            self.waited.add(id(event))
+
+    def copy(self, pairs, after=None):
+        assert after is None or id(after) in self.waited, "a copy overwrote weights queued compute still reads"
+        self.copies += 1
+        return super().copy(pairs, after)
+
+
+def test_offloaded_blocks_share_two_fixed_device_buffers_however_far_the_host_runs_ahead():
+    """With a device that never catches up unless the host waits, every block call finds the offloaded weights
+    alive on the device inside the two buffers made once (two blocks in flight, as the planner counts), and no
+    copy reuses a buffer before the host waited for the compute that read it; the LoRA trains exactly as without
+    offload."""
+    grads = {}
+    for offloaded in ((), tuple(OFFLOADED)):
+        model = _model()
+        speed.checkpoint_blocks(model, -1)
+        device = LaggingDevice()
+        offloader = speed.BlockOffloader(model.transformer_blocks, offloaded, torch.device("cpu"), copies=device)
+        copies = DeviceCopies(model, offloaded)
+        counts = []
+        buffers = {b.memory.untyped_storage().data_ptr() for b in offloader.buffers}
+
+        def count(block, args):
+            gc.collect()
+            alive = {t.untyped_storage().data_ptr() for t in (r() for r in copies.refs) if t is not None and t.numel()}
+            counts.append(alive <= buffers and len(alive) <= 2)
+        for i in offloaded:
+            model.transformer_blocks[i].register_forward_pre_hook(count)
+        model.train()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        for step in range(2):
+            _step(model, optimizer, seed=step)
+        _step_keep_grads(model, seed=5)
+        grads[offloaded] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if offloaded:
+            block = sum(host.nbytes for *_, host in offloader.slots[OFFLOADED[0]])
+            assert len(offloader.buffers) == 2 and all(b.memory.nbytes < block + 512 * 64 for b in offloader.buffers)
+            assert counts and all(counts) and device.copies >= 3 * 2 * len(OFFLOADED) - 2
+    assert grads[()].keys() == grads[tuple(OFFLOADED)].keys()
+    assert all(torch.equal(grads[()][k], grads[tuple(OFFLOADED)][k]) for k in grads[()])
+
+
+def _step_keep_grads(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pred = model(hidden_states=torch.randn(1, 96, 64, generator=g), timestep=torch.tensor([0.6]),
+                 encoder_hidden_states=torch.randn(1, 20, 32, generator=g), img_shapes=[[(1, 6, 8), (1, 6, 8)]],
+                 return_dict=False)[0]
+    pred.square().mean().backward()

@@ -8,6 +8,7 @@ correlation once that translation is taken out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -16,12 +17,14 @@ from PIL import Image
 from skimage.filters import sobel
 from skimage.registration import phase_cross_correlation
 
-from qwen_edit_core.data.doctor.pictures import HASH_SIDE, PairPictures, Picture, luminance, resized
+from qwen_edit_core.data.doctor.pictures import PairPictures, Picture, luminance, resized
 
 #: bump when a measure changes meaning: cached measures of another version are measured again
-VERSION = 1
+VERSION = 2
 #: zooms tried between control and target (then refined by a parabola through the best and its neighbours)
-SCALES = (0.91, 0.94, 0.97, 1.0, 1.03, 1.06, 1.09)
+SCALES = (0.92, 0.96, 1.0, 1.04, 1.08)
+#: correlation at zoom 1 from which the structure already matches: no zoom is searched
+MATCHED = 0.995
 _LUMA_BINS = 8
 
 
@@ -60,29 +63,32 @@ def features(rgb: np.ndarray, edges: np.ndarray) -> np.ndarray:
     the picture's `gradient`)."""
     luma = luminance(rgb)
     h, w = luma.shape
-    quantiles = np.percentile(luma, [5, 25, 50, 75, 95])
-    histogram = np.bincount(np.minimum((luma * _LUMA_BINS).astype(np.int64), _LUMA_BINS - 1).ravel(),
+    ranked = np.sort(luma, axis=None)
+    quantiles = ranked[(np.array([0.05, 0.25, 0.5, 0.75, 0.95]) * (ranked.size - 1)).astype(np.int64)]
+    histogram = np.bincount(np.minimum((ranked * _LUMA_BINS).astype(np.int64), _LUMA_BINS - 1),
                             minlength=_LUMA_BINS) / luma.size
-    ordered = np.sort(rgb.reshape(-1, 3), axis=1).mean(axis=0)
+    flat = rgb.reshape(-1, 3)
+    high, low = flat.max(axis=1).mean(), flat.min(axis=1).mean()
+    ordered = [low, flat.sum(axis=1).mean() - high - low, high]  # the sorted channels' means
     grid = [luma[:h // 2, :w // 2].mean(), luma[:h // 2, w // 2:].mean(), luma[h // 2:, :w // 2].mean(),
             luma[h // 2:, w // 2:].mean()]
     energy = [float(edges.mean())]
     return np.concatenate([rgb.reshape(-1, 3).mean(axis=0), quantiles, histogram, ordered, grid, energy])
 
 
-def _dct_matrix(n: int) -> np.ndarray:
-    k, i = np.arange(n)[:, None], np.arange(n)[None, :]
-    return np.cos(np.pi * (2 * i + 1) * k / (2 * n)).astype(np.float32)
-
-
-_DCT = _dct_matrix(HASH_SIDE)
+@functools.lru_cache(maxsize=64)
+def _low_dct(n: int) -> np.ndarray:
+    """The 8 lowest-frequency rows of the DCT-II of length n (8, n)."""
+    k, i = np.arange(8)[:, None], np.arange(n)[None, :]
+    return (np.cos(np.pi * (2 * i + 1) * k / (2 * n)) / n).astype(np.float32)
 
 
 def perceptual_hash(rgb: np.ndarray) -> int:
-    """A 64-bit DCT hash (pHash): the 8x8 lowest frequencies of the 32x32 luma, each bit above their median.
-    Re-encoding, faint noise and small resizes change a few bits; another picture about half of them."""
-    small = resized(luminance(rgb), (HASH_SIDE, HASH_SIDE))
-    coefficients = (_DCT @ small @ _DCT.T)[:8, :8].ravel()
+    """A 64-bit DCT hash (pHash): the 8x8 lowest frequencies of the luma, each bit above their median (taken on
+    the analysis-size luma directly: its lowest frequencies are the downscaled picture's). Re-encoding, faint noise
+    and small resizes change a few bits; another picture about half of them."""
+    luma = luminance(rgb)
+    coefficients = (_low_dct(luma.shape[0]) @ luma @ _low_dct(luma.shape[1]).T).ravel()
     bits = coefficients > np.median(coefficients[1:])
     return int(np.packbits(bits).view(">u8")[0])
 
@@ -157,10 +163,12 @@ def register(reference: np.ndarray, moving: np.ndarray, upsample: int = 1,
     gradient maps of one shape. Each of `rounds` searches the zoom on a grid three times finer around the last one
     and measures the translation again (1 round: about 1/100 of zoom, enough to flag; 3: for realigning)."""
     shift = _shift(reference, moving, 1.0, upsample)
-    scales, scale, score = np.asarray(SCALES), 1.0, 0.0
-    for _ in range(rounds):
+    scales, scale = np.asarray(SCALES), 1.0
+    score = ncc(_centre(reference), _centre(_warped(moving, 1.0, shift)))
+    for _ in range(rounds if score < MATCHED else 0):
         scale, score = _best_scale(reference, moving, shift, scales)
-        shift = _shift(reference, moving, scale, upsample)
+        if abs(scale - 1) > 1e-3:
+            shift = _shift(reference, moving, scale, upsample)
         step = (scales[1] - scales[0]) / 3
         scales = scale + step * np.arange(-3, 4)
     aligned = ncc(_centre(reference), _centre(_warped(moving, scale, shift)))

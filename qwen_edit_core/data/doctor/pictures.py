@@ -16,8 +16,6 @@ from qwen_edit_core.data.examples import EditExample
 
 #: the longest side the checks look at (a 1024 px picture is measured at 128 px: 1.5 % of the side is 2 px)
 ANALYSIS_SIDE = 128
-#: side of the luminance square the perceptual hash is taken from
-HASH_SIDE = 32
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,17 @@ def measure_pair(example: EditExample, cached: dict) -> tuple[str, dict]:
     return key, measure(pictures).as_dict()
 
 
-def _measure_batch(examples: Sequence[EditExample], cached: dict) -> list[tuple[str, dict]]:
+#: a worker process's copy of the cached measures (set once per worker by `_keep_cache`, not sent with each batch)
+_WORKER_CACHE: dict = {}
+
+
+def _keep_cache(cached: dict) -> None:
+    global _WORKER_CACHE
+    _WORKER_CACHE = cached
+
+
+def _measure_batch(examples: Sequence[EditExample], cached: Optional[dict] = None) -> list[tuple[str, dict]]:
+    cached = _WORKER_CACHE if cached is None else cached
     return [measure_pair(e, cached) for e in examples]
 
 
@@ -73,9 +83,8 @@ def measure_all(examples: Sequence[EditExample], cache_dir: Optional[Path] = Non
     batches = [list(examples[i:i + _BATCH]) for i in range(0, len(examples), _BATCH)]
     results: list[tuple[str, dict]] = []
     if workers > 1 and len(batches) > 1:
-        # only the entries a batch may hit travel to its worker
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for done in pool.map(_measure_batch, batches, [cached] * len(batches)):
+        with ProcessPoolExecutor(max_workers=workers, initializer=_keep_cache, initargs=(cached,)) as pool:
+            for done in pool.map(_measure_batch, batches):
                 results += done
                 if progress:
                     progress(len(results), len(examples))
