@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-slow test-simulation test-all bench soak clean comfy-test
+.PHONY: venv demo lint test test-slow test-simulation test-all bench soak clean comfy-test
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,10 @@ test-simulation: venv
 
 test-all: venv
 	$(PY) -m pytest tests --durations=15
+
+# `ruff check` with pyproject's rules (tests/structure/test_lint.py runs the same inside `make test`)
+lint: venv
+	$(PY) -m ruff check .
 
 bench: venv
 	$(VENV)/bin/qwen-edit bench sample

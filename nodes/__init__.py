@@ -9,6 +9,7 @@ from .model_nodes import (QwenEditAssembleModel, QwenEditLoraLoader, QwenEditMod
                           QwenEditTextEncoderLoader, QwenEditTransformerLoader, QwenEditVAELoader)
 from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEncodePrompt, QwenEditSampleConditioning,
                            QwenEditSampler, QwenEditSpeed)
+from .doctor_nodes import QwenEditDatasetDoctor
 from .pair_nodes import QwenEditSavePair
 from .sample21 import QwenEditReferenceImages
 from .train_compact import QwenEditTrainLoRA, QwenEditTrainOptions
@@ -22,7 +23,7 @@ NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in (
     QwenEditSpeed,
     QwenEditDataset, QwenEditSyntheticDataset, QwenEditBuildCache, QwenEditTrain, QwenEditTrainStatus,
     QwenEditStopTraining, QwenEditJobs, QwenEditSavePair, QwenEditTrainLoRA, QwenEditTrainOptions,
-    QwenEditReferenceImages)}
+    QwenEditReferenceImages, QwenEditDatasetDoctor)}
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditModelLoader": "Qwen Edit: Load Model (per-component devices)",
@@ -49,6 +50,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "QwenEditJobs": "Qwen Edit: Training Jobs",
     "QwenEditSavePair": "Qwen Edit: Save Pair To Dataset (before/after + mask)",
     "QwenEditReferenceImages": "Qwen Edit: Reference Images (Qwen-Image-2.1, in order)",
+    "QwenEditDatasetDoctor": "Qwen Edit: Dataset Doctor (flagged pairs)",
 }
 
 comfy_runtime.register_folders()

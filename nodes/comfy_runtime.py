@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,15 @@ def progress_bar(total: int, node_id=None):
     return comfy.utils.ProgressBar(total, node_id=node_id)
 
 
+def nothing():
+    """An output that makes ComfyUI skip the nodes it feeds, silently (`ExecutionBlocker(None)`, e.g. a Preview
+    Image with no picture to show yet); None outside ComfyUI."""
+    if not in_comfy():
+        return None
+    from comfy_execution.graph import ExecutionBlocker  # 0.3.64 and current ComfyUI both export it here
+    return ExecutionBlocker(None)
+
+
 def interrupt_requested() -> bool:
     if not in_comfy():
         return False
@@ -192,8 +202,9 @@ def other_prompts_queued() -> bool:
 # not ModelPatchers registers them with a ModelPatcher subclass whose load and detach move the whole module, as
 # nunchaku's and other wrapper packs do. Ours is `_patcher_class()`.
 
-PATCHER = "_qwen_edit_patcher"
-_patcher_type = None
+#: the pack's patcher of each of our modules, beside the module rather than on it: a module is pickled whole
+#: (the Sampler's `parallel` workers receive the transformer that way) and must carry nothing of ComfyUI's
+_PATCHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _nbytes(module, device=None) -> int:
@@ -205,12 +216,11 @@ def _nbytes(module, device=None) -> int:
 
 
 class _Anchor:
-    """What the patcher's `model` is: a stand-in that refers to our module weakly, so that the module (which holds
-    its patcher) and the patcher form no reference cycle: dropping the module frees it at once, and ComfyUI's
-    finalizer on the anchor then removes the entry from its list."""
+    """What the patcher's `model` is: a stand-in that refers to our module weakly, so that the patcher keeps
+    nothing alive: dropping the module frees it at once, and ComfyUI's finalizer on the anchor then removes the
+    entry from its list."""
 
     def __init__(self, module):
-        import weakref
         self.target = weakref.ref(module)  # ComfyUI's ModelPatcher also sets a few plain attributes here
 
     @property
@@ -224,82 +234,92 @@ class _Anchor:
         pass  # the device is wherever the module's weights are
 
 
+class PatcherMethods:
+    """What the pack's `comfy.model_patcher.ModelPatcher` subclass changes (mixed in before ComfyUI's class by
+    `_patcher_class`: ComfyUI is imported only inside ComfyUI). Loading moves the whole module to its device,
+    offloading moves it to the CPU; while `busy(module)` names a running training job, ComfyUI cannot offload it
+    (detach keeps it)."""
+
+    def __init__(self, module, load_device, busy):
+        import torch
+        super().__init__(_Anchor(module), load_device=load_device, offload_device=torch.device("cpu"),
+                         size=max(1, _nbytes(module)))
+        self.busy = busy
+
+    @property
+    def module(self):
+        return self.model.target()
+
+    def loaded_size(self):
+        module = self.module
+        return 0 if module is None else _nbytes(module, self.load_device)
+
+    def current_loaded_device(self):
+        return self.model.device
+
+    def model_dtype(self):
+        import torch
+        module = self.module
+        first = next((p for p in module.parameters() if p.is_floating_point()), None) if module else None
+        return first.dtype if first is not None else torch.float32
+
+    def model_patches_to(self, device):
+        pass
+
+    def lowvram_patch_counter(self):
+        return 0
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        module, before = self.module, self.loaded_size()
+        # a training job's levers move its weights themselves (offloaded blocks, parked fp8 originals)
+        if module is not None and before < _nbytes(module) and not self.busy(module):
+            module.to(device_to)
+        return self.loaded_size() - before
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        return 0  # whole modules only: ComfyUI then calls detach
+
+    def detach(self, unpatch_all=True):
+        module = self.module
+        job = self.busy(module) if module is not None else None
+        if job:
+            log.warning("ComfyUI asked to offload a model that training job %r trains on: it stays", job)
+        elif module is not None and self.offload_device != self.load_device:
+            module.to(self.offload_device)
+            log.info("ComfyUI offloaded %s to %s", type(module).__name__, self.offload_device)
+        return self.model
+
+
 def _patcher_class():
-    """A `comfy.model_patcher.ModelPatcher` for one of the pack's components (defined on first use: ComfyUI is
-    imported only inside ComfyUI). Loading moves the whole module to its device, offloading moves it to the CPU;
-    while `busy(module)` names a running training job, ComfyUI cannot offload it (detach keeps it)."""
+    """PatcherMethods over the running ComfyUI's `comfy.model_patcher.ModelPatcher` (made once)."""
     global _patcher_type
-    if _patcher_type is not None:
-        return _patcher_type
-    import torch
-    import comfy.model_patcher
-
-    class PackModelPatcher(comfy.model_patcher.ModelPatcher):
-        def __init__(self, module, load_device, busy):
-            super().__init__(_Anchor(module), load_device=load_device, offload_device=torch.device("cpu"),
-                             size=max(1, _nbytes(module)))
-            self.busy = busy
-
-        @property
-        def module(self):
-            return self.model.target()
-
-        def __deepcopy__(self, memo):
-            return None  # a copy of our module (a lent or Sampling Speed copy) gets its own patcher
-
-        def loaded_size(self):
-            module = self.module
-            return 0 if module is None else _nbytes(module, self.load_device)
-
-        def current_loaded_device(self):
-            return self.model.device
-
-        def model_dtype(self):
-            module = self.module
-            first = next((p for p in module.parameters() if p.is_floating_point()), None) if module else None
-            return first.dtype if first is not None else torch.float32
-
-        def model_patches_to(self, device):
-            pass
-
-        def lowvram_patch_counter(self):
-            return 0
-
-        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
-            module, before = self.module, self.loaded_size()
-            # a training job's levers move its weights themselves (offloaded blocks, parked fp8 originals)
-            if module is not None and before < _nbytes(module) and not self.busy(module):
-                module.to(device_to)
-            return self.loaded_size() - before
-
-        def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
-            return 0  # whole modules only: ComfyUI then calls detach
-
-        def detach(self, unpatch_all=True):
-            module = self.module
-            job = self.busy(module) if module is not None else None
-            if job:
-                log.warning("ComfyUI asked to offload a model that training job %r trains on: it stays", job)
-            elif module is not None and self.offload_device != self.load_device:
-                module.to(self.offload_device)
-                log.info("ComfyUI offloaded %s to %s", type(module).__name__, self.offload_device)
-            return self.model
-
-    _patcher_type = PackModelPatcher
+    if _patcher_type is None:
+        import comfy.model_patcher
+        _patcher_type = type("PackModelPatcher", (PatcherMethods, comfy.model_patcher.ModelPatcher),
+                             {"__module__": __name__})
     return _patcher_type
 
 
+_patcher_type = None
+
+
+def patcher_of(module):
+    """The patcher `managed_patcher` made for `module`, or None."""
+    return _PATCHERS.get(module) if module is not None else None
+
+
 def managed_patcher(module, busy):
-    """The ComfyUI patcher of one of our modules (made once per module, kept on it), or None outside ComfyUI."""
+    """The ComfyUI patcher of one of our modules (made once per module, kept beside it), or None outside
+    ComfyUI."""
     if not in_comfy() or module is None:
         return None
-    patcher = module.__dict__.get(PATCHER)
+    patcher = _PATCHERS.get(module)
     if patcher is None:
         first = next(module.parameters(), None)
         if first is None:
             return None
         patcher = _patcher_class()(module, first.device, busy)
-        module.__dict__[PATCHER] = patcher
+        _PATCHERS[module] = patcher
     return patcher
 
 
@@ -319,6 +339,6 @@ def forget_models(modules) -> None:
     if not in_comfy():
         return
     import comfy.model_management
-    patchers = {id(m.__dict__.get(PATCHER)) for m in modules if m is not None and m.__dict__.get(PATCHER)}
+    patchers = {id(p) for p in map(patcher_of, modules) if p is not None}
     loaded = comfy.model_management.current_loaded_models
     loaded[:] = [entry for entry in loaded if id(entry.model) not in patchers]

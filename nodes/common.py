@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -98,6 +99,31 @@ def resolve_model(name: str, path: str = "") -> Path:
     if found is None:
         raise FileNotFoundError(f"model {name!r} is not in ComfyUI's models/qwen_edit folder; give its path")
     return found
+
+
+#: the picture side of a real Qwen-Image model (about one megapixel), and what a side input of 0 ("auto") means
+#: for any model but the built-in toy ones
+REAL_SIDE = 1024
+
+
+def native_side(handle) -> int:
+    """The picture side a loaded model is made for, what a side input of 0 ("auto") stands for: the built-in
+    pretrained toy models' training size (their weights' manifest, matched by the stamp `ensure_toy` leaves in
+    the model directory), else REAL_SIDE."""
+    from qwen_edit_core.toys import toy
+    stamp = Path(handle.components.model_dir) / toy.MANIFEST
+    if stamp.is_file():
+        built = json.loads(stamp.read_text()).get("sha256")
+        for weights in (toy.WEIGHTS_DIR, toy.WEIGHTS_DIR_21):
+            info = toy.manifest(weights)
+            if info["sha256"] == built:
+                return int(info["recipe"]["size"])
+    return REAL_SIDE
+
+
+def side_of(side: int, handle) -> int:
+    """A side input's value in pixels: itself, or (0, "auto") the model's `native_side`."""
+    return side if side > 0 else native_side(handle)
 
 
 def image_to_pils(image: torch.Tensor) -> list:

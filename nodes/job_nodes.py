@@ -5,13 +5,16 @@ from __future__ import annotations
 from qwen_edit_core import jobs
 
 from .common import CATEGORY, JOB
+from .job_service import outcome
 from .train_nodes import find_job
 
 
 def _line(status: jobs.JobStatus) -> str:
     loss = f"{status.loss:.4f}" if status.loss is not None else "-"
     out = status.delivered or status.lora_path or status.output_dir
-    return f"{status.name}: {status.state}, step {status.step}/{status.total}, loss {loss}, output {out}"
+    said = outcome(status)
+    return (f"{status.name}: {status.state}, step {status.step}/{status.total}, loss {loss}, output {out}"
+            + (f" ({said})" if said else ""))
 
 
 class QwenEditStopTraining:

@@ -4,7 +4,8 @@ routes of the live view, and checkpoints on shutdown.
 Routes (under the pack's prefix, read by `web/qwen_edit_jobs.js`):
   GET  /qwen_edit/jobs                   every job: name, state, step, total, loss, loss history, output,
                                          delivered LoRA, URL of the latest validation image, the held-out
-                                         pairs' errors per validation step (validation_metrics)
+                                         pairs' errors per validation step (validation_metrics), and its
+                                         outcome in words (a failure's reason; what a stop saved)
   GET  /qwen_edit/jobs/{name}/validation the job's latest validation image (PNG)
   POST /qwen_edit/jobs/{name}/stop       stop the job with a checkpoint (returns at once)
 Websocket event `qwen_edit.job`: one job's entry (without the history, plus the step's loss point) on every
@@ -37,10 +38,24 @@ def deliver(lora_path: Path) -> Path:
     return target
 
 
+def outcome(status: jobs.JobStatus) -> str:
+    """What a finished job left, in words: a failure's reason, else its last checkpoint and where its LoRA went
+    (a stopped or interrupted job's too); "" while it runs."""
+    if status.state == "failed":
+        return f"failed: {status.error}"
+    if not status.finished:
+        return ""
+    saved = f"checkpoint {status.last_checkpoint.name} saved" if status.last_checkpoint else "no checkpoint saved"
+    if status.delivered:
+        return f"{saved}; LoRA {status.delivered.name} delivered to {status.delivered.parent}"
+    return f"{saved}; LoRA written to {status.lora_path}" if status.lora_path else f"{saved}; no LoRA written"
+
+
 def job_entry(job: jobs.TrainingJob, *, history: bool = True) -> dict:
-    """One job as the UI sees it (JSON-ready)."""
+    """One job as the UI sees it (JSON-ready), with its `outcome` in words."""
     status = job.status()
     entry = status.to_dict()
+    entry["outcome"] = outcome(status)
     entry["validation_url"] = (f"{PREFIX}/jobs/{quote(job.name, safe='')}/validation?step="
                                f"{status.latest_validation.stem.removeprefix('step-')}"
                                if status.latest_validation else None)

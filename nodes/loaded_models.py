@@ -1,18 +1,22 @@
 """The pack's loaded models beside ComfyUI's: known to its memory manager, on their devices when a node runs
-them, and one model per loader node.
+them, one model per loader node of a workflow, and never taken from a training job.
 
 ComfyUI caches a node's output until its inputs change, and newer releases (the "RAM pressure" cache) keep an
 earlier output even then: a loader whose widgets changed would hold its old model (a whole transformer) beside
-the new one. So each loader node keeps one live model: loading another frees the previous one's weights (moved
-to the meta device, so every object still pointing at them holds no memory), and the loader's IS_CHANGED makes
-ComfyUI run it again when a freed model's settings come back, instead of serving the emptied cached output.
+the new one. So each loader node keeps one live model per workflow: loading another frees the previous one's
+weights (moved to the meta device, so every object still pointing at them holds no memory), and the loader's
+IS_CHANGED makes ComfyUI run it again when a freed model's settings come back, instead of serving the emptied
+cached output. A model a running training job uses (any of its tensors) is never freed; the slots hold their
+models weakly, so ComfyUI's unload and "Free model and node cache" free the pack's models as they free its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import uuid
+import weakref
 
 import torch
 
@@ -63,10 +67,30 @@ def use(model) -> None:
     comfy_runtime.load_models(modules, busy)
 
 
+def workflow_key(prompt, extra_pnginfo) -> str:
+    """Which workflow a loader runs in: the frontend's workflow id (sent with every prompt it queues), else the
+    prompt's shape (its node ids and classes; a prompt queued through the API). Node ids alone repeat across
+    workflows: every shipped workflow's Load Model is node 1."""
+    workflow = extra_pnginfo.get("workflow") if isinstance(extra_pnginfo, dict) else None
+    workflow_id = workflow.get("id") if isinstance(workflow, dict) else None
+    if workflow_id:
+        return f"workflow {workflow_id}"
+    nodes = prompt if isinstance(prompt, dict) else {}
+    shape = sorted((str(node_id), str(node.get("class_type")) if isinstance(node, dict) else "")
+                   for node_id, node in nodes.items())
+    return "prompt " + hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
+
+
+def _alive(refs) -> list[torch.nn.Module]:
+    return [m for m in (ref() for ref in refs) if m is not None]
+
+
 class LoaderSlots:
-    """One live model per loader node (by node class and id). `token` is the loader's IS_CHANGED value: stable
-    while the model loaded with those widget values is live, new once it was freed (ComfyUI then runs the
-    loader again rather than serving its emptied cached output)."""
+    """One live model per loader node of each workflow (`slot`: node class, node id, `workflow_key`), held weakly:
+    when ComfyUI drops the loader's output (its node cache freed, or another prompt ran) and unloads the model,
+    its memory goes. `token` is the loader's IS_CHANGED value, by ComfyUI's cache identity (node class, id and
+    widget values): stable while the model loaded with those values is live, new once it was freed (ComfyUI then
+    runs the loader again rather than serving its emptied cached output)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,32 +105,52 @@ class LoaderSlots:
         with self._lock:
             return self._tokens.setdefault((node, self._key(widgets)), uuid.uuid4().hex)
 
-    def loaded(self, node: tuple, widgets: dict, modules: list) -> None:
-        """`node` now holds `modules`, loaded with `widgets`: free what it held before (unless a training job
-        uses it, or the new model shares it)."""
-        key = self._key(widgets)
+    def held(self, slot: tuple) -> list[torch.nn.Module]:
+        """The modules `slot` holds that are still alive."""
         with self._lock:
-            previous = self._live.get(node)
-            self._live[node] = (key, list(modules))
-            if previous is not None and previous[0] != key:
-                self._tokens.pop((node, previous[0]), None)
-        if previous is None:
-            return
-        keep = {id(m) for m in modules}
-        old = [m for m in previous[1] if id(m) not in keep and not freed(m)]
-        for module in old:
-            job = busy(module)
-            if job:
-                log.warning("loader %s loaded another model; the previous one stays loaded while training job %r "
-                            "trains on it", node[1], job)
-                continue
+            entry = self._live.get(slot)
+        return _alive(entry[1]) if entry else []
+
+    def loaded(self, slot: tuple, widgets: dict, modules: list) -> None:
+        """`slot` (node class, node id, workflow) now holds `modules`, loaded with `widgets`: free what it held
+        before, unless a training job uses it, the new model shares it or another slot holds it."""
+        key, node = self._key(widgets), slot[:2]
+        with self._lock:
+            previous = self._live.get(slot)
+            self._live = {s: entry for s, entry in self._live.items() if _alive(entry[1])}
+            self._live[slot] = (key, [weakref.ref(m) for m in modules])
+            if previous is None:
+                return
+            keep = {id(m) for entry in self._live.values() for m in _alive(entry[1])}
+            old = [m for m in _alive(previous[1]) if id(m) not in keep and not freed(m)]
+        kept = [(m, job) for m, job in ((m, busy(m)) for m in old) if job]
+        for module, job in kept:
+            log.warning("loader %s loaded another model; the previous one stays loaded while training job %r "
+                        "trains on it", node[1], job)
+        gone = [m for m in old if all(m is not k for k, _ in kept)]
+        for module in gone:
             comfy_runtime.forget_models([module])
             module.to("meta")
-        if old:
-            log.info("loader %s: freed the previous model (%d modules) for the new one", node[1], len(old))
+        if gone and previous[0] != key:
+            with self._lock:
+                self._tokens.pop((node, previous[0]), None)
+            log.info("loader %s: freed the previous model (%d modules) for the new one", node[1], len(gone))
 
 
 SLOTS = LoaderSlots()
+
+
+def refuse_for_jobs(err: BaseException) -> None:
+    """A load ran out of memory: while training jobs hold their models, raise JobBusyError naming them (their
+    models are never taken for another load) with what to do; else return (the caller re-raises `err`)."""
+    running = jobs.REGISTRY.running()
+    if not running:
+        return
+    names = ", ".join(f"{job.name!r} on {job.device}" for job in running)
+    raise jobs.JobBusyError(f"not enough memory for this model while training job {names} keeps its model "
+                            "loaded (a job's model is never unloaded for another workflow): wait for the job "
+                            "(Training Status), stop it (Stop Training), or load this model on another device "
+                            f"({type(err).__name__}: {err})") from err
 
 
 class TracksLoads:
@@ -116,19 +160,24 @@ class TracksLoads:
     FUNCTION = "load_tracked"
 
     @classmethod
-    def IS_CHANGED(cls, unique_id=None, **widgets):
+    def IS_CHANGED(cls, unique_id=None, prompt=None, extra_pnginfo=None, **widgets):
         return SLOTS.token((cls.__name__, unique_id), widgets)
 
-    def load_tracked(self, unique_id=None, **widgets):
-        result = self.load(**widgets)
+    def load_tracked(self, unique_id=None, prompt=None, extra_pnginfo=None, **widgets):
+        try:
+            result = self.load(**widgets)
+        except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError on torch >= 2.5
+            refuse_for_jobs(err)
+            raise
         modules = modules_of(result[0])
         if unique_id is not None:
-            SLOTS.loaded((type(self).__name__, unique_id), widgets, modules)
+            SLOTS.loaded((type(self).__name__, unique_id, workflow_key(prompt, extra_pnginfo)), widgets, modules)
         comfy_runtime.load_models(modules, busy)
         return result
 
 
 def hidden_id(inputs: dict) -> dict:
-    """A loader's INPUT_TYPES with the hidden node id (not a widget: saved workflows are unaffected)."""
-    inputs["hidden"] = {"unique_id": "UNIQUE_ID"}
+    """A loader's INPUT_TYPES with the hidden node id, prompt and workflow (`workflow_key`; not widgets: saved
+    workflows are unaffected)."""
+    inputs["hidden"] = {"unique_id": "UNIQUE_ID", "prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}
     return inputs

@@ -129,7 +129,7 @@ class QwenEditTransformerLoader(TracksLoads):
         file = _transformer_file(transformer_file)
         if file is not None:
             from qwen_edit_core.model.family_files import check_file_family
-            from qwen_edit_core.model.single_file import load_transformer_file
+            from qwen_edit_core.model.planned_load import load_transformer_file
             check_file_family({"transformer": file}, comp.family_of(directory), comp.detect_variant(directory))
             module = load_transformer_file(file, device=_resolve(device, "transformer"), dtype=resolve_dtype(dtype))
         else:

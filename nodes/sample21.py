@@ -1,4 +1,5 @@
-"""Qwen-Image-2.1 in the sampling nodes: ordered reference images (up to 10, any sizes) and RGBA output.
+"""Ordered reference images in the sampling nodes (Qwen-Image-2.1: up to 10, any sizes) and RGBA output, for a
+model whose family takes them (`Family.ordered_references`), sampled through its family's sampler module.
 
 ComfyUI's IMAGE is RGB and a batch holds pictures of one size, so references travel as their own type: the
 Reference Images node appends every picture of its IMAGE batch (with its MASK as alpha, ComfyUI's Load Image
@@ -15,15 +16,16 @@ import torch
 
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.common.progress import Cancelled, CancelToken
-from qwen_edit_core.model import encode
-from qwen_edit_core.families.qwen_image_21 import encode as encode21
-from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
+from qwen_edit_core.families import FAMILIES
+from qwen_edit_core.model import encode, variants
 
 from . import comfy_runtime
 from .common import CATEGORY, REFERENCES
 
-#: the most references one model takes (Qwen-Image-2.1)
-MAX_REFERENCES = encode21.QWEN_IMAGE_21.max_references
+#: the family taking the most references (the Reference Images chain holds at most its count)
+_WIDEST = max((f for f in FAMILIES.values() if f.max_references), key=lambda f: f.max_references)
+#: the most references one model takes
+MAX_REFERENCES = _WIDEST.max_references
 
 
 def rgba_pictures(image: torch.Tensor, mask: torch.Tensor | None = None) -> list:
@@ -50,47 +52,51 @@ def split_alpha(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return images, torch.zeros(images.shape[:3])
 
 
-def check_count(references: list) -> list:
-    if len(references) > MAX_REFERENCES:
-        raise ValueError(f"{len(references)} reference images; Qwen-Image-2.1 takes at most {MAX_REFERENCES}: remove "
-                         "some from the image batch or the Reference Images chain")
+def check_count(references: list, family=_WIDEST) -> list:
+    """`references`, or ValueError when `family` takes fewer."""
+    if len(references) > family.max_references:
+        raise ValueError(f"{len(references)} reference images; {family.file_title} takes at most "
+                         f"{family.max_references}: remove some from the image batch or the Reference Images chain")
     return references
 
 
-def _preview(latents: torch.Tensor, width: int, height: int):
+def _preview(sampling, latents: torch.Tensor, width: int, height: int):
     """Three latent channels as RGB (no VAE decode per step)."""
     from PIL import Image
-    grid = encode21.unpack(latents[:1].float().cpu(), width, height)[0, :3, 0]
+    grid = sampling.unpack(latents[:1].float().cpu(), width, height)[0, :3, 0]
     lo, hi = grid.amin(dim=(1, 2), keepdim=True), grid.amax(dim=(1, 2), keepdim=True)
     rgb = ((grid - lo) / (hi - lo + 1e-6) * 255).byte().permute(1, 2, 0).numpy()
     return ("JPEG", Image.fromarray(rgb), 256)
 
 
 def run(model, prompt: str, references: list, settings, unique_id=None, preview_due=None):
-    """Sample a 2.1 model (the Sampler node's call): (IMAGE, LATENT of raw VAE latents, MASK)."""
+    """Sample a model taking ordered references (the Sampler node's call) with its family's sampler module:
+    (IMAGE, LATENT of raw VAE latents, MASK)."""
     from qwen_edit_core import jobs
     comps = model.components
+    family = variants.get(comps.variant).family
+    sampling = family.stage("sampler")
     jobs.REGISTRY.check_free(comps.transformer, "sample")  # a job may train on this very transformer
     lora.activate(comps.transformer, model.loras)
     settings = dataclasses.replace(settings, attention=model.attention,
                                    cfg_mode="sequential" if settings.do_cfg else settings.cfg_mode)
-    cond = sampler21.build_conditioning(comps, prompt, check_count(references), settings)
+    cond = sampling.build_conditioning(comps, prompt, check_count(references, family), settings)
     bar = comfy_runtime.progress_bar(len(settings.sigmas or ()) or settings.num_inference_steps, node_id=unique_id)
     token = CancelToken()
 
     def progress(event):
         due = preview_due is None or preview_due(event.step, event.total)
-        bar.update_absolute(event.step, event.total, _preview(event.preview, cond.width, cond.height) if due else None)
+        bar.update_absolute(event.step, event.total, _preview(sampling, event.preview, cond.width, cond.height) if due else None)
         if comfy_runtime.interrupt_requested():
             token.cancel()
 
     try:
-        latents = sampler21.denoise(comps, cond, settings, progress=progress, cancel=token)
+        latents = sampling.denoise(comps, cond, settings, progress=progress, cancel=token)
     except Cancelled:
         comfy_runtime.raise_if_interrupted()
         raise
-    picture = sampler21.decode(comps, latents, cond.width, cond.height)
-    grid = encode21.unpack(latents, cond.width, cond.height)
+    picture = sampling.decode(comps, latents, cond.width, cond.height)
+    grid = sampling.unpack(latents, cond.width, cond.height)
     raw = encode.to_raw_latents(comps.vae, grid.to(next(comps.vae.parameters()).dtype)).float().cpu()
     image, mask = split_alpha(picture)
     return image, {"samples": raw}, mask

@@ -18,7 +18,8 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.model import variants
 
 from . import comfy_runtime, loaded_models, sample21
-from .common import CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils
+from .common import (CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils,
+                     side_of)
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
 # Widget specs several nodes share (same names, defaults and ranges everywhere).
@@ -43,9 +44,10 @@ SHIFT = (SHIFT_MODES, {"tooltip": "timestep shift: dynamic by image size (diffus
                                   "token count), or ComfyUI's fixed shift 1.15 (ModelSamplingAuraFlow default)"})
 UNCOND = (["same"] + device_choices(), {"tooltip": "same: batched CFG on the model's device; another device "
                                                    "(e.g. cuda:1): both CFG branches at once, uncond on a copy there"})
-VAE_SIDE = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                    "tooltip": "control images are resized to about this side squared in pixels (1024: "
-                               "~1 megapixel, the model's native size; 512 for quick tries)"})
+VAE_SIDE = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
+                    "tooltip": "control images are resized to about this side squared in pixels; 0 (auto): the "
+                               "model's own size (1024, ~1 megapixel, for real models; 128 for the built-in toy "
+                               "ones); 512 for quick tries"})
 
 
 PARALLEL = ("BOOLEAN", {
@@ -77,8 +79,17 @@ def _size(name: str) -> tuple:
                     "tooltip": f"output {name} in pixels (multiple of 16); 0: from the first control image"})
 
 
-def _controls(image, image2=None, image3=None) -> list:
-    return [image_to_pils(img)[0] for img in (image, image2, image3) if img is not None]
+def _controls(model, image, image2=None, image3=None) -> list:
+    """The connected control images as PIL images; more than the model takes is refused in the graph's words
+    (which inputs, which model to load) before the core's check, which speaks of the command line's variants."""
+    pils = [image_to_pils(img)[0] for img in (image, image2, image3) if img is not None]
+    spec = variants.get(model.components.variant)
+    if spec.max_controls is not None and len(pils) > spec.max_controls:
+        todo = (f"connect at most {spec.max_controls}" if spec.max_controls > 1 else "disconnect image2 and image3, "
+                "or pick an Edit Plus model (Qwen-Image-Edit-2509 or -2511) in Load Model: they take up to 3")
+        raise ValueError(f"this {spec.title} model takes {spec.controls_text()}, got {len(pils)} (image, image2, "
+                         f"image3): {todo}")
+    return pils
 
 
 def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic", negative="", cfg_mode="batched",
@@ -207,13 +218,14 @@ class QwenEditSampler:
                uncond_device, vae_side, image2=None, image3=None, unique_id=None, schedule="diffusers", shift=0.0,
                control_size="pipeline", parallel=False, sigmas="", references=None):
         loaded_models.use(model)
-        in_text = variants.get(model.components.variant).family.references == "in-text"
+        family = variants.get(model.components.variant).family
         with torch.inference_mode(False), torch.no_grad():
             settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=vae_side, schedule=schedule, shift=shift, control_size=control_size,
+                                 vae_area=side_of(vae_side, model), schedule=schedule, shift=shift,
+                                 control_size=control_size,
                                  sigmas=sigmas)
-            if in_text:
-                _check_21(uncond_device, parallel)
+            if family.ordered_references:
+                _check_one_device(family, uncond_device, parallel)
                 pictures = [p for img in (image, image2, image3) if img is not None
                             for p in sample21.rgba_pictures(img)]
                 return sample21.run(model, prompt, pictures + list(references or ()), settings, unique_id,
@@ -221,16 +233,17 @@ class QwenEditSampler:
             if references:
                 raise ValueError("references are Qwen-Image-2.1's; this model takes its control images through "
                                  "image, image2 and image3")
-            cond = sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings)
+            controls = _controls(model, image, image2, image3)
+            cond = sampler.build_conditioning(model.components, prompt, controls, settings)
             picture, latent = _run(model, cond, settings, uncond_device, unique_id, parallel)
             return (picture, latent, torch.zeros(picture.shape[:3]))
 
 
-def _check_21(uncond_device: str, parallel: bool) -> None:
-    """Refuse the multi-GPU settings the 2.1 loop does not have, naming what to set."""
+def _check_one_device(family, uncond_device: str, parallel: bool) -> None:
+    """Refuse the multi-GPU settings a references family's loop does not have, naming what to set."""
     if parallel or uncond_device != "same":
-        raise ValueError("Qwen-Image-2.1 samples on its model's device (its prefix cache and block-causal layout "
-                         "are not split across devices yet): set uncond_device to same and parallel off")
+        raise ValueError(f"{family.file_title} samples on its model's device (its prefix cache and block-causal "
+                         "layout are not split across devices yet): set uncond_device to same and parallel off")
 
 
 class QwenEditEncodePrompt:
@@ -251,10 +264,12 @@ class QwenEditEncodePrompt:
                 "optional": dict(EXTRA_IMAGES)}
 
     def encode(self, model, image, prompt, negative_prompt, width, height, vae_side, image2=None, image3=None):
-        settings = _settings(width=width, height=height, negative=negative_prompt, vae_area=vae_side)
+        settings = _settings(width=width, height=height, negative=negative_prompt,
+                             vae_area=side_of(vae_side, model))
         loaded_models.use(model)
         with torch.inference_mode(False), torch.no_grad():
-            return (sampler.build_conditioning(model.components, prompt, _controls(image, image2, image3), settings),)
+            controls = _controls(model, image, image2, image3)
+            return (sampler.build_conditioning(model.components, prompt, controls, settings),)
 
 
 class QwenEditSampleConditioning:
@@ -314,7 +329,7 @@ class QwenEditEncodeImage:
         with torch.inference_mode(False), torch.no_grad():
             latents = []
             for pil in image_to_pils(image):
-                size = encode.image_size_at_area(pil, vae_side * vae_side)
+                size = encode.image_size_at_area(pil, side_of(vae_side, model) ** 2)
                 latents.append(encode.encode_latents(comps.vae, encode.pixels_for_vae(pil, *size)))
             raw = torch.cat([encode.to_raw_latents(comps.vae, x) for x in latents])  # one IMAGE: one size
             return (latents, {"samples": raw.float().cpu()})
@@ -372,10 +387,13 @@ class QwenEditSpeed:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": MODEL_IN,
-            "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 base weights, fp8 matmuls: ~1.6x faster "
-                                                             "linears, half the weight memory; LoRAs stay bf16"}),
+            "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 block weights, fp8 matmuls (Ada/Hopper): "
+                                                             "faster linears (BENCHMARKS.md). The fp8 copies come on "
+                                                             "top of the input model's bf16 weights, which it keeps: "
+                                                             "1.5x the block weights while both are loaded. LoRAs "
+                                                             "stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
-            "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
+            "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 
     def apply(self, model, fp8, compile, attention):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .common import CATEGORY, DATASET, JOB, MODEL, TIPS
+from .common import CATEGORY, JOB
 from .train_nodes import QwenEditTrain
 
 TRAIN_OPTIONS = "QWEN_EDIT_TRAIN_OPTIONS"

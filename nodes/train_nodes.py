@@ -4,6 +4,7 @@ stop with a checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -20,12 +21,16 @@ from qwen_edit_core.train.heldout import heldout_text
 from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
 from . import comfy_runtime, loaded_models
-from .common import CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils
+from .job_service import outcome
+from .common import (CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils,
+                     side_of)
 
+log = logging.getLogger(__name__)
 
-RESOLUTION = ("INT", {"default": 1024, "min": 64, "max": 2048, "step": 32,
-                      "tooltip": "training side in pixels: images are resized to about this side squared "
-                                 "(1024 native; 512 trains ~4x faster)"})
+RESOLUTION = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
+                      "tooltip": "training side in pixels: images are resized to about this side squared; 0 (auto): "
+                                 "the model's own size (1024 native for real models; 128 for the built-in toy "
+                                 "ones); 512 trains ~4x faster than 1024"})
 
 
 def _folder(folder: str) -> Path:
@@ -101,6 +106,7 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
             **sections):
     """A core Config from the loaded model (its directory and devices) and the node's widgets."""
     comps = handle.components
+    resolution = side_of(resolution, handle)
     te = comps.text_encoder.device if comps.text_encoder is not None else "cpu"
     vae = next(comps.vae.parameters()).device if comps.vae is not None else "cpu"
     transformer = next(comps.transformer.parameters())
@@ -168,7 +174,7 @@ class QwenEditBuildCache:
                 comfy_runtime.raise_if_interrupted()
                 raise
         summary = f"{stats['total']} entries: {stats['hits']} reused, {stats['computed']} computed"
-        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), resolution)
+        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), side_of(resolution, model))
         return {"ui": {"text": [summary]}, "result": (handle, summary)}
 
 
@@ -385,7 +391,8 @@ class QwenEditTrainStatus:
             # ComfyUI's progress bar raises on an interrupt: stop the job (it saves a checkpoint) first.
             if comfy_runtime.interrupt_requested():
                 job.stop()
-                job.wait()
+                log.warning("interrupted: training job %r stopped; %s (queue Train again with resume on to "
+                            "continue)", job.name, outcome(job.wait()))
                 comfy_runtime.raise_if_interrupted()
             try:
                 bar.update_absolute(status.step, status.total)
@@ -396,14 +403,21 @@ class QwenEditTrainStatus:
 
         status = (jobs.wait_for(job, on_tick=tick, until=comfy_runtime.other_prompts_queued) if wait
                   else job.status())
-        if status.state == "failed":
+        if status.state == "failed" and wait:  # the graph waited for a LoRA that will not come
             raise RuntimeError(f"training job {status.name!r} failed: {status.error}")
         name, path = (status.delivered.name, str(status.delivered)) if status.delivered else ("", "")
-        loss = status.loss if status.loss is not None and math.isfinite(status.loss) else 0.0
-        text = f"{status.name}: {status.state}, step {status.step}/{status.total}, loss {loss:.4f}"
+        measured = status.loss is not None and math.isfinite(status.loss)
+        loss = status.loss if measured else 0.0
+        text = f"{status.name}: {status.state}, step {status.step}/{status.total}"
+        text += f", loss {loss:.4f}" if measured else ", no loss yet"
         text += heldout_text(status.validation_metrics)
-        text += f", LoRA {name}" if name else (" (still running; its LoRA goes to models/loras when done)"
-                                               if not status.finished else "")
+        said = outcome(status)
+        text += f" ({said})" if said else " (still running; its LoRA goes to models/loras when done)"
         return {"ui": {"text": [text]},
-                "result": (name, path, files_to_image([status.loss_plot] if status.loss_plot else []),
-                           files_to_image(status.validation_images), float(loss))}
+                "result": (name, path, _pictures([status.loss_plot] if status.loss_plot else []),
+                           _pictures(status.validation_images), float(loss))}
+
+
+def _pictures(paths):
+    """PNG files as an IMAGE, or (none yet) nothing: the Preview Image fed by it is skipped, not shown black."""
+    return files_to_image(paths) if paths else comfy_runtime.nothing()

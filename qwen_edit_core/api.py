@@ -30,6 +30,27 @@ from qwen_edit_core.train import run
 log = logging.getLogger(__name__)
 
 
+def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: int | None = None,
+                   batch_size: int = 1, out_dir=None, fix_dir=None, cache_dir=None, workers: int = 1):
+    """The dataset doctor on a folder of pairs (qwen_edit_core.data.doctor): returns its DoctorRun (report, report
+    picture, fixes applied). `held_out`: the held-out pairs as `train.validation_pairs` takes them (a number N: the
+    folder's last N pairs; a folder); `pixel_aligned`: the edit keeps every pixel in place (realign with
+    `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
+    `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
+    the measures are kept by content hash."""
+    from qwen_edit_core.data.dataset import load_dataset
+    from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
+    from qwen_edit_core.train.heldout import split_heldout
+    examples = list(load_dataset(folder, skip_invalid=True, convert_modes=True).examples)
+    held: list = []
+    if held_out:
+        examples, held = split_heldout(examples, held_out, lambda path: load_dataset(
+            path, skip_invalid=True, convert_modes=True).examples)
+    settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
+    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, cache_dir=cache_dir,
+                         workers=workers)
+
+
 class QwenImageEditTrainer:
     """Load a Qwen-Image-Edit model on a device plan, then predict (and, later stages, cache and fit)."""
 
@@ -165,22 +186,26 @@ class QwenImageEditTrainer:
         preflight.check_output_dir(folder, 0, "the embedding cache", key)  # before the encoders load
         return run.run_cache(self.config, examples, self.components, progress=progress, cancel=cancel)
 
-    def check_fit(self, resume=None) -> None:
+    def check_fit(self, resume=None, overwrite: bool = False) -> None:
         """Preflight of `fit` without loading any weight: config devices, dataset, resume checkpoint, output
         directory (writable, free space), the LoRA to continue from (qwen_edit_core.preflight):
         `check_fit_inputs`, then `check_fit_outputs`."""
-        self.check_fit_inputs(resume)
+        self.check_fit_inputs(resume, overwrite)
         self.check_fit_outputs()
 
-    def check_fit_inputs(self, resume=None) -> None:
+    def check_fit_inputs(self, resume=None, overwrite: bool = False) -> None:
         """The part of `check_fit` that writes nothing (the model first, then the dataset, the devices, the resume
-        checkpoint, the weight files, previews and LoRA files): it may run before the output folder exists."""
+        checkpoint, another run's files in the output folder, the weight files, previews and LoRA files): it may
+        run before the output folder exists."""
         from qwen_edit_core.train.loop import resolve_resume
+        from qwen_edit_core.train.run_folder import check_free
         examples = self.dataset().examples
         run.encoder_plan(self.config)
-        resolve_resume(Path(self.config.train.output_dir), resume)
+        out_dir = Path(self.config.train.output_dir)
+        checkpoint = resolve_resume(out_dir, resume)
+        check_free(out_dir, checkpoint, overwrite)
         preflight.training_inputs(self.config, resolve_model_dir(self.config.model.pretrained_model_name_or_path),
-                                  len(examples))
+                                  len(examples), checkpoint)
 
     def check_fit_outputs(self) -> None:
         """The part of `check_fit` that writes: every folder the run writes, created and probed, the output
@@ -208,7 +233,8 @@ class QwenImageEditTrainer:
             prompts = None  # Qwen-Image-2.1's encoder (families/qwen_image_21/encode.py) sets no such limit
         preflight.sampling(model_dir, loras, out_file, self.config, prompts)
 
-    def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None):
+    def fit(self, *, resume=None, progress=None, cancel=None, lock=None, shared: Components | None = None,
+            overwrite: bool = False):
         """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and
         write it to `train.output_dir` (train.run.fit); returns loop.TrainResult. The trained transformer and
         its LoRA stay loaded (save_lora, predict).
@@ -217,15 +243,17 @@ class QwenImageEditTrainer:
         directory: the run holds an OutputLock on `train.output_dir` until it ends (or uses `lock`, one the caller
         holds); a second run there is refused at once with OutputDirBusyError naming the holder's PID and start
         time. `shared`: loaded components to train on instead of loading a transformer (the caller keeps them;
-        the trained adapter is taken off their transformer when the run ends: train.run.fit)."""
+        the trained adapter is taken off their transformer when the run ends: train.run.fit). A new run into a
+        folder holding another run's LoRA or checkpoints is refused (OutputDirTakenError) unless `overwrite`,
+        which moves the old run aside first (train.run_folder)."""
         if (lock is not None and lock.held) or os.environ.get("RANK", "0") != "0":  # other ranks: rank 0 holds it
-            return self._fit(resume, progress, cancel, shared)
+            return self._fit(resume, progress, cancel, shared, overwrite)
         if shared is None:  # a config with no usable model is refused before the lock creates the output folder
             resolve_model_dir(self.config.model.pretrained_model_name_or_path)
         with OutputLock(self.config.train.output_dir):
-            return self._fit(resume, progress, cancel, shared)
+            return self._fit(resume, progress, cancel, shared, overwrite)
 
-    def _fit(self, resume, progress, cancel, shared=None):
+    def _fit(self, resume, progress, cancel, shared=None, overwrite=False):
         def release() -> None:
             self.components = None
 
@@ -233,10 +261,12 @@ class QwenImageEditTrainer:
             self.components, self._spec = comps, spec
 
         def check(model_dir: Path, n_examples: int) -> None:
-            preflight.training(self.config, model_dir, n_examples)
+            from qwen_edit_core.train.loop import resolve_resume
+            checkpoint = resolve_resume(Path(self.config.train.output_dir), resume)
+            preflight.training(self.config, model_dir, n_examples, checkpoint)
 
         result = run.fit(self.config, encoders=self.components, shared=shared, release=release, ready=ready,
-                         check=check, resume=resume, progress=progress, cancel=cancel)
+                         check=check, resume=resume, progress=progress, cancel=cancel, overwrite=overwrite)
         self._uncond_transformer = None
         return result
 

@@ -1,4 +1,4 @@
-"""`qwen-edit`: tiny | sample | cache | train | pairs | demo | bench.
+"""`qwen-edit`: tiny | sample | cache | train | pairs | doctor | demo | bench.
 
 Errors a user can fix (bad path, device, size, prompt) print one line naming the input and exit with
 status 2; no traceback from inside diffusers.
@@ -154,7 +154,8 @@ def cmd_train(args) -> None:
     resume = True if args.resume == "" else args.resume
     cancel = CancelToken()
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
-        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel)
+        result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel,
+                             overwrite=args.overwrite)
     log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
     if result.state == "cancelled":
         saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
@@ -169,7 +170,8 @@ TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "ma
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
-               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"))
+               ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"),
+               ("lora_format", "train", "lora_format"))
 
 
 def train_overrides(args) -> dict:
@@ -206,9 +208,55 @@ def _train_bar():
 
 
 def cmd_pairs(args) -> None:
+    if args.faults:
+        from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
+        faulty = write_faulty_dataset(Path(args.folder), size=args.size, seed=args.seed, count=max(24, args.count))
+        log.info("wrote the planted-fault dataset to %s and %s: %s", faulty.train, faulty.heldout,
+                 ", ".join(f"{name} {kind}" for name, kind in sorted(faulty.faults.items())))
+        return
     from qwen_edit_core.data.synthetic import write_pairs
     pairs = write_pairs(Path(args.folder), args.count, args.seed, args.edit, args.size)
     log.info("wrote %d %r pairs (%d px) to %s", len(pairs), args.edit, args.size, args.folder)
+
+
+def cmd_doctor(args) -> None:
+    """`qwen-edit doctor DATASET`: the dataset doctor's findings (one JSON object each with --json), the report
+    picture in --out, the fixed copy in --fix."""
+    from qwen_edit_core.api import doctor_dataset
+    from qwen_edit_core.data.doctor.runner import default_workers
+    held = int(args.held_out) if args.held_out and args.held_out.isdigit() else args.held_out
+    run = doctor_dataset(args.dataset, held, pixel_aligned=args.pixel_aligned, area=args.area,
+                         batch_size=args.batch_size, out_dir=args.out, fix_dir=args.fix, cache_dir=args.cache,
+                         workers=args.workers or default_workers())
+    if args.json:
+        if run.report.findings:
+            print(run.report.json_lines())  # noqa: T201  (the command's output)
+    else:
+        log.info("%s", run.report.summary(limit=len(run.report.findings)))
+    if run.picture:
+        log.info("report of the worst pairs: %s", run.picture)
+    for line in run.fixes:
+        log.info("fixed %s", line)
+
+
+def add_doctor_command(sub) -> None:
+    """The `doctor` subcommand's arguments."""
+    p = _command(sub, "doctor", "check what a dataset's pairs mean: swapped, misaligned, references out of order, "
+                                "unchanged, duplicated or leaked pairs, masks, captions, sizes")
+    p.add_argument("dataset", help="dataset folder (the layouts data.folder takes)")
+    p.add_argument("--json", action="store_true", help="one JSON object per finding on stdout: pair, kind, figure, "
+                                                       "fix, why")
+    p.add_argument("--fix", metavar="OUT", help="write a fixed copy of the dataset to this new folder (the original "
+                                                "is never changed)")
+    p.add_argument("--out", default="doctor_out", help="folder for report.txt and report.png (the worst pairs)")
+    p.add_argument("--held-out", help="held-out pairs as train.validation_pairs: N (the last N pairs) or a folder")
+    p.add_argument("--pixel-aligned", action="store_true", help="the edit keeps every pixel in place "
+                   "(data.control_size: target): --fix realigns shifted and zoomed targets")
+    p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
+    p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
+    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
+    p.add_argument("--workers", type=int, help="processes measuring pairs (default: the CPUs, at most 4)")
+    p.set_defaults(func=cmd_doctor)
 
 
 def cmd_demo(args) -> None:
@@ -316,8 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")
     p.add_argument("--output-dir", help="train.output_dir: the run's folder (LoRA, checkpoints, loss plot)")
+    p.add_argument("--overwrite", action="store_true", help="a folder holding another run's LoRA or checkpoints: "
+                   "move that run aside to FOLDER.replaced-TIME and start anew (without it such a run is refused)")
     p.add_argument("--max-steps", type=int, help="train.max_steps: optimizer steps of the run")
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
+    p.add_argument("--lora-format", choices=["split", "fused"], help="train.lora_format: the file's MLP layout "
+                   "where ComfyUI fuses it (Qwen-Image-2.1): split (diffusers, peft) or fused (ComfyUI's own)")
     p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
     p.add_argument("--validation-pairs", type=lambda v: int(v) if v.isdigit() else v, help="train.validation_pairs: "
                    "keep the dataset's last N pairs (or a folder's) out of training; errors: validation/metrics.csv")
@@ -349,7 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", choices=[DEMO_EDIT[0], *EDITS], default=DEMO_EDIT[0], help="the edit (and caption)")
     p.add_argument("--size", type=int, default=128, help="picture side in pixels")
     p.add_argument("--seed", type=int, default=0, help="pictures seed")
+    p.add_argument("--faults", action="store_true", help="the dataset doctor's planted-fault dataset instead: "
+                   "FOLDER/train (invert the colors, at least 24 pairs, faults planted) and FOLDER/heldout")
     p.set_defaults(func=cmd_pairs)
+
+    add_doctor_command(sub)
 
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
@@ -359,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices="sample train batching threads soak memory activations".split(), help="which benchmark")
+    p.add_argument("what", choices="sample train batching threads soak memory activations doctor cache".split(),
+                   help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
@@ -376,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "GiB (default 24), the graph's model from a ComfyUI file lent to it")
     p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
                    help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
+    p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
+    p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -24,7 +24,7 @@ from qwen_edit_core.model.templates import EMPTY_PROMPT
 log = logging.getLogger(__name__)
 
 #: mirrors speed.ATTENTION_KERNELS (kept here so reading a config never imports torch)
-AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math"]
+AttentionKernel = typing.Literal["auto", "cudnn", "flash", "efficient", "math", "flash3"]
 Quantize = typing.Literal["none", "int8", "nf4"]
 ControlSize = typing.Literal["pipeline", "target"]
 BucketGrouping = typing.Literal["equal", "similar", "similar-count"]
@@ -35,6 +35,7 @@ LossWeighting = typing.Literal["none", "sigma_sqrt", "cosmap"]
 OptimizerType = typing.Literal["adamw", "adamw8bit"]
 ScheduleType = typing.Literal["constant", "constant_with_warmup", "linear", "cosine"]
 CfgMode = typing.Literal["sequential", "batched", "split"]
+LoraFormat = typing.Literal["split", "fused"]
 ShiftMode = typing.Literal["dynamic", "fixed"]
 LoraInit = typing.Literal["default", "gaussian"]
 #: mirrors adapters.kinds.ADAPTER_TYPES
@@ -121,6 +122,9 @@ class DataConfig:
     #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
     #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
     control_size: ControlSize = "pipeline"
+    #: the dataset doctor before the first step (data/doctor/): "warn" logs its summary, "refuse" stops the run
+    #: when it flags a pair, "off" skips it
+    doctor: typing.Literal["warn", "refuse", "off"] = "warn"
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class ValidationPreview:
     sigmas: tuple[float, ...] | str = ()
     #: LoRA files active in this preview only ([{path, strength}]), beside the trained LoRA and model.lora.stack
     loras: tuple[LoraStackItem, ...] = ()
-    #: the grid label; empty: "<schedule> <steps> steps"
+    #: the grid label; empty: "<schedule> <steps> steps, CFG <cfg>"
     label: str = ""
 
 
@@ -179,6 +183,9 @@ class TrainConfig:
     #: N = the dataset's last N pairs by name, or a folder of pairs; 0 / "": none
     validation_pairs: int | str = 0
     lora_name: str = "lora"
+    #: the saved file's MLP layout where the model fuses its MLP input halves in ComfyUI: "split" (diffusers,
+    #: DiffSynth, peft; ComfyUI reads it too) or "fused" (ComfyUI's and ai-toolkit's own); adapters/lora_files.py
+    lora_format: LoraFormat = "split"
     #: speed levers (qwen_edit_core/speed/). compile: compile each transformer block (CUDA; ~30 s once)
     compile: bool = False
     #: with gradient_checkpointing: how many blocks recompute (-1: all); the rest keep their activations
@@ -192,7 +199,8 @@ class TrainConfig:
     #: with memory_budget_gb 0 on a CUDA device: size the planner to the device's free memory when training
     #: starts (plus the transformer's own weights already there; the ComfyUI Train node turns this on)
     memory_budget_auto: bool = False
-    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS); "cudnn" is fastest on Hopper
+    #: which attention kernel goes first (speed/attention.py: "auto" is torch's order; cudnn, flash, efficient,
+    #: math; flash3 where FlashAttention-3 is installed)
     attention: AttentionKernel = "auto"
     #: with an fp8 base: the base's input gradients as fp8 matmuls too (e4m3, per-row scales; faster,
     #: slightly noisier gradients)
@@ -208,6 +216,10 @@ class TrainConfig:
     ema_decay: float = 0.0
     #: with ema_decay: validation images use the averaged LoRA instead of the trained one
     ema_validation: bool = False
+    #: torch's intra-op CPU threads while a background job (ComfyUI's Train LoRA) trains; 0: chosen from the
+    #: cores and load (common/threads.py: 1 on a machine of 4 cores or fewer or a busy one). It matters for
+    #: CPU training only: on a GPU the CPU just launches kernels
+    cpu_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -271,7 +283,7 @@ class PredictConfig:
     #: compile each transformer block (CUDA; ~30 s once) and keep the base's block linears in fp8
     compile: bool = False
     fp8: bool = False
-    #: which fused attention kernel goes first (perf.ATTENTION_KERNELS)
+    #: which attention kernel goes first (speed/attention.py, as train.attention)
     attention: AttentionKernel = "auto"
     #: "target": controls resized to the output size (the control's own when a multiple of 16): for LoRAs
     #: trained with data.control_size: target; "pipeline": as diffusers
@@ -327,6 +339,8 @@ _RANGES = [
     ("data.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
     ("data.caption_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.prompt_image_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    # an empty folder would resolve to the current directory: the run's files would land wherever it started
+    ("train.output_dir", lambda v: v.strip() != "", "a folder (empty would write into the current directory)"),
     ("train.max_steps", lambda v: v >= 1, ">= 1"), ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
     ("train.max_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),

@@ -69,33 +69,33 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
 
 
 def _family_sampler(components):
-    """The sampler module and latent packing of the components' family (Qwen-Image-2.1: references in the text,
-    unpatched latents)."""
-    from qwen_edit_core.model import encode, variants
-    from qwen_edit_core.families.qwen_image_21 import encode as encode21
-    from qwen_edit_core.sample import sampler
-    from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
-    if variants.get(components.variant).family.references == "in-text":
-        return sampler21, encode21.pack
-    return sampler, encode.pack
+    """The sampler module of the components' family (families/<family>/sampler.py: its conditioning, loop,
+    decoding and latent packing)."""
+    from qwen_edit_core.model import variants
+    return variants.get(components.variant).family.stage("sampler")
 
 
-def _evaluate(trainer, held_out, steps: int = 20) -> dict:
-    """Sample each held-out control (CFG off, seed 0; for Qwen-Image-2.1 the control is reference 1); mean
-    squared errors to the target in normalized latents and in pixels ([0, 1] RGB), and the pictures' edge
-    similarity to the target."""
+#: the few-step check of the Qwen-Image-2.1 demo: Turbo's 8-step sigma list, run unshifted as on Turbo
+FEW_STEP_SIGMAS = "qwen21-turbo-8step"
+
+
+def _evaluate(trainer, held_out, steps: int = 20, sigmas: str | None = None) -> dict:
+    """Sample each held-out control (CFG off, seed 0; for Qwen-Image-2.1 the control is reference 1; `sigmas`: a
+    preset sigma list run unshifted instead of `steps`); mean squared errors to the target in normalized latents
+    and in pixels ([0, 1] RGB), and the pictures' edge similarity to the target."""
     from qwen_edit_core.model import encode
-    from qwen_edit_core.sample import sampler
+    from qwen_edit_core.sample import sampler, schedules
     comps = trainer.components
-    family_sampler, pack = _family_sampler(comps)
+    family_sampler = _family_sampler(comps)
+    grid = schedules.parse_sigmas(sigmas) if sigmas else None
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, negative_prompt=None, seed=0,
-                                      vae_area=SIZE * SIZE)
+                                      vae_area=SIZE * SIZE, sigmas=grid, shift=1.0 if grid else None)
     latent_err, pixel_err, edges, images = [], [], [], []
     for control_path, target_path in held_out:
         control, target = encode.open_image(control_path), encode.open_image(target_path)
         cond = family_sampler.build_conditioning(comps, CAPTION, [control], settings)
         latents = family_sampler.denoise(comps, cond, settings)
-        target_latents = pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
+        target_latents = family_sampler.pack(trainer.encode_image(target, area=SIZE * SIZE)).to(latents.device)
         image = family_sampler.decode(comps, latents, cond.width, cond.height)[0][..., :3]
         target_pixels = torch.from_numpy(np.asarray(target, dtype=np.float32) / 255.0)
         latent_err.append(float((latents - target_latents).float().pow(2).mean()))
@@ -158,10 +158,12 @@ def _run(out_dir: Path, steps: int, variant: str) -> dict:
     trainer = QwenImageEditTrainer(_config(model_dir, out_dir / "dataset", out_dir, steps))
     trainer.load_model()
     before = _evaluate(trainer, held_out)
+    few_before = _evaluate(trainer, held_out, sigmas=FEW_STEP_SIGMAS) if is_21 else None
     trainer.cache()
     result = trainer.fit()
     trainer.load_model(which=("vae", "text_encoder"), keep_transformer=True)
     after = _evaluate(trainer, held_out)
+    few_after = _evaluate(trainer, held_out, sigmas=FEW_STEP_SIGMAS) if is_21 else None
 
     rows = [[Image.open(c).convert("RGB"), Image.open(t).convert("RGB"), _to_pil(b), _to_pil(a)]
             for (c, t), b, a in zip(held_out, before["images"], after["images"])]
@@ -175,6 +177,12 @@ def _run(out_dir: Path, steps: int, variant: str) -> dict:
         "train_steps": result.step, "first_loss": result.history[0][1], "last_loss": result.history[-1][1],
         "lora": str(result.lora_path), "loss_plot": str(result.loss_plot), "before_after": str(out_dir / "before_after.png"),
         "seconds": time.perf_counter() - started}
+    if few_after is not None:  # the saved LoRA's edit at the few-step schedule 2.1's users sample with
+        metrics.update({"fewstep_sigmas": FEW_STEP_SIGMAS, "fewstep_pixel_mse_before": few_before["pixel_mse"],
+                        "fewstep_pixel_mse_after": few_after["pixel_mse"],
+                        "fewstep_edge_similarity_after": few_after["edge_similarity"]})
+        log.info("demo: at %s (8 steps) pixel MSE to the targets %.4f -> %.4f, edge similarity %.2f",
+                 FEW_STEP_SIGMAS, few_before["pixel_mse"], few_after["pixel_mse"], few_after["edge_similarity"])
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     log.info("demo: %r learned as a LoRA in %d steps: pixel MSE to the targets %.4f -> %.4f (%.1fx lower), latent "
              "MSE %.3f -> %.3f, edge similarity %.2f -> %.2f; pictures: %s, loss plot: %s (%.0f s)", CAPTION,

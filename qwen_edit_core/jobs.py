@@ -151,9 +151,13 @@ class TrainingJob:
         self._notify("progress")
 
     def _run(self) -> None:
+        from qwen_edit_core.common.threads import torch_threads
         try:
-            result = self._fit(self.config, resume=self._resume, progress=self._progress, cancel=self._cancel,
-                               lock=self._output_lock, model=self.model)
+            # pinned in this thread: two threads per operation on a small or busy machine ran each step several
+            # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
+            with torch_threads(self.config.train.cpu_threads):
+                result = self._fit(self.config, resume=self._resume, progress=self._progress,
+                                   cancel=self._cancel, lock=self._output_lock, model=self.model)
             delivered = self._deliver(result.lora_path) if self._deliver and result.lora_path else None
             with self._lock:
                 self._result, self._delivered = result, delivered
@@ -187,12 +191,13 @@ class TrainingJob:
             return self._state in FINISHED
 
     def uses(self, module) -> bool:
-        """Whether this job, still running, trains on (or encodes with) `module`, a component of its shared
-        model."""
+        """Whether this job, still running, trains on (or encodes with) any weight of `module` (a module, or a
+        wrapper of one such as the text encoder's): compared tensor by tensor, so the module inside a wrapper
+        of the job's model, or another module over the same storage, counts as the job's."""
         shared = self.model
         if shared is None or module is None or self.finished:
             return False
-        return any(module is getattr(shared, name, None) for name in ("transformer", "vae", "text_encoder"))
+        return not weight_keys(module).isdisjoint(weight_keys(shared))
 
     @property
     def history(self) -> list[tuple[int, float]]:
@@ -228,6 +233,28 @@ class TrainingJob:
                              last_checkpoint=checkpoint, error=self._error,
                              output_dir=self.output_dir, delivered=self._delivered,
                              latest_validation=latest, device=self.device, validation_metrics=metrics)
+
+
+#: the attributes `weight_keys` follows from an object that is not a module: Components' parts, TextEncoder.model
+WEIGHT_HOLDERS = ("transformer", "vae", "text_encoder", "model")
+
+
+def weight_keys(value) -> set:
+    """The identities of the weights `value` holds (a torch module; else the modules under its `WEIGHT_HOLDERS`
+    attributes, e.g. Components or a TextEncoder): each tensor object, and each non-empty storage on a real
+    device (two tensor objects may view one storage). Compare sets taken at the same time: ids are reused once
+    an object is gone."""
+    import torch
+    if value is None:
+        return set()
+    if not isinstance(value, torch.nn.Module):
+        return set().union(*(weight_keys(getattr(value, name, None)) for name in WEIGHT_HOLDERS))
+    keys = set()
+    for tensor in (*value.parameters(), *value.buffers()):
+        keys.add(("tensor", id(tensor)))
+        if tensor.device.type != "meta" and tensor.numel():
+            keys.add(("storage", str(tensor.device), tensor.untyped_storage().data_ptr()))
+    return keys
 
 
 def device_key(name: str) -> str:

@@ -47,11 +47,12 @@ def meta_transformer(model_dir: Path | None):
     the model directory has no transformer config (a transformer given as one file)."""
     if model_dir is None or not (Path(model_dir) / "transformer" / "config.json").is_file():
         return None
-    import diffusers
     from accelerate import init_empty_weights
-    config = diffusers.QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer")
-    # the family's class (Qwen-Image-2.1 has its own), as config.json names it
-    cls = getattr(diffusers, config.get("_class_name", ""), None) or diffusers.QwenImageTransformer2DModel
+
+    from qwen_edit_core.families import DEFAULT, family_of_class
+    config = DEFAULT.class_of("transformer").load_config(Path(model_dir) / "transformer")
+    # the family's class, as config.json names it
+    cls = family_of_class(config.get("_class_name", "")).class_of("transformer")
     with init_empty_weights():
         return cls.from_config(config)
 
@@ -205,22 +206,87 @@ def warn_about_data(config: Config, n_examples: int) -> None:
                     t.max_steps, epochs, n_examples, SENSIBLE_EPOCHS)
 
 
-def training(config: Config, model_dir: Path | None, n_examples: int) -> None:
+def training(config: Config, model_dir: Path | None, n_examples: int, resume: Path | None = None) -> None:
     """Every training check that needs no weights (see the module docstring): `training_inputs`, then
     `training_outputs`."""
-    training_inputs(config, model_dir, n_examples)
+    training_inputs(config, model_dir, n_examples, resume)
     training_outputs(config, model_dir)
 
 
-def training_inputs(config: Config, model_dir: Path | None, n_examples: int) -> None:
-    """The training checks that write nothing: the launch, the data, the weight files, the validation previews
-    and the LoRA files (a background job runs them before its lock creates the output folder)."""
+#: settings a resumed run must share with its checkpoint's run: the adapter, and the optimizer and schedule
+#: whose state the checkpoint holds (a changed optimizer.* or lr_scheduler.* would be silently overridden by
+#: that state, or make resume inexact: refused; a new learning rate is a new run from the checkpoint's
+#: lora.safetensors as model.lora.init_from)
+RESUME_KEYS = ("model.variant", "model.lora.type", "model.lora.dora", "model.lora.rank", "model.lora.alpha",
+               "model.lora.targets", "optimizer", "lr_scheduler")
+
+
+class ResumeMismatchError(ValueError):
+    """The checkpoint given to --resume cannot continue this run; the message names it and what differs."""
+
+
+def _setting(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def _changed(old: dict, new: dict, key: str) -> list[str]:
+    """`key: old in the checkpoint, new now` for each differing setting under `key` (the empty variant means
+    detected: not compared)."""
+    before, now = _setting(old, key), _setting(new, key)
+    if isinstance(now, dict):
+        return [line for sub in sorted(now) for line in _changed(old, new, f"{key}.{sub}")]
+    if isinstance(before, list) or isinstance(now, (list, tuple)):
+        before, now = list(before) if isinstance(before, (list, tuple)) else before, list(now)
+    if before == now or (key == "model.variant" and "" in (before, now)):
+        return []
+    return [f"{key} is {before!r} in the checkpoint, {now!r} now"]
+
+
+def check_resume(config: Config, model_dir: Path | None, path: Path) -> None:
+    """ResumeMismatchError, one line naming checkpoint `path` and every difference, when it cannot continue this
+    run: damaged or missing files (train.checkpoint.file_problems), a changed adapter, optimizer or schedule
+    setting (`RESUME_KEYS`), or adapter tensors that differ in name or shape from the ones this run trains
+    (another family, variant, adapter kind, rank or targets), before any weight loads."""
+    from qwen_edit_core.train.checkpoint import file_problems, read_state
+    shapes, problems = file_problems(path)
+    if not problems:
+        old = read_state(path).get("config", {})
+        new = to_dict(config)
+        problems = [line for key in RESUME_KEYS for line in _changed(old, new, key)]
+        expected = trained_tensors(config, model_dir)
+        if expected is not None and shapes != expected:
+            problems.append(_tensor_difference(shapes, expected))
+    if problems:
+        raise ResumeMismatchError(f"--resume {str(path)!r} cannot continue this run: {'; '.join(problems)}. "
+                                  "Resume with the checkpoint's settings, or start a new run")
+
+
+def _tensor_difference(saved: dict, expected: dict) -> str:
+    """The first differences between the checkpoint's adapter tensors and this run's, in words."""
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    reshaped = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
+                if saved[k] != expected[k]]
+    parts = ([f"{len(missing)} of this run's adapter tensors are not in it (e.g. {missing[0]})"] if missing else []) \
+        + ([f"{len(extra)} of its tensors are not this run's (e.g. {extra[0]})"] if extra else []) \
+        + ([f"{len(reshaped)} tensors have other shapes (e.g. {reshaped[0]})"] if reshaped else [])
+    return ("its adapter is not this run's (another model family, variant, adapter kind, rank or targets): "
+            + ", ".join(parts))
+
+
+def training_inputs(config: Config, model_dir: Path | None, n_examples: int, resume: Path | None = None) -> None:
+    """The training checks that write nothing: the launch, the data, the weight files, the resume checkpoint
+    against the run (`check_resume`), the validation previews and the LoRA files (a background job runs them
+    before its lock creates the output folder)."""
     from qwen_edit_core.train.distributed import launch_mismatch
     mismatch = launch_mismatch(os.environ)
     if mismatch:
         log.warning(mismatch)
     warn_about_data(config, n_examples)
     check_weights(config, model_dir)
+    if resume is not None:
+        check_resume(config, model_dir, resume)
     if config.train.validation_every and config.train.validation_image:
         from qwen_edit_core.train.validation import previews_from_config
         previews_from_config(config)  # settings and LoRA files of every preview

@@ -131,17 +131,23 @@ function render(node) {
   const loss = e.loss === null || e.loss === undefined ? "-" : Number(e.loss).toFixed(4);
   const held = heldoutPoints(e);
   const heldText = held.length ? ` · held-out pixel MSE ${held[held.length - 1][1].toFixed(4)}` : "";
+  // a finished job's outcome: a failure's reason, or the checkpoint a stop saved and where the LoRA went
   view.text.textContent = `${e.name}: ${e.state} · step ${e.step}/${e.total} · loss ${loss}` + heldText +
-    (e.delivered ? ` · LoRA ${e.delivered.split(/[\\/]/).pop()}` : "");
+    (e.outcome ? ` · ${e.outcome}` : "");
+  view.text.style.color = e.state === "failed" ? "#ff8a80" : "";
   Object.assign(view.root.dataset, { state: e.state, step: String(e.step), points: String(job.history.length),
                                      loss: loss, heldout: String(held.length) });
   view.bar.max = e.total || 1;
   view.bar.value = e.step;
   drawCurve(view.canvas, job.history, held);
-  if (e.validation_url && view.img.dataset.src !== e.validation_url) {
-    view.img.dataset.src = e.validation_url;
-    view.img.src = api.apiURL(e.validation_url);
-    view.img.style.display = "block";
+  // this run's latest validation picture, or none: a new run under the same name has none until its first
+  // validation, and must not go on showing the previous run's
+  const url = e.validation_url ?? "";
+  if (view.img.dataset.src !== url) {
+    view.img.dataset.src = url;
+    if (url) view.img.src = api.apiURL(url);
+    else view.img.removeAttribute("src");
+    view.img.style.display = url ? "block" : "none";
   }
 }
 

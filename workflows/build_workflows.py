@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 from nodes.common import TOY_21_MODEL, TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
-from workflows.layout import TITLE, frontend_sizes, note_size, place, view  # noqa: E402
+from workflows.layout import COLUMN_HEIGHT, TITLE, frontend_sizes, note_size, place, stack_columns, view  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 BUILTIN = {  # the built-in ComfyUI nodes the workflows use: inputs (name, type, is_widget), outputs
@@ -75,10 +75,7 @@ def build(stages: list[tuple[str, list[dict]]], title: str, note: str) -> dict:
     nodes = [n for _, group in stages for n in group]
     note_node = {"id": max(n["id"] for n in nodes) + 1, "type": "Note", "widgets": {"text": note},
                  "min_size": note_size(note)}
-    columns = [("", [note_node])] + stages
-    if [t for t, _ in stages[:2]] in ([f"1. {LOAD}", f"2. {DATA}"], [f"1. {LOAD}", f"2. {PAIRS}"]):
-        # one column: the graph fits the screen
-        columns = [columns[0], stages[:2]] + stages[2:]
+    columns = stack_columns([("", [note_node])] + stages, frontend_sizes(), COLUMN_HEIGHT)
     placed, groups = place(columns, frontend_sizes())
     nodes = [note_node] + nodes
     by_id = {n["id"]: n for n in nodes}
@@ -142,9 +139,11 @@ DEMO_DATA = {"id": 2, "type": "QwenEditSyntheticDataset", "widgets": {"count": 8
 #: the demo does (qwen_edit_core/demo.py, docs/TOY_MODEL.md); rank 16 at lr 3e-3 dissolved the shapes into blocks
 TRAIN = {"lora_name": "qwen_edit_demo_lora", "steps": 150, "learning_rate": 0.01, "rank": 64, "targets": "all",
          "batch_size": 4, "resolution": 128, "checkpoint_every": 50}
-#: the demo's step count, for the template that samples with the trained LoRA at the end (the real-time one keeps
-#: 150: it encodes every batch as it goes, about 1.5 s a step on one CPU thread against 0.15 s cached)
+#: the demo's step count, for the template that samples with the trained LoRA at the end
 DEMO_STEPS = 250
+#: the real-time template's: it encodes every batch as it goes (about 1.5 s a step on one CPU thread against 0.15 s
+#: cached), so it trains fewer steps; its validation shows the inverted colours by step 100
+REALTIME_STEPS = 100
 SAMPLE = {"prompt": "invert the colors", "steps": 20, "true_cfg_scale": 1.0, "seed": 0, "vae_side": 128}
 
 #: the 2.1 training workflow's edit: two ordered references, the target made from both
@@ -152,20 +151,22 @@ EDIT21 = "paste the second picture's left half onto the first picture's right ha
 
 LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
 PAIRS = "Pair with ordered references"
+PREVIEWS = "Validation previews"
 RESULTS = "Results"  # the one group without a step number
 TINY_NOTE = ("It runs as shipped on the built-in toy model (pretrained on 128 px pictures of shapes: it keeps, "
-             "grays or shifts them, and learns to invert their colours here in about a minute on a CPU; CFG 1). "
-             "For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
+             "grays or shifts them; CFG 1). For real edits pick your Qwen-Image-Edit folder of models/qwen_edit in Load Model "
              "(or its diffusion_models / vae / text_encoders files), devices cuda:0 and dtype bfloat16.")
 TRAIN_NOTE = ("Change first: the dataset (Dataset From Folder on your folder of before/after pairs instead of "
               "the synthetic one), then in Train LoRA: lora_name, steps (500-3000), resolution (1024), "
-              "learning_rate (1e-4) and rank (16).")
+              "learning_rate (1e-4) and rank (16)")
+#: what the toy learns in the training workflows (the demo's edit)
+LEARNS = "On the toy model the LoRA learns to invert the colours of the demo pictures, keeping their shapes."
 
 WORKFLOWS = {
     "qwen_edit_train_cached": ("Train a LoRA from a folder (cached)", (
         "Trains a LoRA on edit pairs: writes a small demo dataset, encodes it once (Build Cache), trains in "
         "the background and shows the loss plot and a validation edit every 50 steps. The LoRA lands in "
-        f"models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        f"models/loras. {LEARNS}\n\n{TRAIN_NOTE}.\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 128},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
@@ -179,33 +180,35 @@ WORKFLOWS = {
                    {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_train_lightning_preview": ("Train a LoRA with a 4-step Lightning-style preview", (
         "Trains a LoRA like qwen_edit_train_cached and shows each validation edit twice, side by side and "
-        "labelled: the base schedule at 8 steps and the few-step 'lightning' schedule at 4 steps and CFG 1, "
-        "what you will get with a Lightning LoRA.\n\nChange first: in Train Options' validation_previews add "
-        "lora=<your Lightning LoRA in models/loras> to the lightning line (e.g. lora=Qwen-Image-Edit-Lightning-"
-        f"4steps-V1.0.safetensors), and 30 steps on the base line.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        "labelled: the base schedule at 8 steps and the few-step 'lightning' schedule at 4 steps, both at CFG 1 "
+        f"as the toy runs: what you will get with a Lightning LoRA. {LEARNS}\n\n{TRAIN_NOTE}; in Train Options' "
+        "validation_previews add lora=<your Lightning LoRA in models/loras> to the lightning line (e.g. "
+        "lora=Qwen-Image-Edit-Lightning-4steps-V1.0.safetensors), and steps=30 cfg=4 on the base line."
+        f"\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA, {"id": 3, "type": "QwenEditBuildCache", "widgets": {"resolution": 64},
                             "links": {"model": (1, "model"), "dataset": (2, "dataset")}}]),
+        (PREVIEWS, [
+            {"id": 8, "type": "QwenEditTrainOptions", "widgets": {
+                "validation_previews": "diffusers steps=8 cfg=1\nlightning steps=4 cfg=1"}}]),
         (TRAINING, [
             {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {
                 **TRAIN, "lora_name": "qwen_edit_lightning_preview_lora", "use_cache": True, "validation_every": 20,
                 "validation_prompt": "invert the colors"},
              "links": {"model": (1, "model"), "dataset": (3, "dataset"), "validation_image": (2, "example_control"),
-                       "options": (8, "options")}},
-            {"id": 8, "type": "QwenEditTrainOptions", "widgets": {
-                "validation_previews": "diffusers steps=8 label=base_8_steps\nlightning steps=4 cfg=1 "
-                                       "label=lightning_4_steps"}}]),
+                       "options": (8, "options")}}]),
         (WATCH, [{"id": 5, "type": "QwenEditTrainStatus", "links": {"job": (4, "job")}}]),
         (RESULTS, [{"id": 6, "type": "PreviewImage", "links": {"images": (5, "loss_plot")}},
                    {"id": 7, "type": "PreviewImage", "links": {"images": (5, "validation")}}])]),
     "qwen_edit_train_realtime": ("Train a LoRA in real time (no cache)", (
         "Trains a LoRA encoding every batch as it goes (no cache: the text encoder and VAE stay loaded; use it "
-        f"for changing data or augmentation). The LoRA lands in models/loras.\n\n{TRAIN_NOTE}\n\n{TINY_NOTE}"), [
+        f"for changing data or augmentation). The LoRA lands in models/loras. {LEARNS}\n\n{TRAIN_NOTE}.\n\n"
+        f"{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
             {"id": 4, "type": "QwenEditTrainLoRA", "widgets": {**TRAIN, "lora_name": "qwen_edit_realtime_lora",
-                                                            "use_cache": False,
+                                                            "steps": REALTIME_STEPS, "use_cache": False,
                                                             "validation_every": 50,
                                                             "validation_prompt": "invert the colors"},
              "links": {"model": (1, "model"), "dataset": (2, "dataset"), "validation_image": (2, "example_control")}},
@@ -236,7 +239,7 @@ WORKFLOWS = {
                     "links": {"images": (4, "image")}}])]),
     "qwen_edit_train_then_sample": ("Train, then sample with the new LoRA, in one graph", (
         "Trains a LoRA, waits for it (Training Status with wait on), then edits the demo image through it.\n\n"
-        f"{TRAIN_NOTE} In the Sampler: the prompt and steps.\n\n{TINY_NOTE}"), [
+        f"{LEARNS}\n\n{TRAIN_NOTE}; in the Sampler: the prompt and steps.\n\n{TINY_NOTE}"), [
         (LOAD, [TINY_LOADER]),
         (DATA, [DEMO_DATA]),
         (TRAINING, [
@@ -307,8 +310,8 @@ WORKFLOWS = {
         "references through the new LoRA. The edit: the first picture with the second picture's left half "
         "pasted on its right half (order matters). As shipped it runs the built-in toy 2.1 model (pretrained on "
         "128 px pictures of shapes: it keeps, grays or shifts the first reference, and copies it for a prompt it "
-        "does not know): the picture sampled after training shows the pasted half, the loss plot what the LoRA "
-        "learned.\n\nChange first: in Load Model pick your Qwen-Image-2.1 folder of models/qwen_edit, devices "
+        "does not know): the LoRA learns the pasted half, which the picture sampled after training shows; Train "
+        "LoRA's live view draws the loss curve.\n\nChange first: in Load Model pick your Qwen-Image-2.1 folder of models/qwen_edit, devices "
         "cuda:0 and dtype bfloat16; your pictures (Load Image nodes: before, a Reference Images node per "
         "picture size, after) and caption, or Dataset From Folder on a folder of pairs (NAME_control_1.png .. "
         "NAME_control_10.png, NAME.png, NAME.txt); in Train LoRA: lora_name, steps (500-3000), resolution "
@@ -334,8 +337,7 @@ WORKFLOWS = {
             {"id": 10, "type": "QwenEditSampler", "widgets": {**SAMPLE, "prompt": EDIT21, "vae_side": 128},
              "links": {"model": (9, "model"), "image": (2, "example_control"), "references": (4, "references")}}]),
         (RESULTS, [{"id": 11, "type": "SaveImage", "widgets": {"filename_prefix": "qwen_image21_after_training"},
-                    "links": {"images": (10, "image")}},
-                   {"id": 12, "type": "PreviewImage", "links": {"images": (8, "loss_plot")}}])]),
+                    "links": {"images": (10, "image")}}])]),
     "qwen_edit_two_gpu_cfg": ("Two-GPU true CFG", (
         "Edits an image with true CFG, the conditional branch on the model's device and the unconditional one "
         "on uncond_device, both at once.\n\nChange first: Load Model's transformer_device to cuda:0 and the "
@@ -352,9 +354,27 @@ WORKFLOWS = {
 }
 
 
+#: how each workflow was timed (the seconds below: BENCHMARKS.md, "The shipped workflows in ComfyUI")
+TIMED_BY = "python tools/comfy_test/run.py --only workflows --workflows {name} --comfyui-dir COMFYUI_DIR"
+#: seconds each workflow took as shipped in ComfyUI 0.3.64 on a 2-core CPU shared with other jobs (queue to
+#: finish, the server's start-up excluded), by TIMED_BY
+SECONDS = {}
+
+
+def timed(name: str, note: str) -> str:
+    """The Note with the time its workflow took and the command that measured it (none yet: the Note as it is, which
+    tests/nodes/test_workflow_notes.py refuses)."""
+    if name not in SECONDS:
+        return note
+    seconds = SECONDS[name]
+    took = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    return (f"{note}\n\nAs shipped it took {took} on a 2-core CPU shared with other jobs "
+            f"(`{TIMED_BY.format(name=name)}`).")
+
+
 def main() -> None:
     for name, (title, note, stages) in WORKFLOWS.items():
-        (OUT / f"{name}.json").write_text(json.dumps(build(stages, title, note), indent=1) + "\n")
+        (OUT / f"{name}.json").write_text(json.dumps(build(stages, title, timed(name, note)), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ GAP = 40  # between nodes of a stage, and between stages
 PAD = 20  # between a group's border and its nodes
 TOP = 40
 #: image outputs get room to show their pictures (the frontend draws them inside the node)
-MIN_SIZE = {"SaveImage": (320, 320), "PreviewImage": (320, 320), "Note": (420, 240)}
+MIN_SIZE = {"SaveImage": (280, 280), "PreviewImage": (280, 280), "Note": (420, 240)}
 GROUP_COLORS = ["#3f789e", "#8A8", "#b06634", "#a1309b", "#88A"]
 
 
@@ -86,11 +86,34 @@ def place(stages: list, sizes: dict[str, dict], left: int = 40
     return placed, groups
 
 
+def stage_height(nodes: list, sizes: dict[str, dict]) -> int:
+    """The height `place` gives a stage's group: its title, then each node under its title bar, then padding."""
+    return GROUP_TITLE + PAD - GAP + sum(_size(n, sizes)[1] + TITLE + GAP for n in nodes)
+
+
+def stack_columns(stages: list, sizes: dict[str, dict], height: float) -> list:
+    """`stages` ([(title, nodes)], in the order of the steps) as `place`'s columns: each stage under the one before
+    while the column stays within `height` canvas units, else at the top of the next column, so a graph of many
+    stages is as wide as it must be and every node fits the saved view (links still point right or down)."""
+    columns, used = [], height
+    for stage in stages:
+        need = stage_height(stage[1], sizes)
+        if columns and used + GAP + need <= height:
+            columns[-1].append(stage)
+            used += GAP + need
+        else:
+            columns.append([stage])
+            used = need
+    return columns
+
+
 #: the screen a shipped workflow is opened on, and the part of it the frontend's menus leave to the graph
 SCREEN = (1920, 1080)
 CANVAS = (60, 50, 1900, 1060)  # left, top, right, bottom in screen pixels
 #: below 0.6 the frontend draws no text (LiteGraph's low-quality threshold); 0.8 keeps 14 px text legible
 MIN_SCALE, MAX_SCALE = 0.8, 1.0
+#: the graph height the saved view shows at MIN_SCALE (less 2 units for the view's rounding)
+COLUMN_HEIGHT = (CANVAS[3] - CANVAS[1]) / MIN_SCALE - 2
 
 
 def view(rects: list[tuple[float, float, float, float]]) -> dict:

@@ -7,7 +7,7 @@ The file we write: `diffusion_model.<module path>.lora_down.weight` (= peft lora
 `.lora_up.weight` (= lora_B, (out, r)) and `.alpha` (float32 scalar), plus safetensors metadata. Module paths
 are diffusers' (`transformer_blocks.0.attn.to_q`), which are also ComfyUI's for Qwen-Image. Qwen-Image-2.1 files
 use the bare module path (no prefix), and ComfyUI's fused 2.1 MLP (`img_mlp.gate_up`) is read onto our split
-`gate_layer` / `proj` (lora_files.key_prefix, unfuse_mlp; docs/DESIGN.md, "Contracts").
+`gate_layer` / `proj` (lora_files.key_prefix, unfuse_mlp; docs/MODEL.md, "Qwen-Image-2.1").
 - Stock ComfyUI (comfy/lora.py `model_lora_keys_unet` + `load_lora`, comfy/weight_adapter/lora.py) maps
   `diffusion_model.P` to the weight `diffusion_model.P.weight` and applies `W += strength * alpha / rank *
   up @ down`, with rank = down.shape[0]; without an `.alpha` key the scale is 1. It never reads metadata.
@@ -32,17 +32,18 @@ from typing import Sequence
 import torch
 
 from qwen_edit_core import speed
-from qwen_edit_core.families import QWEN_IMAGE
+from qwen_edit_core.families import DEFAULT
 from qwen_edit_core.adapters.kinds import (ADAPTER_TYPES, adapter_parameters, add_adapter, check_kind,  # noqa: F401
                                            into_existing, new_adapter, peft_config, refuse_fp8)
 from qwen_edit_core.adapters.lora_files import (  # noqa: F401 - the file formats are part of this module's API
-    LAYOUTS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, effective_delta, fused_mlp_names,
+    LAYOUTS, LORA_FORMATS, SAVE_DTYPES, LoraLayer, LoraWeights, _base_scale, adapter_layers, check_fusable,
+    effective_delta, fuse_mlp_tensors, fused_mlp_names,
     lora_state_dict_comfy, map_to_modules, parse_lora_state_dict, read_lora_file, save_lora, unfuse_mlp)
 
 log = logging.getLogger(__name__)
 
-#: the 2025 family's presets (families/family.py holds each family's)
-TARGET_PRESETS: dict[str, tuple[str, ...]] = dict(QWEN_IMAGE.lora_targets)
+#: the default family's presets (families/family.py holds each family's)
+TARGET_PRESETS: dict[str, tuple[str, ...]] = dict(DEFAULT.lora_targets)
 INITS = ("default", "gaussian")
 # Parts of module paths that peft adds inside a wrapped layer: never LoRA targets themselves.
 _PEFT_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",

@@ -244,6 +244,70 @@ def unfuse_mlp(weights: LoraWeights) -> LoraWeights:
     return LoraWeights(layers, weights.metadata, weights.underscored)
 
 
+#: `train.lora_format`: "split" writes each MLP half under its own name (diffusers, DiffSynth and peft read it, and
+#: ComfyUI maps it onto its fused weight); "fused" writes ComfyUI's own layout (`diffusion_model.` keys, one
+#: `img_mlp.gate_up` LoRA per block), as ComfyUI's and ai-toolkit's trainers do. docs/TRAINING.md, "The LoRA file".
+LORA_FORMATS = ("split", "fused")
+
+
+def _block_rows(top: torch.Tensor | None, bottom: torch.Tensor | None) -> torch.Tensor:
+    """[top 0; 0 bottom] for two up matrices (a missing one is a zero block of the other's rows)."""
+    top = top if top is not None else torch.zeros(bottom.shape[0], 0)
+    bottom = bottom if bottom is not None else torch.zeros(top.shape[0], 0)
+    return torch.block_diag(top, bottom)
+
+
+def fuse_mlp_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI-layout LoRA tensors with each block's `gate_layer` and `proj` LoRAs as one LoRA on the fused
+    `img_mlp.gate_up` (`unfuse_mlp` reads it back): downs stacked, ups block-diagonal, so the fused delta's rows
+    are exactly the two halves' deltas. Equal scales stay in `alpha` (no tensor changes); unequal ones are folded
+    into the ups. DoRA scales are stacked; LoKr/LoHa layers are refused (their deltas do not stack)."""
+    gate, proj = FUSED_HALVES
+    groups: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for key, value in tensors.items():
+        match = re.match(rf"(.*\.)({re.escape(gate)}|{re.escape(proj)})\.(.+)$", key)
+        if match is None:
+            out[key] = value
+            continue
+        base, half, suffix = match.groups()
+        groups.setdefault(base, {}).setdefault(half, {})[suffix] = value
+    for base, halves in groups.items():
+        if any(set(t) - {"lora_down.weight", "lora_up.weight", "alpha", "dora_scale"} for t in halves.values()):
+            raise ValueError(f"{base}{FUSED_MLP}: LoKr/LoHa layers cannot be written in the fused layout; use "
+                             "train.lora_format 'split'")
+        if len({"dora_scale" in t for t in halves.values()}) > 1:
+            raise ValueError(f"{base}{FUSED_MLP}: DoRA on one MLP half only cannot be fused; use train.lora_format "
+                             "'split'")
+        parts = [halves.get(h) for h in FUSED_HALVES]
+        scales = [None if t is None else float(t["alpha"]) / t["lora_down.weight"].shape[0] for t in parts]
+        known = {s for s in scales if s is not None}
+        fold = len(known) > 1
+        ups = [None if t is None else t["lora_up.weight"] * (s if fold else 1.0) for t, s in zip(parts, scales)]
+        down = torch.cat([t["lora_down.weight"] for t in parts if t is not None])
+        up = _block_rows(*ups)
+        if parts[0] is None:  # only proj trained: its rows are the second half
+            up = torch.cat([torch.zeros_like(ups[1]), ups[1]])
+        elif parts[1] is None:
+            up = torch.cat([ups[0], torch.zeros_like(ups[0])])
+        fused = {"lora_down.weight": down, "lora_up.weight": up,
+                 "alpha": torch.tensor(down.shape[0] * (1.0 if fold else known.pop()), dtype=torch.float32)}
+        if all(t is not None and "dora_scale" in t for t in parts):
+            fused["dora_scale"] = torch.cat([parts[0]["dora_scale"], parts[1]["dora_scale"]])
+        elif any(t is not None and "dora_scale" in t for t in parts):
+            raise ValueError(f"{base}{FUSED_MLP}: DoRA on one MLP half only cannot be fused; use train.lora_format "
+                             "'split'")
+        out.update({f"{base}{FUSED_MLP}.{suffix}": value for suffix, value in fused.items()})
+    return {(k if k.startswith("diffusion_model.") else "diffusion_model." + k): v for k, v in out.items()}
+
+
+def check_fusable(transformer) -> None:
+    """Refuse `train.lora_format` "fused" for a model without ComfyUI's fused MLP (no gate_layer/proj pairs)."""
+    if not fused_mlp_names([module_path(n) for n, _ in transformer.named_modules()]):
+        raise ValueError("train.lora_format 'fused': this model has no fused MLP layout (its blocks hold no "
+                         "gate_layer/proj pair); use 'split'")
+
+
 # -- writing ---------------------------------------------------------------------------------------------------
 def module_path(name: str) -> str:
     """A module's path without peft's `base_layer` parts (adapters of several kinds nest on one layer)."""
@@ -304,13 +368,12 @@ def layer_file_tensors(layer, adapter_name: str) -> dict[str, torch.Tensor]:
 
 
 def key_prefix(transformer) -> str:
-    """The prefix of a saved file's keys: `diffusion_model.` (2025 family); none for Qwen-Image-2.1, whose
-    `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused `gate_up` weight only under a bare, `transformer.`
-    or `lycoris_` name (comfy/lora.py), and whose bare keys diffusers' Qwen converter reads (it prepends
-    `transformer.` itself, so a `transformer.` file with alphas would end up doubly prefixed). docs/DESIGN.md,
-    "LoRA files"."""
-    from qwen_edit_core.families import family_of_model
-    return "" if family_of_model(transformer).references == "in-text" else "diffusion_model."
+    """The prefix of a saved file's keys: the transformer's family's `lora_prefix` (`diffusion_model.` for the
+    2025 family; none for Qwen-Image-2.1, whose `gate_layer` / `proj` LoRAs stock ComfyUI maps onto its fused
+    `gate_up` weight only under a bare, `transformer.` or `lycoris_` name (comfy/lora.py), and whose bare keys
+    diffusers' Qwen converter reads). docs/MODEL.md, "Qwen-Image-2.1"."""
+    from qwen_edit_core.families import family_of
+    return family_of(transformer).lora_prefix
 
 
 def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -335,23 +398,32 @@ def effective_delta(layer: FileLayer, base: torch.Tensor | None = None, strength
 
 def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: int,
               extra_metadata: dict | None = None, adapter_name: str = "default",
-              dtype: torch.dtype = torch.float32) -> Path:
+              dtype: torch.dtype = torch.float32, layout: str = "split") -> Path:
     """Write adapter `adapter_name` as a ComfyUI/diffusers LoRA file, atomically (a temporary file in the same
     folder, then a rename: an existing file is replaced whole or left as it was).
 
     `dtype` is the matrices' dtype: float32 (default, exact) or bfloat16/float16 (half the size); `.alpha` and
     DoRA's `.dora_scale` stay float32. Metadata (all strings): format, architecture, type (lora/lokr/loha), dora,
-    rank, alpha, targets (JSON), base_identity, steps, then `extra_metadata` (which cannot override those)."""
+    rank, alpha, targets (JSON), base_identity, steps, layout (when fused), then `extra_metadata` (which cannot override those).
+    `layout` (LORA_FORMATS): "fused" writes ComfyUI's fused MLP layout (`fuse_mlp_tensors`), for a model whose
+    blocks hold `gate_layer` and `proj`."""
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"LoRA save dtype {dtype} is not accepted; accepted: {', '.join(map(str, SAVE_DTYPES))}")
-    tensors = {k: v if k.endswith((".alpha", ".dora_scale")) else v.to(dtype)
-               for k, v in lora_state_dict_comfy(transformer, adapter_name).items()}
+    if layout not in LORA_FORMATS:
+        raise ValueError(f"train.lora_format {layout!r} is not accepted; accepted: {', '.join(LORA_FORMATS)}")
+    tensors = lora_state_dict_comfy(transformer, adapter_name)
+    if layout == "fused":
+        check_fusable(transformer)
+        tensors = fuse_mlp_tensors(tensors)
+    tensors = {k: v if k.endswith((".alpha", ".dora_scale")) else v.to(dtype) for k, v in tensors.items()}
     if not tensors:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r} to save")
     metadata = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
-    from qwen_edit_core.families import family_of_model
-    metadata.update({"format": "comfyui-lora", "architecture": family_of_model(transformer).name, "type": spec.type,
+    from qwen_edit_core.families import family_of
+    metadata.update({"format": "comfyui-lora", "architecture": family_of(transformer).name, "type": spec.type,
                      "dora": str(spec.dora).lower(), "rank": str(spec.rank),
                      "alpha": str(float(spec.alpha)), "targets": json.dumps(list(spec.targets)),
                      "base_identity": str(base_identity), "steps": str(int(steps))})
+    if layout != "split":
+        metadata["layout"] = layout
     return save_safetensors(tensors, Path(path), metadata=metadata)

@@ -11,7 +11,10 @@ padding tokens (a frame count above 1 marks padding: Qwen-Image images have one 
 reads as a 1x1 image, which is just as harmless), so every row covers the same number of tokens (which
 `zero_cond_t` models need) and padding never moves the text positions.
 The processor masks padded keys (text and image); with no padding it builds no mask and calls the fused
-attention kernel exactly like the stock processor.
+attention kernel exactly like the stock processor. Given the batch's packed layout (`packed_layout`: the valid
+text and image tokens of every sample, from lengths the host already knows), it runs variable-length attention
+over the valid tokens alone instead of a padded key mask (`packed_attention`): torch's varlen kernel on a GPU,
+a block-diagonal mask over the packed tokens elsewhere (the same sums as the key mask, per sample).
 """
 
 from __future__ import annotations
@@ -101,10 +104,11 @@ class JointAttnProcessor:
     tokens. `calls` counts which path ran ("fused": no mask; "masked") in eager (uncompiled) calls."""
 
     def __init__(self) -> None:
-        self.calls = {"fused": 0, "masked": 0}
+        self.calls = {"fused": 0, "masked": 0, "packed": 0}
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
-                 attention_mask=None, image_rotary_emb=None, image_mask=None):
+                 attention_mask=None, image_rotary_emb=None, image_mask=None, varlen_index=None,
+                 varlen_offsets=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         if attention_mask is not None:
             raise ValueError("JointAttnProcessor takes encoder_hidden_states_mask and image_mask, not attention_mask")
@@ -125,13 +129,18 @@ class JointAttnProcessor:
             img[0], img[1] = _rope(img[0], img_freqs), _rope(img[1], img_freqs)
             txt[0], txt[1] = _rope(txt[0], txt_freqs), _rope(txt[1], txt_freqs)
         query, key, value = (torch.cat([t, i], dim=1) for t, i in zip(txt, img))
-        mask = joint_key_mask(encoder_hidden_states_mask, image_mask, encoder_hidden_states.shape[:2],
-                              hidden_states.shape[:2], hidden_states.device)
+        mask = None
+        if varlen_index is None:
+            mask = joint_key_mask(encoder_hidden_states_mask, image_mask, encoder_hidden_states.shape[:2],
+                                  hidden_states.shape[:2], hidden_states.device)
         if not torch.compiler.is_compiling():
             # Counted in eager runs only: in a compiled block the count would be a guard that changes on every
             # call, recompiling the block each time until dynamo's recompile limit fails the fullgraph compile.
-            self.calls["fused" if mask is None else "masked"] += 1
-        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+            self.calls["packed" if varlen_index is not None else "fused" if mask is None else "masked"] += 1
+        if varlen_index is not None:
+            out = packed_attention(query, key, value, varlen_index, varlen_offsets)
+        else:
+            out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
         out = out.flatten(2, 3).to(query.dtype)
         n_text = encoder_hidden_states.shape[1]
         img_out = attn.to_out[0](out[:, n_text:].contiguous())
@@ -149,11 +158,65 @@ def joint_key_mask(text_mask, image_mask, text_shape, image_shape, device) -> to
     return torch.cat([text, image], dim=1)[:, None, None, :]
 
 
+def packed_layout(text_lengths: Sequence[int], text_len: int, image_lengths: Sequence[int], image_len: int,
+                  device) -> dict | None:
+    """The attention kwargs of a batch whose samples have different lengths: `varlen_index` (T,) the positions of
+    every sample's valid tokens in the flattened (B * (text_len + image_len)) joint [text | image] layout, and
+    `varlen_offsets` (B + 1,) int32 where each sample's run of them starts (the cumulative lengths varlen kernels
+    take). Built from host-side lengths (`PromptEmbeds.lengths`, the image rows' token counts): no device read.
+    None when nothing is padded (one fused call, no mask)."""
+    if all(n == text_len for n in text_lengths) and all(n == image_len for n in image_lengths):
+        return None
+    joint, runs = text_len + image_len, []
+    for b, (n_text, n_image) in enumerate(zip(text_lengths, image_lengths)):
+        runs += [torch.arange(n_text) + b * joint, torch.arange(n_image) + b * joint + text_len]
+    offsets = [0]
+    for n_text, n_image in zip(text_lengths, image_lengths):
+        offsets.append(offsets[-1] + n_text + n_image)
+    return {"varlen_index": torch.cat(runs).to(device), "varlen_offsets": torch.tensor(offsets, dtype=torch.int32).to(device)}
+
+
+def image_lengths(img_shapes: Sequence[Sequence[Sequence[int]]]) -> list[int]:
+    """Each row's real image tokens (its padding entry left out: see the module doc), from host-side shapes."""
+    return [sum(int(f) * int(h) * int(w) for f, h, w in shapes if not is_padding((f, h, w))) for shapes in img_shapes]
+
+
+def _varlen_kernel(query: torch.Tensor) -> bool:
+    """Whether torch's varlen flash kernel takes these packed tokens (CUDA, half precision, torch >= 2.9)."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def packed_attention(query, key, value, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Attention over each sample's valid tokens alone: (B, S, H, D) inputs gathered at `index` into (T, H, D),
+    one variable-length call (`offsets`: where each sample starts), scattered back; padded positions get zeros
+    (nothing reads them: every key mask of the padded layout leaves them out). On a GPU in half precision
+    torch's varlen kernel (`torch.nn.attention.varlen.varlen_attn`, cuDNN or flash underneath); elsewhere one
+    SDPA call over the packed tokens with a block-diagonal mask (each sample's tokens see their own sample's)."""
+    b, s, heads, dim = query.shape
+    q, k, v = (x.reshape(b * s, heads, dim).index_select(0, index) for x in (query, key, value))
+    if _varlen_kernel(q):
+        from torch.nn.attention.varlen import varlen_attn
+        out = varlen_attn(q, k, v, offsets, offsets, s, s)  # s bounds every sample's length
+    else:
+        sample = torch.searchsorted(offsets[1:], torch.arange(q.shape[0], device=q.device, dtype=offsets.dtype),
+                                    right=True)
+        mask = (sample[:, None] == sample[None, :])[None, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)[0].transpose(0, 1)
+    return out.new_zeros(b * s, heads, dim).index_copy(0, index, out).reshape(b, s, heads, dim)
+
+
 def install(transformer) -> JointAttnProcessor | None:
     """Make `transformer` batch mixed resolutions exactly; idempotent. Returns the installed processor; None for a
-    Qwen-Image-2.1 transformer, left as it is (its batches run one call per token layout: families/qwen_image_21/batch.py)."""
-    from qwen_edit_core.families import family_of_model
-    if family_of_model(transformer).references == "in-text":
+    transformer whose family does not pad mixed sizes into one call (`Family.padded_batches`), left as it is."""
+    from qwen_edit_core.families import family_of
+    if not family_of(transformer).padded_batches:
         return None
     if not isinstance(transformer.pos_embed, PerSampleRope):
         transformer.pos_embed = PerSampleRope(transformer.pos_embed)
@@ -173,7 +236,14 @@ class PackedBatch:
 
     @property
     def attention_kwargs(self) -> dict | None:
+        """The key mask of padded image tokens (the masked path; `packed_kwargs` gives the packed one)."""
         return None if self.image_mask is None else {"image_mask": self.image_mask}
+
+    def packed_kwargs(self, text_lengths: Sequence[int], text_len: int) -> dict | None:
+        """The attention kwargs with prompts of `text_lengths` padded to `text_len`: variable-length attention over
+        the valid tokens (`packed_layout`), or None when no token of text or image is padded."""
+        return packed_layout(text_lengths, text_len, image_lengths(self.img_shapes), self.hidden.shape[1],
+                             self.hidden.device)
 
     def padding_fraction(self) -> float:
         if self.image_mask is None:

@@ -43,8 +43,7 @@ def _step(model, samples, device, dtype):
 
 
 def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
-    from diffusers import QwenImageTransformer2DModel
-
+    from qwen_edit_core.families import DEFAULT
     from qwen_edit_core.model.tiny import transformer_config
 
     from qwen_edit_core.bench.common import real_transformer
@@ -56,7 +55,7 @@ def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
     else:
         dtype = torch.float32
         torch.manual_seed(0)
-        model = QwenImageTransformer2DModel(**transformer_config("tiny")).to(dev).requires_grad_(False)
+        model = DEFAULT.class_of("transformer")(**transformer_config("tiny")).to(dev).requires_grad_(False)
         sides, text_dim, text_tokens = [(128, 128), (192, 192), (256, 192), (256, 256)], 32, 40
     lora.inject_lora(model, lora.LoraSpec(rank=16, alpha=16.0))
     if real_size:

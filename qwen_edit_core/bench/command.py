@@ -10,11 +10,12 @@ def run_bench(args) -> None:
         report = run(rounds=args.rounds)
         if report.recovered < report.injected:
             raise SystemExit(1)
-    elif args.what == "sample" and args.variant == "image-2.1":  # only the 2.1 family's prefix-cache table
-        from qwen_edit_core.families.qwen_image_21.sample_bench import run
-        run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
-    elif args.what == "sample":
+    elif args.what == "sample":  # every family's table, or only the --variant's family's (not the default's)
         from qwen_edit_core.bench.sample import run
+        from qwen_edit_core.families import DEFAULT
+        from qwen_edit_core.model import variants
+        family = variants.get(args.variant).family
+        run = run if family is DEFAULT else family.stage("sample_bench").run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)
     elif args.what == "threads":
         from qwen_edit_core.bench.threads import run
@@ -22,6 +23,12 @@ def run_bench(args) -> None:
     elif args.what == "batching":
         from qwen_edit_core.bench.batching import run
         run(real_size=args.real_size, device=args.device, repeats=args.repeats)
+    elif args.what == "doctor":
+        from qwen_edit_core.bench.doctor import run
+        run()
+    elif args.what == "cache":
+        from qwen_edit_core.bench.cache import run
+        run(pairs=args.pairs, processes=args.processes)
     elif args.what == "activations":
         from qwen_edit_core.bench.activations import run
         run(device=args.device)

@@ -47,6 +47,14 @@ def reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
+def pinned_gib(device: torch.device) -> float | None:
+    """Pinned host memory torch's host allocator holds now (offloaded blocks, staging buffers), GiB; None off CUDA
+    or on a torch without its statistics (`torch.cuda.host_memory_stats`)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30
+
+
 def gib_text(value: float | None) -> str:
     """A table cell for a GiB figure: one decimal, "-" where there is none (off CUDA)."""
     return "-" if value is None else f"{value:.1f}"
@@ -70,11 +78,10 @@ def default_dtype(dtype: torch.dtype):
 
 def real_transformer(device: torch.device, dtype: torch.dtype, num_layers: int | None = None):
     """The real Qwen-Image transformer config with random weights, built directly on `device` in `dtype`."""
-    from diffusers import QwenImageTransformer2DModel
-
+    from qwen_edit_core.families import DEFAULT
     from qwen_edit_core.model.tiny import transformer_config
     with default_dtype(dtype), torch.device(device):
-        model = QwenImageTransformer2DModel(**transformer_config("real", num_layers=num_layers))
+        model = DEFAULT.class_of("transformer")(**transformer_config("real", num_layers=num_layers))
     return model.eval().requires_grad_(False)
 
 

@@ -118,31 +118,21 @@ class GlobalFlops(FlopCounterMode):
         self.mod_tracker = _NoModules()
 
 
-def is_21(variant: str) -> bool:
-    """Whether `variant` is a Qwen-Image-2.1 model (bench.fake_model21 describes its inputs)."""
-    from qwen_edit_core.families import QWEN_IMAGE_21
-    return variants.get(variant).family is QWEN_IMAGE_21
+def _simulated(variant: str):
+    """The bench stage module of `variant`'s family (families/<family>/fake_model.py): its fake mode, real
+    configuration, prompt length, cache entry and fake batch."""
+    return variants.get(variant).family.stage("fake_model")
 
 
 def fake_mode(variant: str = variants.DEFAULT) -> FakeTensorMode:
-    """The fake mode every simulated tensor of `variant` lives in; real CPU inputs are taken as constants (2.1:
-    operators on its real token layout run for real, see bench.fake_model21)."""
-    if is_21(variant):
-        from qwen_edit_core.families.qwen_image_21.fake_model import LayoutMode
-        return LayoutMode(allow_non_fake_inputs=True)
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    """The fake mode every simulated tensor of `variant` lives in; real CPU inputs are taken as constants (a
+    family may run operators on its real token layout for real: its `fake_mode`)."""
+    return _simulated(variant).fake_mode()
 
 
 def transformer_config(variant: str, num_layers: int | None = None) -> dict:
-    """The real transformer configuration of `variant` (zero_cond_t for Edit-2511; 2.1: its shipped config)."""
-    from qwen_edit_core.model.tiny import transformer_config as real_config
-    if is_21(variant):
-        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
-        return fake_model21.transformer_config(num_layers)
-    cfg = real_config("real", num_layers=num_layers)
-    if variants.get(variant).zero_cond_t:
-        cfg["zero_cond_t"] = True
-    return cfg
+    """The real transformer configuration of `variant` (its family's `real_config`)."""
+    return _simulated(variant).real_config(variant, num_layers)
 
 
 def fake_transformer(variant: str, mode: FakeTensorMode, *, lora=None, num_layers: int | None = None,
@@ -150,10 +140,8 @@ def fake_transformer(variant: str, mode: FakeTensorMode, *, lora=None, num_layer
     """The real-size transformer of `variant` in `dtype` with fake weights on `STAND_IN` (what today's loaders
     leave on the device: the whole model, before any lever), a LoRA injected first when `lora` (a
     `adapters.lora.LoraSpec`) is given."""
-    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
-
     from qwen_edit_core.adapters import lora as lora_mod
-    cls = QwenImage21Transformer2DModel if is_21(variant) else QwenImageTransformer2DModel
+    cls = variants.get(variant).family.class_of("transformer")
     with torch.device("meta"):
         model = cls(**transformer_config(variant, num_layers))
     model = model.to(dtype).eval().requires_grad_(False)
@@ -192,33 +180,28 @@ def offloaded_host_bytes(transformer) -> int:
 
 
 def text_tokens(variant: str, side: int, controls: int) -> int:
-    """Prompt tokens of one sample with `controls` `side` x `side` control images: as the planner counts them for
-    the 2025 family (model/prompt_length.py: Edit 1,369 vision tokens at 1024^2, Edit Plus 196 per control, plus
-    a caption); 2.1: its prompt with one vision slot per 32x32 pixels of each reference (bench.fake_model21)."""
-    if is_21(variant):
-        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
-        return fake_model21.text_tokens(side, controls, prompt_length.CAPTION_TOKENS)
-    return prompt_length.prompt_tokens(variant, [(side, side)] * controls)
+    """Prompt tokens of one sample with `controls` `side` x `side` control images, as the planner counts them
+    (its family's `prompt_tokens`; model/prompt_length.py for the 2025 family)."""
+    return _simulated(variant).prompt_tokens(variant, side, controls)
 
 
 def cache_item(variant: str, side: int, controls: int) -> dict:
     """A real (small: latents and embeddings, tens of MB) cache entry of one `side` x `side` pair with
-    `controls` control images of the same size, in the layout `train.batch.collate` reads (2.1:
-    `train.batch21.collate21`'s)."""
-    if is_21(variant):
-        from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
-        return fake_model21.cache_item(side, controls, CAPTION_TOKENS)
-    h = w = side // 8
-    n_text = text_tokens(variant, side, controls)
-    item = {"target_latents": torch.zeros(16, 1, h, w),
-            "prompt_embeds": torch.zeros(n_text, 3584, dtype=torch.bfloat16),
-            "empty_prompt_embeds": torch.zeros(n_text - CAPTION_TOKENS + 1, 3584, dtype=torch.bfloat16),
-            "img_shapes": torch.tensor([[1, h // 2, w // 2]] * (1 + controls))}
-    for i in range(controls):
-        item[f"control_latents_{i}"] = torch.zeros(16, 1, h, w)
-    return item
+    `controls` control images of the same size, in the layout `train.batch.collate` reads (its family's
+    `fake_entry`)."""
+    return _simulated(variant).fake_entry(variant, side, controls)
+
+
+def fake_batch(batch, mode: FakeTensorMode):
+    """A collated batch with its latents as fake device tensors the tracker counts (its family's `fake_batch`)."""
+    return batch.family.stage("fake_model").fake_batch(batch, mode)
 
 
 def default_controls(variant: str) -> int:
-    """Control images of the variant's usual edit: one for Edit and 2.1, two for Edit Plus and 2511."""
-    return 1 if variants.get(variant).max_controls == 1 or is_21(variant) else 2
+    """Control images of the variant's usual edit (its family's `default_controls`)."""
+    return _simulated(variant).default_controls(variant)
+
+
+def simulates_sampling(variant: str) -> bool:
+    """Whether `bench memory` simulates sampling steps for `variant` (its family's `SAMPLING_SIMULATED`)."""
+    return _simulated(variant).SAMPLING_SIMULATED

@@ -1,7 +1,7 @@
 """`qwen-edit bench memory`: one real-size training step and one sampling step of each plan, simulated.
 
 The real transformer of a variant (the 2025 family's 60 blocks, 20 B parameters; Qwen-Image-2.1's 32 blocks,
-7 B, whose step is `train.batch21`'s, see bench.fake_model21), real token counts and the product's own code
+7 B; each family's inputs from its families/<family>/fake_model.py), real token counts and the product's own code
 path (`train.loop.setup`: LoRA, levers from the memory planner, checkpointing, offload, AdamW; the step's
 `train.batch.flow_loss` and `train.loop.optimizer_step`; the sampler's `sample.sampler.denoise`) run under
 torch's FakeTensorMode (bench.fake_model): no weight exists, `MemTracker` counts every byte the step holds,
@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from qwen_edit_core.bench import fake_model as fm
+from qwen_edit_core.model import variants
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
 #: H100 SXM dense peaks (NVIDIA H100 datasheet): bf16 and fp8 tensor-core FLOP/s
 H100_BF16, H100_FP8 = 989e12, 1979e12
-#: the reference's measured step on one H100 (docs/MODEL.md): LoRA r16 on the image attention, every block
+#: the reference's measured step on one H100 (BENCHMARKS.md, "Reference timings"): LoRA r16 on the image attention, every block
 #: checkpointed, bf16, 1024^2 Edit, no mask; and its one no-grad forward
 REFERENCE_STEP_S, REFERENCE_FORWARD_S = 1.91, 0.456
 #: the step-time targets (BENCHMARKS.md): a training step, and one sampling step (cond + uncond)
@@ -88,11 +90,10 @@ def _config(budget_gb: float, targets: str, fp8: bool = False, variant: str = ""
                                         "memory_budget_gb": budget_gb, "fp8_base": fp8}})
 
 
-def lora_spec(targets: str, variant: str = "edit"):
+def lora_spec(targets: str, variant: str = variants.DEFAULT):
     """The simulated LoRA: rank 16 (the default `model.lora`) on `targets` (a preset of the variant's family, or
     names)."""
     from qwen_edit_core.adapters import lora as lora_mod
-    from qwen_edit_core.model import variants
     presets = variants.get(variant).family.lora_targets
     return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets, presets))
 
@@ -154,41 +155,34 @@ def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
     """`train.loop.micro_step`'s maths and `optimizer_step` on a collated batch (collate draws its dropout
     with `.item()`, which fake tensors cannot answer, so it runs before, on real CPU tensors)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.families.qwen_image_21 import fake_model as fake_model21
     from qwen_edit_core.train import loop
-    from qwen_edit_core.families.qwen_image_21 import batch as batch21
     from qwen_edit_core.train.batch import flow_loss
-    if isinstance(batch, batch21.TrainBatch21):
-        batch = fake_model21.fake_batch(batch, mode)
-    else:
-        batch = dataclasses.replace(batch, targets=[t.clone() for t in batch.targets],
-                                    controls=[t.clone() for t in batch.controls])
+    batch = fm.fake_batch(batch, mode)
     with torch.autocast(fm.STAND_IN.type, dtype=torch.bfloat16), speed.attention_kernel(config.train.attention):
         loss, _ = flow_loss(run.model, batch, config, scheduler_config)
         loss.backward()
     loop.optimizer_step(run)
 
 
-def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None = None, budget_gb: float = 0.0,
-                   *, targets: str = "attn", fp8: bool = False, num_layers: int | None = None) -> Simulated:
+def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
+                   budget_gb: float = 0.0, *, targets: str = "attn", fp8: bool = False,
+                   num_layers: int | None = None) -> Simulated:
     """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
     product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
-    from qwen_edit_core.adapters import lora as lora_mod
-    from qwen_edit_core.model import tiny
-    from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     from qwen_edit_core.train import loop
+    from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
     config, bucket, mode = _config(budget_gb, targets, fp8, variant), _bucket(side, controls), fm.fake_mode(variant)
     model = fm.fake_transformer(variant, mode, lora=lora_spec(targets, variant), num_layers=num_layers)
-    scheduler_config = dict((tiny21 if fm.is_21(variant) else tiny).SCHEDULER_CONFIG)
+    scheduler_config = dict(variants.get(variant).family.stage("tiny").SCHEDULER_CONFIG)
     plan = _planned(config, model, bucket, budget_gb)
     with tempfile.TemporaryDirectory() as out, mode:
         run = loop.setup(config, model, [bucket], Path(out), None, scheduler_config)
     _warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
-    batch = _collate(variant)([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
-                              device=fm.STAND_IN, dtype=torch.bfloat16)
+    batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
+                    device=fm.STAND_IN, dtype=torch.bfloat16)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:
@@ -197,13 +191,6 @@ def simulate_train(variant: str = "edit", side: int = 1024, controls: int | None
                    side, controls, image_tokens(bucket), fm.text_tokens(variant, side, controls), budget_gb or None,
                    plan.estimate.total / GIB if plan else None, tracker, flops, model,
                    plan.checkpoint_blocks if plan else -1)
-
-
-def _collate(variant: str):
-    """The product's collate function for `variant`'s cache entries."""
-    from qwen_edit_core.train.batch import collate
-    from qwen_edit_core.families.qwen_image_21.batch import collate21
-    return collate21 if fm.is_21(variant) else collate
 
 
 def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estimate, tracker, flops,
@@ -242,7 +229,7 @@ def _conditioning(variant: str, side: int, controls: int, mode, share: int = 1):
                         control_tokens=control, img_shapes=[(1, h, w)] * (1 + controls), width=w * 16, height=h * 16)
 
 
-def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | None = None,
+def simulate_sample(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
                     lever: str = "sequential", *, num_layers: int | None = None) -> Simulated:
     """One denoising step of a true-CFG edit (scale 4, negative " ") with a LoRA r16 loaded, through the
     sampler's own `denoise`, for one sampling lever (`SAMPLE_LEVERS`): "sequential" (cond then uncond),
@@ -253,7 +240,7 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
     from qwen_edit_core.sample import sampler
     if lever not in SAMPLE_LEVERS:
         raise ValueError(f"sampling lever {lever!r} is not accepted; accepted: {', '.join(SAMPLE_LEVERS)}")
-    if fm.is_21(variant):
+    if not fm.simulates_sampling(variant):
         raise ValueError(f"bench memory: sampling is simulated for the 2025 variants; {variant!r} simulates "
                          "training (simulate_train)")
     controls = fm.default_controls(variant) if controls is None else controls
@@ -279,14 +266,14 @@ def simulate_sample(variant: str = "edit", side: int = 1024, controls: int | Non
                    fm.text_tokens(variant, side, controls), None, None, tracker, flops, model, None)
 
 
-def run(variant: str = "edit", side: int = 1024, controls: int | None = None, budgets=BUDGETS, *,
+def run(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, budgets=BUDGETS, *,
         reference: bool = True, sample_levers=SAMPLE_LEVERS) -> list[Simulated]:
     """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
-    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, docs/MODEL.md), and
+    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, BENCHMARKS.md, "Reference timings"), and
     one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
     budget's plan only (its measured reference and sampling levers are the 2025 family's)."""
     results = [simulate_train(variant, side, controls, budget) for budget in budgets]
-    if fm.is_21(variant):
+    if not fm.simulates_sampling(variant):
         return results
     if reference:
         results.append(simulate_train(variant, side, controls, 0.0, targets="attn-img"))
@@ -318,8 +305,9 @@ def table(results: list[Simulated]) -> str:
     return "\n".join(lines)
 
 
-def report(variant: str = "edit", side: int = 1024, controls: int | None = None, budget_gb: float | None = None,
-           *, as_json: bool = False, comfyui: bool = False, file_dtype: str = "fp8") -> str:
+def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
+           budget_gb: float | None = None, *, as_json: bool = False, comfyui: bool = False,
+           file_dtype: str = "fp8") -> str:
     """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`). `comfyui`: the
     Train node's job on a card of `budget_gb` GiB (default 24) with the graph's model from a `file_dtype` file
     (bench.memory_comfyui)."""

@@ -39,13 +39,15 @@ def simulate_comfyui(variant: str = "edit", side: int = 1024, controls: int | No
                      *, file_dtype: str = "fp8", num_layers: int | None = None) -> memory.Simulated:
     """One steady-state training step of the Train node's job on a `card_gib` card (module doc)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.model import tiny
+    from qwen_edit_core.model import variants
     from qwen_edit_core.train import loop
+    from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     if file_dtype != "fp8":
         raise ValueError(f"bench memory --comfyui: --file-dtype {file_dtype!r} is not simulated (its parked bf16 "
                          "weights live in host memory, which the stand-in device cannot tell apart); use fp8")
-    if fm.is_21(variant):
+    from qwen_edit_core.families import QWEN_IMAGE
+    if variants.get(variant).family is not QWEN_IMAGE:
         raise ValueError(f"bench memory --comfyui: {variant!r} has no ComfyUI training path simulated; use a 2025 "
                          "variant")
     controls = fm.default_controls(variant) if controls is None else controls
@@ -57,14 +59,14 @@ def simulate_comfyui(variant: str = "edit", side: int = 1024, controls: int | No
     with mode:
         speed.quantize_fp8(graph_model)  # the scaled-fp8 file's linears, kept in fp8 by the loader
     model = speed.lend(graph_model)
-    scheduler_config = dict(tiny.SCHEDULER_CONFIG)
+    scheduler_config = dict(variants.get(variant).family.stage("tiny").SCHEDULER_CONFIG)
     plan = memory._planned(config, model, bucket, budget)
     with tempfile.TemporaryDirectory() as out, mode:
         run = loop.setup(config, model, [bucket], Path(out), None, scheduler_config)
     memory._warm_optimizer(run, mode)
     item = fm.cache_item(variant, side, controls)
-    batch = memory._collate(variant)([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0,
-                                     control_dropout=0.0, device=fm.STAND_IN, dtype=torch.bfloat16)
+    batch = collate([item], [loop.sample_generator(0, 0, 0, 0)], caption_dropout=0.0, control_dropout=0.0,
+                    device=fm.STAND_IN, dtype=torch.bfloat16)
     tracker, flops = fm.Tracker(), fm.GlobalFlops()
     tracker.track_external(graph_model, model, run.optimizer)
     with mode, tracker, flops:

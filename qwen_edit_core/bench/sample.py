@@ -133,6 +133,53 @@ def step_hygiene(fn, device: torch.device) -> tuple[int, int]:
     return syncs, torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
 
 
+#: the stages of one edit with our sampler: (label, module, function name); whatever else the edit spends
+#: (scheduler, noise, host copies, recompiles) is "other"
+STAGES = (("prompt encoding", "qwen_edit_core.model.encode", "encode_prompts"),
+          ("VAE encode", "qwen_edit_core.model.encode", "encode_latents"),
+          ("denoising", "qwen_edit_core.sample.sampler", "denoise"),
+          ("VAE decode", "qwen_edit_core.sample.sampler", "decode"))
+
+
+def stage_times(fn, device: torch.device) -> tuple[object, dict[str, float]]:
+    """(fn's result, seconds per stage of `STAGES` plus "other") of one call of `fn` (an edit with our sampler).
+    Each stage's function is wrapped for the call alone (the device synchronised around it, four syncs in all)
+    and restored afterwards."""
+    import importlib
+    spent = {label: 0.0 for label, _, _ in STAGES}
+    saved = []
+
+    def timed(label, real):
+        def call(*args, **kwargs):
+            sync(device)
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                sync(device)
+                spent[label] += time.perf_counter() - start
+        return call
+    for label, module, name in STAGES:
+        mod = importlib.import_module(module)
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, timed(label, getattr(mod, name)))
+    sync(device)
+    start = time.perf_counter()
+    try:
+        out = fn()
+        sync(device)
+    finally:
+        for mod, name, real in saved:
+            setattr(mod, name, real)
+    spent["other"] = time.perf_counter() - start - sum(spent.values())
+    return out, spent
+
+
+def stages_text(spent: dict[str, float]) -> str:
+    """`stage_times`' seconds as one table cell."""
+    return ", ".join(f"{label} {s:.2f}" for label, s in spent.items())
+
+
 @dataclasses.dataclass
 class _RealRun:
     """One real-size sampling bench: the components, the conditioning of the edit and the full edits so far."""
@@ -147,13 +194,15 @@ class _RealRun:
     outputs: dict = dataclasses.field(default_factory=dict)
 
     def full_edit(self, label: str, fn) -> None:
-        """Time one whole edit; keep its output to compare with our plain sampler's."""
+        """Time one whole edit, with where its time goes for our sampler's (`stage_times`); keep its output to
+        compare with our plain sampler's."""
         reset_peak(self.dev)
         sync(self.dev)
         start = time.perf_counter()
-        out = fn()
-        sync(self.dev)
-        self.full_rows.append([label, f"{time.perf_counter() - start:.2f}", gib_text(peak_gib(self.dev))])
+        out, spent = stage_times(fn, self.dev)
+        total = time.perf_counter() - start
+        where = stages_text(spent) if spent["denoising"] > 0 else "-"  # the pipeline calls none of our stages
+        self.full_rows.append([label, f"{total:.2f}", gib_text(peak_gib(self.dev)), where])
         log.info("full edit %s", self.full_rows[-1])  # kept if a time limit cuts the run
         self.outputs[label] = np.asarray(out, dtype=np.float32).reshape(-1)
 
@@ -187,7 +236,8 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
 
     reset_peak(dev)
     t_ref = median_time(reference_step, dev, repeats)
-    rows = [["diffusers model, prompt mask (as the pipeline)", t_ref, peak_gib(dev)]]
+    rows = [["diffusers model, prompt mask (as the pipeline)", t_ref, peak_gib(dev),
+             speed.kernels_text(speed.kernels_ran(reference_step, dev))]]
     for name in STEP_VARIANTS:
         try:
             settings = _apply_variant(name, comps, dev, settings)
@@ -195,11 +245,11 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
             with speed.attention_kernel(settings.attention):
                 reset_peak(dev)
                 rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
-                             peak_gib(dev)])
+                             peak_gib(dev), speed.kernels_text(speed.kernels_ran(lambda: denoiser(latents, t), dev))])
             log.info("sampler step %s (reference %.3f s)", rows[-1], t_ref)  # kept if a time limit cuts the run
         except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
             log.exception("sampler lever %s failed", name)
-            rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None])
+            rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None, "-"])
         if name == "ours, no mask" and run.full:
             run.full_edit("qwen_edit_core sampler, plain",
                           lambda s=settings: sampler.sample(comps, PROMPT, [run.image], s))
@@ -227,26 +277,27 @@ def _euler_hygiene(run: _RealRun, settings) -> tuple[int, int]:
 
 def _step_table(rows, t_ref: float, flops: float, peak_tflops: float, hygiene: tuple[int, int]) -> list[list]:
     table = []
-    for name, s, peak in rows:
+    for name, s, peak, kernels in rows:
         if isinstance(s, str):
-            table.append([name, s, "-", "-", "-"])
+            table.append([name, s, "-", "-", "-", "-"])
         else:
             table.append([name, f"{s:.3f}", gib_text(peak), f"{100 * flops / s / peak_tflops / 1e12:.0f}%",
-                          f"{t_ref / s:.2f}"])
+                          f"{t_ref / s:.2f}", kernels])
     syncs, segments = hygiene
     table.append(["one Euler step, every lever: host syncs / new CUDA segments", f"{syncs} / {segments}" if
-                  syncs >= 0 else "- (CUDA only)", "-", "-", "-"])
+                  syncs >= 0 else "- (CUDA only)", "-", "-", "-", "-"])
     return table
 
 
 def _full_table(run: _RealRun, steps: int, side: int) -> str:
     base, plain = run.full_rows[0], run.outputs["qwen_edit_core sampler, plain"]
     for row in run.full_rows:
-        row.append(f"{float(base[1]) / float(row[1]):.2f}")
+        row.insert(3, f"{float(base[1]) / float(row[1]):.2f}")
         row.append(f"{np.abs(run.outputs[row[0]] - plain).mean():.4f}" if run.outputs[row[0]].shape == plain.shape
                    else "-")
     return print_table(f"full edit: {steps} steps, true CFG 4.0, {side}^2, {run.dev}",
-                       ["implementation", "s", "peak GiB", "speed vs pipeline", "mean |output - plain| (0-1 image)"],
+                       ["implementation", "s", "peak GiB", "speed vs pipeline", "where the seconds go",
+                        "mean |output - plain| (0-1 image)"],
                        run.full_rows)
 
 
@@ -256,7 +307,8 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
     full edits."""
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     run, settings = _real_run(dev, steps, layers, side, full)
     peaks = matmul_peaks(dev, n=8192 if dev.type == "cuda" else 256)
     cond = run.cond
@@ -281,13 +333,19 @@ def _real(device: str, steps: int = 50, repeats: int = 3, *, layers: int | None 
         f"sample step (cond + uncond): random real-size transformer ({layers or 60} blocks), {side}^2 Edit "
         f"({tokens[0]} / {tokens[1]} tokens), bf16, {dev} ({name}); MFU against the measured bf16 peak "
         f"{peaks['bf16']:.0f} TFLOP/s; step = {flops:.2e} FLOPs",
-        ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference"],
+        ["implementation", "median s/step", "peak GiB", "MFU", "speed vs reference",
+         "attention kernels (share of profiled step)"],
         _step_table(rows, t_ref, flops, peaks["bf16"], hygiene))
     return text + ("\n\n" + _full_table(run, steps, side) if full else "")
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
-    """The 2025 family's table(s), then Qwen-Image-2.1's prefix-cache speed-up (families/qwen_image_21/sample_bench.py)."""
-    from qwen_edit_core.families.qwen_image_21 import sample_bench as sample21
-    text = _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)
-    return text + "\n\n" + sample21.run(real_size=real_size, device=device, steps=steps, repeats=repeats)
+    """Every family's sampling table(s) (each family's families/<family>/sample_bench.py `run`), in FAMILIES order."""
+    from qwen_edit_core.families import FAMILIES
+    return "\n\n".join(f.stage("sample_bench").run(real_size=real_size, device=device, steps=steps, repeats=repeats)
+                       for f in FAMILIES.values())
+
+
+def run_packed(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: int = 3) -> str:
+    """The 2025 family's table(s) (its `sample_bench.run`)."""
+    return _real(device, steps, repeats) if real_size else _tiny(device, steps, repeats)

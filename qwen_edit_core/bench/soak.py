@@ -2,7 +2,9 @@
 
 `qwen-edit bench soak --rounds N` runs, N times each with a seeded random point: a SIGKILL during caching
 (inside a cache write), during a training step, and inside a checkpoint write; a SIGTERM during a training step
-(the run must stop at the step boundary with a checkpoint and exit 143); the run's checkpoints folder remounted
+(the run must stop at the step boundary with a checkpoint and exit 143); two SIGTERMs during a validation pass
+(the first asks for a stop, the second stops at once: the checkpoint must hold that step's boundary); a SIGTERM
+inside a cache write (the run stops at once, no entry is left half-written); the run's checkpoints folder remounted
 read-only during a training step (a real read-only bind mount in a private mount namespace when the soak runs as
 root with `unshare`; otherwise EROFS raised at the write calls, and the table says which); a full disk inside a
 checkpoint write (the kernel's own ENOSPC from /dev/full); a cache entry with flipped bytes; a second run on a
@@ -34,9 +36,11 @@ log = logging.getLogger(__name__)
 #: fault kind -> injected point the child stops at (None: no child process)
 FAULTS = {"kill-cache": "cache-write", "kill-step": "train-step", "kill-checkpoint": "checkpoint-write",
           "sigterm-step": "train-step", "read-only": "train-step", "disk-full": "disk-full", "corrupt-cache": None,
-          "second-run": "train-step"}
+          "second-run": "train-step", "sigterm-validation": "validation", "sigterm-cache": "cache-write"}
 #: the first injected point of each kind drawn from 1..N (N: the points a 6-step run with checkpoints every 2 has)
-LAST_POINT = {"cache-write": 3, "train-step": 5, "checkpoint-write": 2, "disk-full": 2}
+LAST_POINT = {"cache-write": 3, "train-step": 5, "checkpoint-write": 2, "disk-full": 2, "validation": 2}
+#: faults whose runs validate every 2 steps (the validation image: the dataset's first control)
+VALIDATING = ("sigterm-validation",)
 
 
 @dataclass
@@ -47,14 +51,16 @@ class SoakReport:
     rows: list = field(default_factory=list)
 
 
-def _config(work: Path, name: str, shared_cache: bool = False):
+def _config(work: Path, name: str, shared_cache: bool = False, validation: bool = False):
     from qwen_edit_core import load_config
+    checks = {"validation_every": 2, "validation_steps": 1, "validation_prompt": "validate",
+              "validation_image": str(sorted((work / "data").glob("*_control.png"))[0])} if validation else {}
     return load_config(overrides={
         "model": {"pretrained_model_name_or_path": str(work / "model"), "lora": {"rank": 4, "alpha": 4.0,
                                                                                   "targets": "all"}},
         "data": {"folder": str(work / "data"), "vae_area": 64 * 64, "batch_size": 2},
         "cache": {"dir": str(work / ("cache" if shared_cache else f"cache-{name}"))},
-        "train": {"output_dir": str(work / name), "max_steps": 6, "checkpoint_every": 2, "seed": 3},
+        "train": {"output_dir": str(work / name), "max_steps": 6, "checkpoint_every": 2, "seed": 3, **checks},
         "optimizer": {"lr": 1e-3}})
 
 
@@ -99,13 +105,13 @@ def can_remount() -> bool:
         return done.returncode == 0
 
 
-def _wait_for_point(proc: subprocess.Popen) -> bool:
-    """Read the child's stdout until it stops at its injected point (True) or exits (False)."""
+def _wait_for_point(proc: subprocess.Popen, what: str = "paused") -> bool:
+    """Read the child's stdout until it stops at its injected point (or says `what`: True) or exits (False)."""
     while True:
         line = proc.stdout.readline()
         if not line:
             return False
-        if line.startswith("paused"):
+        if line.startswith(what):
             return True
 
 
@@ -113,7 +119,7 @@ def _fault(kind: str, work: Path, name: str, rng: random.Random, reference: dict
     """Inject one fault into run `name`, recover it; (difference to the reference LoRA, what happened)."""
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.common.files import OutputDirBusyError
-    config = _config(work, name)
+    config = _config(work, name, validation=kind in VALIDATING)
     if kind == "corrupt-cache":
         QwenImageEditTrainer(config).cache()
         entry = sorted(Path(config.cache.dir).rglob("*.safetensors"))[rng.randrange(4)]
@@ -142,6 +148,16 @@ def _fault(kind: str, work: Path, name: str, rng: random.Random, reference: dict
             note += ", second run refused"
         _release(proc)
         return _diff(_lora(Path(config.train.output_dir) / "lora.safetensors"), reference), note
+    elif kind in ("sigterm-validation", "sigterm-cache"):
+        proc.send_signal(signal.SIGTERM)
+        if kind == "sigterm-validation":  # the second once the first was taken (signals do not queue)
+            if not _wait_for_point(proc, "cancelled"):
+                raise RuntimeError("soak child for sigterm-validation exited before taking the first SIGTERM")
+            proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=1800)
+        note += f", exit {proc.returncode}, {_checkpoints(config)}"
+        if proc.returncode != 128 + signal.SIGTERM:
+            return float("inf"), note
     elif kind == "sigterm-step":
         proc.send_signal(signal.SIGTERM)  # while the child waits inside the step: it ends the step, then stops
         _release(proc)
@@ -259,6 +275,15 @@ def _inject(point: str, kind: str, name: str, stop_at: int, out: Path, counter: 
                 _pause(point, stop_at, counter)
             real_step(run)
         loop.optimizer_step = optimizer_step
+    elif point == "validation":
+        import qwen_edit_core.train.validation as validation
+        real_validate = validation.Validator.__call__
+
+        def validate(self, step, write=True):
+            written = real_validate(self, step, write)
+            _pause(point, stop_at, counter)  # the pass is done, the loop has not yet gone on
+            return written
+        validation.Validator.__call__ = validate
     elif point in ("checkpoint-write", "disk-full"):
         real_torch_save = ckpt.torch.save
 
@@ -280,8 +305,8 @@ def child(work: Path, name: str, kind: str, stop_at: int) -> int:
     """The faulty run: train `name` and meet fault `kind` at its `stop_at`-th point; the exit status (a run that
     fails prints `failed: <error>` on stdout)."""
     from qwen_edit_core.api import QwenImageEditTrainer
-    from qwen_edit_core.common.progress import CancelToken, SignalStop
-    config = _config(work, name)
+    from qwen_edit_core.common.progress import SignalStop
+    config = _config(work, name, validation=kind in VALIDATING)
     out = Path(config.train.output_dir).resolve()
     # The checkpoints folder becomes read-only: the output folder itself holds the run's lock file, open for
     # writing all run long, and the kernel refuses (EBUSY) to remount a mount read-only while a file is open
@@ -291,14 +316,28 @@ def child(work: Path, name: str, kind: str, stop_at: int) -> int:
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "--bind", str(target), str(target)], check=True)
     _inject(FAULTS[kind], kind, name, stop_at, target, [0])
-    cancel = CancelToken()
+    cancel = _announced_cancel()
     try:
         with SignalStop(cancel) as stop:  # as `qwen-edit train` runs
             result = QwenImageEditTrainer(config).fit(progress=stop.progress(), cancel=cancel)
+    except KeyboardInterrupt as err:  # a signal before training (or a second one): stopped at once
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except Exception as err:  # noqa: BLE001 (the parent reports it)
         print(f"failed: {type(err).__name__}: {err}", flush=True)
         return 2
     return 128 + stop.received if result.state == "cancelled" else 0
+
+
+def _announced_cancel():
+    from qwen_edit_core.common.progress import CancelToken
+
+    class Announced(CancelToken):
+        """A cancel token that says on stdout when a signal cancelled it (the parent sends a second after)."""
+
+        def cancel(self) -> None:
+            super().cancel()
+            print("cancelled", flush=True)
+    return Announced()
 
 
 if __name__ == "__main__":

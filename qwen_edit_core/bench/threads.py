@@ -36,13 +36,12 @@ def _step(transformer, batch: int, tokens: int):
 
 def run(repeats: int = 5, batch: int = 8) -> dict:
     """Time the step at 1 thread and at torch's default; prints and returns {threads: seconds}."""
-    from diffusers import QwenImageTransformer2DModel
-
+    from qwen_edit_core.families import DEFAULT
     from qwen_edit_core.toys.pretrain import Recipe, transformer_settings
 
     default = torch.get_num_threads()
     torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(**transformer_settings(Recipe()))
+    transformer = DEFAULT.class_of("transformer")(**transformer_settings(Recipe()))
     step = _step(transformer, batch, 64)
     times = {}
     try:

@@ -2,8 +2,9 @@
 
 Tiny (CPU): the tiny model on a synthetic 256^2 dataset; realtime encodes every batch with the text encoder
 and VAE, cached reads the embedding cache. `--real-size` (GPU): the real transformer config with random
-bf16 weights at 1024^2 Edit shapes (8192 image + 1,408 text tokens), our step against the plain reference
-of docs/MODEL.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient checkpointing + AdamW); the
+bf16 weights at 1024^2 Edit shapes (8192 image tokens and a real prompt's text tokens, `model.prompt_length`:
+1,409 at 1024^2 Edit; the last row repeats the last lever at a multiple of 64 beside it), our step against the plain reference
+of BENCHMARKS.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient checkpointing + AdamW); the
 realtime column there uses the real-width one-layer encoders, so it shows the plumbing, not a 7B encoder.
 """
 
@@ -20,7 +21,7 @@ from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import gib_text, peak_gib, print_table, reserved_gib, reset_peak, sync
+from qwen_edit_core.bench.common import gib_text, peak_gib, pinned_gib, print_table, reserved_gib, reset_peak, sync
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _build(device, dtype):
 
 
 def _reference(device, dtype, steps: int, item) -> dict:
-    """The plain reference of docs/MODEL.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
+    """The plain reference of BENCHMARKS.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
     from peft import LoraConfig
     model = _build(device, dtype)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
@@ -137,7 +138,8 @@ def _reference(device, dtype, steps: int, item) -> dict:
         opt.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    out = {"s": statistics.median(times[1:]), "peak": peak_gib(device), "loss": loss0}
+    out = {"s": statistics.median(times[1:]), "peak": peak_gib(device), "loss": loss0,
+           "kernels": _attention_kernels(model, item, device, dtype, "auto")}
     del model, opt
     _free(device)
     return out
@@ -184,16 +186,26 @@ def _ours(device, dtype, steps: int, item, train_overrides: dict) -> dict:
     compile_start = time.perf_counter()
     example = EditExample(name="random", target=Path("random.png"), controls=(Path("random-control.png"),),
                           caption="", target_size=(side, side), control_sizes=((side, side),))
-    times = _step_times(lambda p: train(config, model, lambda i: item, [example], [((side, side), ((side, side),))],
+    # the lambda runs inside _step_times, before `del model` below frees the weights for the next setting
+    times = _step_times(lambda p: train(config, model, lambda i: item, [example],  # noqa: F821
+                                        [((side, side), ((side, side),))],
                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                         write_lora=lambda path, step: None, out_dir=work, progress=p), device)
     total = time.perf_counter() - compile_start
     out = {"s": statistics.median(times), "peak": peak_gib(device), "reserved": reserved_gib(device),
-           "first_step": total - sum(times), "planned": _planned_gib(config, model, side)}
+           "pinned": pinned_gib(device), "first_step": total - sum(times), "planned": _planned_gib(config, model, side)}
     out["loss"] = fixed_batch_loss(model, item, device, dtype)
+    out["kernels"] = _attention_kernels(model, item, device, dtype, config.train.attention)
     del model
     _free(device)
     return out
+
+
+def _attention_kernels(model, item, device, dtype, attention: str) -> str:
+    """The attention kernels one forward of the fixed batch launches under `attention` (profiler names)."""
+    from qwen_edit_core import speed
+    with speed.attention_kernel(attention):
+        return speed.kernels_text(speed.kernels_ran(lambda: fixed_batch_loss(model, item, device, dtype), device))
 
 
 def _planned_gib(config, model, side: int) -> float | None:
@@ -224,12 +236,18 @@ def _device_name(dev: torch.device) -> str:
 
 
 def _real(device: str, steps: int, variants: list[str] | None = None, *, layers: int | None = None,
-          side: int = 1024, text_tokens: int = 1408) -> str:
-    """`layers`/`side`/`text_tokens` shrink the run for a smoke test of the plumbing (any device)."""
+          side: int = 1024, text_tokens: int | None = None) -> str:
+    """`layers`/`side`/`text_tokens` shrink the run for a smoke test of the plumbing (any device); `text_tokens`
+    None: a real prompt's length at `side` (model.prompt_length: the control's vision tokens plus a caption)."""
     from qwen_edit_core.bench.common import matmul_peaks
+    from qwen_edit_core.model import variants
+    from qwen_edit_core.model.prompt_length import prompt_tokens
+    if text_tokens is None:
+        text_tokens = prompt_tokens(variants.DEFAULT, [(side, side)])
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
-        raise ValueError("--real-size needs a CUDA device (the real transformer is 38.1 GiB in bf16)")
+        raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
+                         "and memory")
     global _LAYERS
     _LAYERS = layers
     dtype = torch.bfloat16
@@ -249,21 +267,34 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
             log.exception("variant %s failed", name)
             results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
             _free(dev)
+    aligned = text_tokens // 64 * 64
+    if aligned != text_tokens and results[-1][0] in VARIANTS and "error" not in results[-1][1]:
+        # the same lever at a multiple of 64 text tokens: what an odd prompt length costs the kernels
+        name = f"{results[-1][0]} at {aligned} text tokens"
+        try:
+            results.append((name, _ours(dev, dtype, steps, _real_item(dev, dtype, text_tokens=aligned, side=side),
+                                        VARIANTS[results[-1][0]])))
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            log.exception("variant %s failed", name)
+            results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
+            _free(dev)
     rows = []
     for name, r in results:
         if "error" in r:
-            rows.append([name, "failed", "-", "-", "-", "-", "-", "-", r["error"]])
+            rows.append([name, "failed", "-", "-", "-", "-", "-", "-", "-", "-", r["error"]])
             continue
-        rows.append([name, f"{r['s']:.3f}", gib_text(r["peak"]), gib_text(r.get("reserved")), gib_text(r.get("planned")),
+        rows.append([name, f"{r['s']:.3f}", gib_text(r["peak"]), gib_text(r.get("reserved")),
+                     gib_text(r.get("pinned")), gib_text(r.get("planned")),
                      f"{100 * flops / r['s'] / peaks['bf16'] / 1e12:.0f}%",
                      f"{ref['s'] / r['s']:.2f}", f"{100 * (r['loss'] - ref['loss']) / ref['loss']:+.2f}%",
-                     f"{r.get('first_step', 0):.0f}"])
+                     f"{r.get('first_step', 0):.0f}", r["kernels"]])
     return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({2 * (side // 16) ** 2} image + "
                        f"{text_tokens} text tokens), batch 1, "
                        f"bf16, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
                        f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
-                       ["implementation", "median s/step", "peak GiB", "reserved GiB", "planned GiB", "MFU",
-                        "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)"], rows)
+                       ["implementation", "median s/step", "peak GiB", "reserved GiB", "pinned GiB", "planned GiB",
+                        "MFU", "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)",
+                        "attention kernels (share of profiled forward)"], rows)
 
 
 def run(real_size: bool = False, device: str = "cpu", steps: int = 10, variants: list[str] | None = None) -> str:

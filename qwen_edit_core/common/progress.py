@@ -7,6 +7,7 @@ for a command-line run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -41,10 +42,32 @@ ProgressFn = Callable[[Progress], None]
 
 
 class CancelToken:
-    """A thread-safe stop flag; `check()` raises `Cancelled` once `cancel()` was called."""
+    """A thread-safe stop flag; `check()` raises `Cancelled` once `cancel()` was called. `shielded()` marks a
+    block that an interrupt must not cut in half (`SignalStop` holds a second signal until the block ends)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._shields = 0
+        self._held: int | None = None  # a signal that arrived inside a shielded block
+
+    @contextlib.contextmanager
+    def shielded(self):
+        """Run the block whole: an interrupt `hold` took inside it is raised (`Interrupted`) when it ends."""
+        self._shields += 1
+        try:
+            yield
+        finally:
+            self._shields -= 1
+        if not self._shields and self._held is not None:
+            signum, self._held = self._held, None
+            raise Interrupted(signum)
+
+    def hold(self, signum: int) -> bool:
+        """Inside a shielded block: keep `signum` for its end (True); outside: False (the caller raises now)."""
+        if not self._shields:
+            return False
+        self._held = int(signum)
+        return True
 
     def cancel(self) -> None:
         self._event.set()
@@ -73,7 +96,8 @@ class SignalStop:
     Before the training loop runs (loading, caching) a signal raises `Interrupted` at once: nothing is lost.
     Once `progress` has seen a "train" event, the first signal only cancels `token`: the loop stops at its next
     step boundary and saves a checkpoint there, so no signal lands inside an optimizer step or a checkpoint
-    write (resume is exact). A second signal raises `Interrupted` at once. `received` is the first signal's
+    write (resume is exact). A second signal raises `Interrupted` at once, or, inside a block the token
+    shields (an optimizer step), when that block ends: the state left is a step boundary's. `received` is the first signal's
     number (None if none came). The previous handlers are restored on exit; signal handlers can only be set in
     the main thread, so elsewhere this does nothing."""
 
@@ -110,5 +134,7 @@ class SignalStop:
             log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
                         signal.Signals(signum).name)
             self.token.cancel()
+            return
+        if self.token.hold(signum):
             return
         raise Interrupted(signum)

@@ -23,7 +23,7 @@ On-disk format (format version 1).
   ((1, h, w): 2.1 reads latents unpatched) and two more tensors: `prompt_slots` (S,) and `empty_prompt_slots`
   (S0,) bool, True at the vision slots the transformer fills with the controls' (references') latent tokens.
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time
-  (DESIGN.md, "Cache entry"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
+  (docs/DESIGN.md, "Contracts"). Metadata: every `CacheKey` field as a string (`CacheKey.to_metadata`),
   `format_version` included, and `tensors_sha256`: the sha256 of every tensor's name, dtype, shape and bytes
   in name order (`tensors_checksum`).
 

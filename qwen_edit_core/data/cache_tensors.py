@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from qwen_edit_core.families import FAMILIES, family_of_cache_name
+
 if TYPE_CHECKING:
     from qwen_edit_core.data.cache import CacheKey
 
@@ -18,10 +20,6 @@ CACHE_FORMAT_VERSION = 2
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.
 CACHE_TENSORS = ("target_latents", "prompt_embeds", "empty_prompt_embeds", "img_shapes")
 EMBEDDING_TENSORS = ("prompt_embeds", "empty_prompt_embeds")
-#: what a Qwen-Image-2.1 entry adds (key field `family`): each prompt's vision-slot mask, (S,) bool
-SLOT_TENSORS = ("prompt_slots", "empty_prompt_slots")
-#: latent pixels per img_shapes unit along each side, by key family ("" = the 2025 family's 2x2 patches)
-PATCH = {"": 2, "qwen-image-2.1": 1}
 #: the optional float32 tensor of an entry whose key has a mask_hash: (target tokens,) loss-weight fractions
 LOSS_MASK = "loss_mask"
 
@@ -63,10 +61,14 @@ def prepare_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> dict[
 def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | None:
     """What is wrong with an entry's tensors for `key` (None if nothing). Works on meta tensors too, except
     that `img_shapes` must hold its values."""
-    if key.family not in PATCH:
-        return f"of model family {key.family!r}, which this code does not train ({', '.join(map(repr, PATCH))})"
+    try:
+        family = family_of_cache_name(key.family)
+    except KeyError:
+        known = ", ".join(repr(f.cache_name) for f in FAMILIES.values())
+        return f"of model family {key.family!r}, which this code does not train ({known})"
     latents = ("target_latents",) + control_names(key.n_controls)
-    slots = SLOT_TENSORS if key.family else ()
+    # a family's own tensors (families.Family.cache_tensors) are, like the embeddings, one mask per prompt
+    slots = family.cache_tensors
     expected = set(CACHE_TENSORS) | set(latents) | set(slots) | ({LOSS_MASK} if key.mask_hash else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
@@ -76,7 +78,7 @@ def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | N
         if tensors[name].dtype != dtype:
             return f"holding {name} of dtype {tensors[name].dtype}, not {dtype}"
     return (_check_embeddings(tensors) or _check_slots(tensors, slots)
-            or _check_latents(tensors, latents, PATCH[key.family]) or _check_loss_mask(tensors))
+            or _check_latents(tensors, latents, family.patch) or _check_loss_mask(tensors))
 
 def _check_loss_mask(tensors: Mapping[str, torch.Tensor]) -> str | None:
     if LOSS_MASK not in tensors:

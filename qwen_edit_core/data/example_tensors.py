@@ -16,11 +16,8 @@ import torch
 
 from qwen_edit_core.model import encode, variants
 from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identity, hash_file
-from qwen_edit_core.data.dataset import EditExample, load_rgb
-from qwen_edit_core.data.masks import mask_tokens
+from qwen_edit_core.data.dataset import EditExample
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.families import QWEN_IMAGE
-from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +93,7 @@ def cache_key(example: EditExample, settings: EncodeSettings, identity: str) -> 
                     template=variants.get(settings.variant).encoding,
                     prefix_len=settings.prefix_len, dtype=str(settings.dtype).removeprefix("torch."),
                     mask_hash=hash_file(example.mask) if example.mask is not None else "",
-                    family="" if settings.family is QWEN_IMAGE else settings.family.name)
+                    family=settings.family.cache_name)
 
 
 def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor_dir=None) -> str:
@@ -110,44 +107,11 @@ def encoder_identity(model_dir, vae_file=None, text_encoder_file=None, processor
     return component_identity(paths)
 
 
-@torch.no_grad()
 def encode_example(components, example: EditExample, settings: EncodeSettings) -> dict[str, torch.Tensor]:
-    """The cache tensors of one example, on the CPU in `settings.dtype`.
-
-    Control images are preprocessed by `encode.prepare_controls`, as in sampling; the target is resized to
-    its own bucket. `empty_prompt_embeds` (`EMPTY_PROMPT`, same control images) serve caption dropout. A pair
-    with a mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32). A Qwen-Image-2.1
-    example is encoded by families/qwen_image_21/example_tensors.py.
-    """
-    if settings.family.references == "in-text":
-        from qwen_edit_core.families.qwen_image_21.example_tensors import encode_example21
-        return encode_example21(components, example, settings)
-    components.require("vae", "text_encoder")
-    target = load_rgb(example.target, convert_modes=settings.convert_modes)
-    controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]
-    target_size = encode.image_size_at_area(target, settings.vae_area)
-    sizes = [target_size] * len(controls) if settings.control_size == "target" else None
-    vl_images, control_pixels, _ = encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
-                                                           vl_area=settings.vl_area, sizes=sizes)
-    te = components.text_encoder
-    try:
-        prompt, empty = encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],
-                                              [vl_images, vl_images], settings.variant, device=te.device)
-    except encode.EncodeError as err:
-        raise encode.EncodeError(f"pair {example.name!r} (target {str(example.target)!r}): "
-                                 f"{str(err).replace('prompt 0', 'its caption')}") from None
-    tensors = {"target_latents": encode.encode_latents(components.vae, encode.pixels_for_vae(target,
-                                                                                            *target_size))[0],
-               "prompt_embeds": prompt, "empty_prompt_embeds": empty}
-    shapes = [encode.packed_shape(*target_size)]
-    for i, pixels in enumerate(control_pixels):
-        tensors[f"control_latents_{i}"] = encode.encode_latents(components.vae, pixels)[0]
-        shapes.append(encode.packed_shape(pixels.shape[-1], pixels.shape[-2]))
-    tensors = {k: v.to("cpu", settings.dtype).contiguous() for k, v in tensors.items()}
-    tensors["img_shapes"] = torch.tensor(shapes, dtype=torch.int64)
-    if example.mask is not None:
-        tensors["loss_mask"] = mask_tokens(example.mask, *target_size)
-    return tensors
+    """The cache tensors of one example, on the CPU in `settings.dtype`: its family's `encode_example`
+    (families/<family>/example_tensors.py), which encodes it exactly as that family's sampler does. A pair with a
+    mask adds `loss_mask`: the mask area-averaged onto the target's token grid (float32)."""
+    return settings.family.stage("example_tensors").encode_example(components, example, settings)
 
 
 def build_cache(components, examples: Sequence[EditExample], cache: EmbeddingCache, settings: EncodeSettings, *,

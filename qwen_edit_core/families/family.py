@@ -9,13 +9,19 @@ latents unpatched (one token per latent pixel). docs/MODEL.md gives the sources.
 
 Stages read these fields, never a family or variant name: loaders take the class names, the encoders the
 latent geometry, the sampler `references`, `cfg_rescale` and `prefix_cache`, LoRA injection `lora_targets`,
-the speed levers the block list `blocks`.
+the speed levers the block list `blocks`. Behaviour a stage cannot express with these fields is the family's
+own: `Family.stage(name)` is the module `name` of the family's subpackage (`package`), whose functions the
+stage calls (docs/DESIGN.md, "Adding a model family", lists them). `family_of` answers "which family" for a
+model, a file's keys, a model directory, a cache entry or key, and a training batch.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from pathlib import Path
+from types import MappingProxyType, ModuleType
 from typing import Mapping
 
 #: where the control / reference latents go in the transformer's image sequence
@@ -52,6 +58,8 @@ class Family:
     prefix_cache: bool
     #: the VAE decodes a fourth (alpha) channel
     alpha: bool
+    #: the class name of one transformer block (the FSDP unit: train/sharding.py)
+    block_class: str
     #: the transformer's attribute holding its list of blocks (what checkpointing, fp8, compile, offload walk)
     blocks: str
     #: LoRA target presets: preset name -> module-name suffixes inside the blocks
@@ -64,16 +72,48 @@ class Family:
     file_layout: str = "qwen_edit_core.model.single_file"
     #: a key only this family's transformer files have ("" : the family of any file without another's marker)
     file_marker: str = ""
+    #: what its files are called in messages ("a <file_title> transformer")
+    file_title: str = ""
+    #: the subpackage (dotted path) holding this family's behaviour, one module per stage (`stage`)
+    package: str = "qwen_edit_core.families.qwen_image"
+    #: a cache key's `family` field for this family's entries ("": the first family's, keyed before the field)
+    cache_name: str = ""
+    #: tensors this family's cache entries hold besides the shared ones (data/cache_tensors.py)
+    cache_tensors: tuple[str, ...] = ()
+    #: the text encoder's vision tokens of each control image lengthen the text stream the transformer reads
+    #: (False: a reference's latent tokens take its slots and count as image tokens)
+    vision_in_text: bool = True
+    #: samples of different sizes train in one call, padded, through adapters/multires.py's joint attention
+    #: processor (False: the family's batch runs one call per token layout)
+    padded_batches: bool = True
+    #: the prefix of the keys of a ComfyUI LoRA file for this family's transformer (what ComfyUI's loader expects)
+    lora_prefix: str = "diffusion_model."
 
     @property
     def token_pixels(self) -> int:
         """Pixels per transformer token along each side (16 in both families); image sides are multiples of it."""
         return self.vae_scale * self.patch
 
+    @property
+    def ordered_references(self) -> bool:
+        """Whether the model takes reference images in the user's order inside its text (any sizes, RGBA where the
+        VAE reads alpha), rather than control images after the target's tokens: what the nodes and the demo pass."""
+        return self.references == "in-text"
+
     def layout(self):
         """The module reading this family's transformer files (`file_layout`)."""
-        import importlib
         return importlib.import_module(self.file_layout)
+
+    def stage(self, name: str) -> ModuleType:
+        """This family's module for stage `name` ("example_tensors", "batch", "sampler", ...): the functions that
+        stage calls for this family (docs/DESIGN.md, "Adding a model family")."""
+        try:
+            return importlib.import_module(f"{self.package}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{self.package}.{name}":
+                raise
+            raise NotImplementedError(f"model family {self.name!r} has no {name!r} stage module ({self.package}."
+                                      f"{name}); add one with the functions docs/DESIGN.md lists") from None
 
     def class_of(self, component: str):
         """The library class of a component ("transformer", "vae", "text_encoder", "processor")."""
@@ -91,20 +131,20 @@ QWEN_IMAGE = Family(
     transformer_class="QwenImageTransformer2DModel", vae_class="AutoencoderKLQwenImage",
     text_encoder_class="Qwen2_5_VLForConditionalGeneration", processor_class="Qwen2VLProcessor",
     latent_channels=16, vae_scale=8, patch=2, references="after-target", max_references=None, cfg_rescale=True,
-    prefix_cache=False, alpha=False, blocks="transformer_blocks",
+    prefix_cache=False, alpha=False, block_class="QwenImageTransformerBlock", blocks="transformer_blocks",
     lora_targets=MappingProxyType({
         "attn": _ATTN_2025,
         "attn-img": ("to_q", "to_k", "to_v", "to_out.0"),
         "all": _ATTN_2025 + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
     }),
-    licence="Apache-2.0")
+    licence="Apache-2.0", file_title="Qwen-Image-Edit (2025)")
 
 QWEN_IMAGE_21 = Family(
     name="qwen-image-2.1", title="Qwen-Image-2.1",
     transformer_class="QwenImage21Transformer2DModel", vae_class="AutoencoderKLQwenImage21",
     text_encoder_class="Qwen3VLForConditionalGeneration", processor_class="Qwen3VLProcessor",
     latent_channels=64, vae_scale=16, patch=1, references="in-text", max_references=10, cfg_rescale=False,
-    prefix_cache=True, alpha=True, blocks="transformer_blocks",
+    prefix_cache=True, alpha=True, block_class="QwenImage21TransformerBlock", blocks="transformer_blocks",
     # Single stream: the text and image tokens share every projection, so "attn" and "attn-img" are the same.
     lora_targets=MappingProxyType({
         "attn": _ATTN_21,
@@ -112,15 +152,79 @@ QWEN_IMAGE_21 = Family(
         "all": _ATTN_21 + ("img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
     }),
     licence="Qwen Research License (non-commercial research and evaluation only)",
-    file_layout="qwen_edit_core.families.qwen_image_21.single_file", file_marker="txt_in.text_norm.weight")
+    file_layout="qwen_edit_core.families.qwen_image_21.single_file", file_marker="txt_in.text_norm.weight",
+    package="qwen_edit_core.families.qwen_image_21", file_title="Qwen-Image-2.1", cache_name="qwen-image-2.1",
+    cache_tensors=("prompt_slots", "empty_prompt_slots"), vision_in_text=False, padded_batches=False,
+    lora_prefix="")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
+#: the family of whatever carries no other family's mark (files, directories and cache entries made before the
+#: second family existed)
+DEFAULT = QWEN_IMAGE
+
+
+def register(family: Family) -> Family:
+    """Add `family` to FAMILIES (what `family_of` searches); ValueError when its name, cache name or markers are
+    already another family's."""
+    for other in FAMILIES.values():
+        clash = [what for what in ("name", "cache_name", "transformer_class")
+                 if getattr(other, what) == getattr(family, what)]
+        if other is not family and clash:
+            raise ValueError(f"model family {family.name!r}: its {', '.join(clash)} already belong to "
+                             f"{other.name!r}; give it its own")
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(family: Family) -> None:
+    """Remove a family `register` added (the two shipped ones stay)."""
+    if family in (QWEN_IMAGE, QWEN_IMAGE_21):
+        raise ValueError(f"model family {family.name!r} ships with the package and cannot be removed")
+    FAMILIES.pop(family.name, None)
+
+
+def family_of(thing) -> Family:
+    """Which family `thing` belongs to: a transformer (its class), a model directory (its transformer's
+    config.json class), a transformer file's keys (a family's `file_marker`), a cache key (its `family` field),
+    a cache entry's tensors (a family's `cache_tensors`), or a training batch (its `family`). Anything without
+    another family's mark is the DEFAULT family's."""
+    import torch
+    if isinstance(thing, torch.nn.Module):
+        return family_of_model(thing)
+    if isinstance(thing, (str, Path)) and Path(thing).is_dir():
+        config = Path(thing) / "transformer" / "config.json"
+        return family_of_class(json.loads(config.read_text()).get("_class_name", "") if config.is_file() else "")
+    if isinstance(getattr(thing, "family", None), Family):
+        return thing.family
+    if isinstance(getattr(thing, "family", None), str):  # a cache key
+        return family_of_cache_name(thing.family)
+    if isinstance(thing, Mapping) and thing and all(isinstance(v, torch.Tensor) for v in thing.values()):
+        marked = [f for f in FAMILIES.values() if f.cache_tensors and set(f.cache_tensors) <= set(thing)]
+        if marked:
+            return marked[0]
+    return family_of_file(thing)
+
+
+def family_of_vae(header) -> Family:
+    """The family of a VAE file from its header: the first family other than DEFAULT whose `claims` (its
+    vae_file stage module) accepts it, else DEFAULT."""
+    return next((f for f in FAMILIES.values() if f is not DEFAULT and f.stage("vae_file").claims(header)), DEFAULT)
+
+
+def family_of_cache_name(name: str) -> Family:
+    """The family whose cache entries carry `name` in their key's `family` field; KeyError naming the known ones."""
+    found = next((f for f in FAMILIES.values() if f.cache_name == name), None)
+    if found is None:
+        known = ", ".join(repr(f.cache_name) for f in FAMILIES.values())
+        raise KeyError(f"cache entries of model family {name!r}: not a family this code trains (known: {known})")
+    return found
 
 
 def family_of_model(model) -> Family:
-    """The family whose transformer class `model` is (or derives from); the 2025 family for anything else."""
-    names = {c.__name__ for c in type(model).__mro__}
-    return next((f for f in FAMILIES.values() if f.transformer_class in names), QWEN_IMAGE)
+    """The family whose transformer class `model` is, or derives from most closely (a family's class may derive
+    from another's); DEFAULT for anything else."""
+    by_class = {f.transformer_class: f for f in FAMILIES.values()}
+    return next((by_class[c.__name__] for c in type(model).__mro__ if c.__name__ in by_class), DEFAULT)
 
 
 def family_of_file(keys) -> Family:
@@ -128,10 +232,10 @@ def family_of_file(keys) -> Family:
     else the 2025 family."""
     def holds(marker: str) -> bool:
         return any(k == marker or k.endswith("." + marker) for k in keys)
-    return next((f for f in FAMILIES.values() if f.file_marker and holds(f.file_marker)), QWEN_IMAGE)
+    return next((f for f in FAMILIES.values() if f.file_marker and holds(f.file_marker)), DEFAULT)
 
 
 def family_of_class(class_name: str) -> Family:
     """The family whose transformer class is `class_name` (a diffusers config's `_class_name`); the 2025 family
     for any other."""
-    return next((f for f in FAMILIES.values() if f.transformer_class == class_name), QWEN_IMAGE)
+    return next((f for f in FAMILIES.values() if f.transformer_class == class_name), DEFAULT)

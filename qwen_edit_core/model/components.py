@@ -16,16 +16,14 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import variants
-from qwen_edit_core.families import QWEN_IMAGE, Family
+from qwen_edit_core.families import DEFAULT, Family
 from qwen_edit_core.model.devices import DeviceError
+from qwen_edit_core.model.weight_files import (  # noqa: F401 - re-exported: callers catch it from here
+    PICKLE_SUFFIXES, ModelNotFoundError, require_safetensors)
 
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8", "nf4")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model directory, file or hub id that is not available offline; the message says what to do."""
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -92,30 +90,12 @@ def _finish(module: torch.nn.Module, device: torch.device, quantized: bool) -> t
 
 
 #: pickle-based weight files: never read (loading a pickle can run code)
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def require_safetensors(folder: Path, component: str) -> None:
-    """ModelNotFoundError when `folder` holds pickle weights (.bin, ...) but no .safetensors: only safetensors
-    are read from model directories (`use_safetensors=True`)."""
-    folder = Path(folder)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelNotFoundError(
-            f"{component}: {str(folder)!r} holds only pickle-based weights ({', '.join(pickles[:3])}), which are "
-            "never loaded (they can run code); convert them once where you trust the file, e.g. "
-            "`model.save_pretrained(folder, safe_serialization=True)` in diffusers/transformers, or download the "
-            "safetensors release of the model")
-
-
 def family_of(model_dir: Path) -> Family:
     """The model family (families.py) of a diffusers directory, from model_index.json's pipeline class (the 2025
     family without one, as a bare component folder)."""
     index = Path(model_dir) / "model_index.json"
     if not index.is_file():
-        return QWEN_IMAGE
+        return DEFAULT
     pipeline = json.loads(index.read_text()).get("_class_name", "")
     found = next((v.family for v in variants.VARIANTS.values() if v.pipeline_class == pipeline), None)
     return found or variants.get(detect_variant(model_dir)).family  # unknown: raises naming the accepted classes
@@ -125,12 +105,12 @@ def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtyp
                      family: Family | None = None):
     """The family's transformer (QwenImageTransformer2DModel, ...) from `model_dir/transformer`, frozen, on
     `device` in `dtype`; the family defaults to the directory's."""
-    QwenImageTransformer2DModel = (family or family_of(model_dir)).class_of("transformer")
+    cls = (family or family_of(model_dir)).class_of("transformer")
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
         require_safetensors(Path(model_dir) / "transformer", "transformer")
-        model = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
+        model = cls.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype,
                                                             use_safetensors=True, **extra)
         return _finish(model, device, qconfig is not None)
 
@@ -145,10 +125,10 @@ def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, famil
         from qwen_edit_core.model import family_files
         family_files.check_file_family({"vae": vae_file}, family, family.name)
         return family_files.load_vae_file(vae_file, model_dir, family, device=device, dtype=dtype)
-    AutoencoderKLQwenImage = family.class_of("vae")
+    cls = family.class_of("vae")
     with torch.inference_mode(False):
         require_safetensors(Path(model_dir) / "vae", "vae")
-        model = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
+        model = cls.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
                                                        use_safetensors=True)
         return _finish(model, device, False)
 
@@ -194,17 +174,17 @@ def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None
     return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = QWEN_IMAGE):
+def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = DEFAULT):
     """The family's processor (Qwen2VLProcessor, ...: tokenizer + image processor) from `processor_source`."""
     return read_processor(processor_source(model_dir, comfyui_dir), family)
 
 
-def read_processor(source: Path, family: Family = QWEN_IMAGE):
+def read_processor(source: Path, family: Family = DEFAULT):
     """The processor of a folder: a saved processor (diffusers' processor/, with its image-processor settings), or
     bare Qwen2.5 tokenizer files (ComfyUI's qwen25_tokenizer/) given Qwen-Image's image-processor settings."""
-    Qwen2VLProcessor = family.class_of("processor")
+    cls = family.class_of("processor")
     if any((Path(source) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
-        return Qwen2VLProcessor.from_pretrained(source)
+        return cls.from_pretrained(source)
     from qwen_edit_core.model.text_encoder_file import processor_from_tokenizer_files
     return processor_from_tokenizer_files(source)
 
@@ -215,11 +195,11 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     """Qwen2.5-VL from `model_dir/text_encoder` (or from one `text_encoder_file`, ComfyUI's text_encoders layout)
     and its processor (`load_processor`: `model_dir/processor`, else ComfyUI's bundled tokenizer); the family
     defaults to the directory's (Qwen-Image 2025 without one). Qwen-Image-2.1 takes no text encoder file."""
-    family = family or (family_of(model_dir) if model_dir is not None else QWEN_IMAGE)
+    family = family or (family_of(model_dir) if model_dir is not None else DEFAULT)
     if text_encoder_file:
         from qwen_edit_core.model.family_files import check_text_encoder_file
         check_text_encoder_file(text_encoder_file, family)
-    Qwen2_5_VLForConditionalGeneration = family.class_of("text_encoder")
+    cls = family.class_of("text_encoder")
     if text_encoder_file and quantize != "none":
         raise ValueError(f"text_encoder: quantize={quantize!r} is not available for a single text encoder file "
                          f"({text_encoder_file}); use quantize none, or the model directory's text_encoder/")
@@ -237,7 +217,7 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     with torch.inference_mode(False):
         extra = {"quantization_config": qconfig, "device_map": {"": str(device)}} if qconfig else {}
         require_safetensors(Path(model_dir) / "text_encoder", "text_encoder")
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype,
+        model = cls.from_pretrained(model_dir / "text_encoder", dtype=dtype,
                                                                    use_safetensors=True, **extra)
         model = _finish(model, device, qconfig is not None)
     return TextEncoder(model=model, processor=processor, device=device, processor_dir=source)
@@ -283,6 +263,14 @@ def load_scheduler_config(model_dir: Path) -> dict:
     if not path.is_file():
         raise ModelNotFoundError(f"{str(path)!r} is missing: the model directory has no scheduler config")
     return json.loads(path.read_text())
+
+
+def shipped_sigmas(model_dir: Path) -> list[float] | None:
+    """The sigma list a few-step checkpoint ships as its default schedule (`sample_sigmas` in model_index.json,
+    which diffusers' pipelines read the same way), or None."""
+    index = Path(model_dir) / "model_index.json"
+    value = json.loads(index.read_text()).get("sample_sigmas") if index.is_file() else None
+    return [float(s) for s in value] if value else None
 
 
 def replicate(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -347,6 +335,9 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
     check_file_family({"transformer": transformer_file, "vae": vae_file, "text_encoder": text_encoder_file}, family,
                       comps.variant)  # headers only
     log.info("%s: licence %s", family.title, family.licence)
+    if (sigmas := shipped_sigmas(model_dir)) is not None:
+        log.info("a few-step checkpoint: it ships its own schedule of %d sigmas (model_index.json sample_sigmas), which "
+                 "sampling uses unless sigmas are given", len(sigmas))
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,
@@ -359,7 +350,7 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
         comps.transformer = load_transformer_planned(weight_source(model_dir, transformer_file, transformer_fp8),
                                                      transformer_plan)
     elif "transformer" in which and transformer_file:
-        from qwen_edit_core.model.single_file import load_transformer_file
+        from qwen_edit_core.model.planned_load import load_transformer_file
         comps.transformer = load_transformer_file(transformer_file, device=plan.transformer, dtype=plan.dtype,
                                                   fp8=transformer_fp8)
     elif "transformer" in which:

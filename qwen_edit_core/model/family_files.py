@@ -2,7 +2,7 @@
 the other family than the directory's (the scheduler, processor and encoders come from the directory), and the
 VAE file loaded as its family's model.
 
-A file's family is read from its header alone (`single_file21.is_21`, `vae_file21.is_21`). Qwen-Image-2.1's text
+A file's family is read from its header alone (`families.family_of_file`, `families.family_of_vae`). Qwen-Image-2.1's text
 encoder is not read from a single file: ComfyUI ships it only as int8 "convrot" (`qwen3vl_8b_int8_convrot`), a
 format this project does not read, so a 2.1 model takes its directory's text_encoder/.
 """
@@ -15,18 +15,11 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import file_stream, single_file
-from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
-from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
-from qwen_edit_core.model.components import ModelNotFoundError
-from qwen_edit_core.families import Family
+from qwen_edit_core.model.weight_files import ModelNotFoundError
+from qwen_edit_core.families import Family, family_of_file, family_of_vae
 
-#: what `is_21` reads in each kind of file
-_DETECT = {"transformer": single_file21.is_21, "vae": vae_file21.is_21}
-_OLD = "Qwen-Image-Edit (2025)"
-
-
-def _is_21_family(family: Family) -> bool:
-    return family.name == single_file21.FAMILY
+#: which family each kind of file is, from its header
+_DETECT = {"transformer": family_of_file, "vae": family_of_vae}
 
 
 def check_file_family(files: dict[str, str | Path | None], family: Family, variant: str) -> None:
@@ -38,10 +31,9 @@ def check_file_family(files: dict[str, str | Path | None], family: Family, varia
         if kind == "text_encoder":
             check_text_encoder_file(path, family)
             continue
-        file_21 = _DETECT[kind](file_stream.read_header(Path(path)))
-        if file_21 != _is_21_family(family):
-            what = "Qwen-Image-2.1" if file_21 else _OLD
-            raise ModelNotFoundError(f"{kind} file {str(path)!r} is a {what} {kind}, but the model directory is "
+        found = _DETECT[kind](file_stream.read_header(Path(path)))
+        if found is not family:
+            raise ModelNotFoundError(f"{kind} file {str(path)!r} is a {found.file_title} {kind}, but the model directory is "
                                      f"{family.title} ({variant}); give a model directory of the file's family (its "
                                      "scheduler, processor and encoders are read from the directory)")
 
@@ -60,17 +52,14 @@ def _quant_formats(path: Path) -> list[str]:
 
 
 def check_text_encoder_file(path: str | Path, family: Family) -> None:
-    """Refuse a text encoder file for Qwen-Image-2.1, naming its quantization format when it has one (ComfyUI's
-    int8 "convrot") and what to use instead."""
-    if not _is_21_family(family):
+    """Refuse a text encoder file for a family whose encoder is not read from one (its file layout's
+    `TEXT_ENCODER_REFUSAL`), naming the file's quantization format when it has one (ComfyUI's int8 "convrot")."""
+    refusal = family.layout().TEXT_ENCODER_REFUSAL
+    if not refusal:
         return
     formats = _quant_formats(Path(path)) if Path(path).is_file() else []
     found = f"a file quantized as {', '.join(repr(f) for f in formats)}" if formats else "a single file"
-    raise single_file.SingleFileError(
-        f"text encoder file {str(path)!r}: Qwen-Image-2.1's text encoder (Qwen3-VL) is not read from {found}. "
-        "ComfyUI ships it only as int8 'convrot' (qwen3vl_8b_int8_convrot.safetensors), which this project does not "
-        "read: leave the text encoder file empty, and the 2.1 model directory's text_encoder/ "
-        "(Qwen3VLForConditionalGeneration) is loaded")
+    raise single_file.SingleFileError(f"text encoder file {str(path)!r}: {refusal.format(found=found)}")
 
 
 def vae_statistics(model_dir: Path | None) -> dict | None:
@@ -81,7 +70,8 @@ def vae_statistics(model_dir: Path | None) -> dict | None:
 
 def load_vae_file(path: str | Path, model_dir: Path | None, family: Family, *, device: torch.device,
                   dtype: torch.dtype):
-    """A VAE file as its family's model (`single_file.load_vae_file`); a Qwen-Image-2.1 one takes the directory's
-    latent statistics (ComfyUI's file has none)."""
-    statistics = vae_statistics(model_dir) if _is_21_family(family) else None
-    return single_file.load_vae_file(path, device=device, dtype=dtype, config=statistics)
+    """A VAE file as its family's model (`single_file.load_vae_file`), with what its family reads from the
+    directory (`directory_config` of families/<family>/vae_file.py: Qwen-Image-2.1's latent statistics, which
+    ComfyUI's file lacks)."""
+    config = family.stage("vae_file").directory_config(vae_statistics(model_dir))
+    return single_file.load_vae_file(path, device=device, dtype=dtype, config=config)

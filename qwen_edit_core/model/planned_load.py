@@ -1,10 +1,10 @@
 """Plan first, then load: the transformer streamed block by block straight into its planned form and place.
 
-Loading the whole model on the device and applying fp8 or offloading afterwards needs the whole bf16 model on
-the device first (38 GiB for the real transformer, 19 GiB for a scaled-fp8 file), so no plan below that could
-ever be reached. Here the plan (`speed.WeightPlan`: device, dtype, fp8, offloaded blocks) is made before any weight
-is read, the model is built on the meta device (shapes only), and each module's tensors are read from the files
-(model/weight_source.py), converted and placed where the plan keeps them:
+Loading the whole model on the device and applying fp8 or offloading afterwards needs the whole bf16 model (or a
+whole scaled-fp8 file) on the device first (docs/MODEL.md, "The real model's sizes"), so no plan below that could
+ever be reached. Here the plan (`speed.WeightPlan`: device, dtype, fp8, offloaded blocks) is made before any
+weight is read, the model is built on the meta device (shapes only), and each module's tensors are read from the
+files (model/weight_source.py), converted and placed where the plan keeps them:
 - a module of a resident block (and the embedders, norms and output projection) goes to the device as stored
   and is converted there (cast to the compute dtype; fp8 where planned, with `speed.quantize_rows`, the same
   function `speed.quantize_fp8` uses, so the weights equal those of the load-then-quantize path);
@@ -28,11 +28,12 @@ time, keeping each process's share (train/sharding.py).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from qwen_edit_core import speed
-from qwen_edit_core.model import single_file
+from qwen_edit_core.model import single_file, weight_source
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +171,23 @@ def load_transformer_planned(source, plan: speed.WeightPlan, *,
                  device, ", block linears in fp8" if speed.has_fp8(model) else "",
                  f", {len(plan.offloaded)} blocks in host memory" if plan.offloaded else "")
         return model.eval().requires_grad_(False)
+
+
+def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
+    """A frozen transformer of the file's family (QwenImageTransformer2DModel or QwenImage21Transformer2DModel, read
+    from its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
+    fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
+
+    The planned loader with a plan of `device` and `dtype` and no lever: the architecture comes from the file's
+    header, then one module at a time is read, converted and moved to `device`, so host memory stays under the
+    file's size plus one module's tensors whatever `dtype` and `device` are."""
+    source = weight_source.SingleFileSource(Path(path), fp8)
+    model = load_transformer_planned(source, speed.WeightPlan(device=torch.device(device), dtype=dtype))
+    raw = source.stored()
+    if any(v.dtype in single_file._FP8 for v in raw.values()):
+        stored = sum(v.numel() for k, v in raw.items() if not k.endswith(single_file._SCALE_SUFFIXES))
+        upcast = stored * dtype.itemsize
+        kept = "kept in fp8 (fp8 matmuls)" if speed.has_fp8(model) else f"upcast to {dtype}"
+        log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path, kept,
+                 single_file._bytes(model) / 2**30, device, upcast / 2**30, dtype)
+    return model

@@ -35,7 +35,7 @@ def _vl_tokens(width: int, height: int) -> int:
 def vision_tokens(variant: str, control_sizes: Sequence[tuple[int, int]], vl_area: int = DEFAULT_VL_AREA) -> int:
     """Vision tokens the control images (their VAE sizes (w, h)) add to the text stream of `variant`."""
     spec = variants.get(variant)
-    if spec.family.references == "in-text":
+    if not spec.family.vision_in_text:
         return 0  # the reference's latent tokens replace its vision slots: image tokens, counted there
     if not spec.vl_own_area:
         return sum(_vl_tokens(w, h) for w, h in control_sizes[:1])  # Edit: the VL sees the VAE-sized control

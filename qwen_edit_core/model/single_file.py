@@ -15,8 +15,7 @@ Layout, learned from ComfyUI's and diffusers' own source:
   linears become `speed.Fp8Linear` holding the file's e4m3 bytes unchanged with the per-tensor scale as their
   per-channel scales (the same effective weights), and run fp8 matmuls. `fp8="auto"` keeps them where the
   device computes in fp8 (CUDA, compute capability >= 8.9) and upcasts elsewhere; the log says which, with
-  the weights' memory (the real transformer: 19.1 GiB kept against 38.1 GiB in bf16, counted on a meta-device
-  model).
+  the weights' memory (the real transformer's sizes: docs/MODEL.md, "The real model's sizes").
 The architecture is read from the shapes and matched against the configs shipped in
 `model/architectures/transformer_architectures.json`.
 """
@@ -143,10 +142,11 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
     """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
-    if "txt_in.text_norm.weight" in tensors:  # Qwen-Image-2.1's text projection (families/qwen_image_21/single_file.py)
-        raise SingleFileError(f"{source}: a Qwen-Image-2.1 transformer (ComfyUI's qwen_image_2.1_*.safetensors), not "
-                              "a Qwen-Image-Edit one: give it with a Qwen-Image-2.1 model directory (its variant is "
-                              "image-2.1), which loads it as 2.1")
+    from qwen_edit_core.families import DEFAULT, family_of_file
+    other = family_of_file(tensors)
+    if other.file_layout != __name__:  # another family's file (its `file_marker`)
+        raise SingleFileError(f"{source}: a {other.file_title} transformer, not a {DEFAULT.file_title} one: give it with "
+                              f"a {other.file_title} model directory, which loads it as its family's")
     needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
     missing = [k for k in needed if k not in tensors]
     if missing:
@@ -232,29 +232,11 @@ def _bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
-    """A frozen transformer of the file's family (QwenImageTransformer2DModel or QwenImage21Transformer2DModel, read
-    from its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
-    fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
-
-    The planned loader (model/planned_load.py) with a plan of `device` and `dtype` and no lever: the architecture
-    comes from the file's header, then one module at a time is read, converted and moved to `device`, so host
-    memory stays under the file's size plus one module's tensors whatever `dtype` and `device` are."""
-    from qwen_edit_core import speed
-    from qwen_edit_core.model import planned_load, weight_source
-
-    source = weight_source.SingleFileSource(Path(path), fp8)
-    model = planned_load.load_transformer_planned(source, speed.WeightPlan(device=torch.device(device), dtype=dtype))
-    raw = source.stored()
-    if any(v.dtype in _FP8 for v in raw.values()):
-        upcast = sum(v.numel() for k, v in raw.items() if not k.endswith(_SCALE_SUFFIXES)) * dtype.itemsize
-        log.info("%s: scaled fp8 %s: weights take %.2f GiB on %s (%.2f GiB upcast to %s)", path,
-                 "kept in fp8 (fp8 matmuls)" if speed.has_fp8(model) else f"upcast to {dtype}", _bytes(model) / 2**30,
-                 device, upcast / 2**30, dtype)
-    return model
+#: the 2025 family's file layout (families.Family.layout): its text encoder is read from ComfyUI's single file
+TEXT_ENCODER_REFUSAL = ""
 
 
-#: the 2025 family's file layout (families.Family.layout): a file's keys are diffusers' already
+#: a file's keys are diffusers' already
 def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A module's file tensors under the model's keys: unchanged (the 2025 files use diffusers' module names)."""
     return tensors
@@ -288,14 +270,19 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
 
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
-    """AutoencoderKLQwenImage from one file. `config` defaults to the real Qwen-Image VAE's (diffusers' class
-    defaults, latents_mean/std included) with base_dim and z_dim read from the weights. A Qwen-Image-2.1 VAE file
-    loads as AutoencoderKLQwenImage21 (`vae_file21`; `config` gives only its latent statistics)."""
+    """A VAE file as its family's model (`families.family_of_vae` reads the family from the header; its
+    families/<family>/vae_file.py `load_vae` loads it); `config` as that loader takes it."""
+    from qwen_edit_core.families import DEFAULT, family_of_vae
+    family = family_of_vae(checked_header(path, "VAE")) if Path(path).is_file() else DEFAULT
+    return family.stage("vae_file").load_vae(path, device=device, dtype=dtype, config=config)
+
+
+def load_wan_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
+    """AutoencoderKLQwenImage from one file (the 2025 family's `load_vae`). `config` defaults to the real
+    Qwen-Image VAE's (diffusers' class defaults, latents_mean/std included) with base_dim and z_dim read from the
+    weights."""
     from diffusers import AutoencoderKLQwenImage
 
-    from qwen_edit_core.families.qwen_image_21 import vae_file as vae_file21
-    if Path(path).is_file() and vae_file21.is_21(checked_header(path, "VAE")):  # ComfyUI's 2.1 VAE (its layout)
-        return vae_file21.load_vae_file(path, device=device, dtype=dtype, statistics=config)
     with torch.inference_mode(False):
         tensors = read_vae_state_dict(path)
         if config is None:

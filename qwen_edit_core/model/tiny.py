@@ -219,11 +219,7 @@ def build_tiny(out_dir, variant: str = variants.DEFAULT, seed: int = 0, size: st
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     overrides = {**({"zero_cond_t": True} if spec.zero_cond_t else {}), **(transformer_overrides or {})}
     try:
-        if spec.family.references == "in-text":
-            from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
-            tiny21.write(tmp, spec, seed, size, overrides)
-        else:
-            _write(tmp, spec, seed, size, overrides)
+        spec.family.stage("tiny").write(tmp, spec, seed, size, overrides)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / "dir")
@@ -237,7 +233,8 @@ def build_tiny(out_dir, variant: str = variants.DEFAULT, seed: int = 0, size: st
     return out
 
 
-def _write(out: Path, variant: variants.Variant, seed: int, size: str, transformer_overrides: dict) -> None:
+def write_directory(out: Path, variant: variants.Variant, seed: int, size: str, transformer_overrides: dict) -> None:
+    """Write the tiny random 2025-family model of `variant` into the empty folder `out` (`build_tiny`'s work)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
                               Qwen2VLProcessor, Qwen2VLVideoProcessor)

@@ -8,8 +8,8 @@ pipeline class of a diffusers directory's `model_index.json` (plus `transformer/
 `zero_cond_t`), or the `__index_timestep_zero__` marker of a ComfyUI single transformer file. Template
 strings and prefix lengths are the pipelines' own (`model/templates.py`); docs/MODEL.md gives the sources.
 
-Adding a variant is one `Variant(...)` entry in `VARIANTS` plus its tests (docs/DESIGN.md, "How to add a
-variant"). Stages never compare variant names: they ask the description (`get(name).max_controls`, ...).
+Adding a variant is one `Variant(...)` entry in `VARIANTS` plus its tests (docs/DESIGN.md, "Model families
+and variants"). Stages never compare variant names: they ask the description (`get(name).max_controls`, ...).
 """
 
 from __future__ import annotations

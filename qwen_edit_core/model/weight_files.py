@@ -25,6 +25,28 @@ from qwen_edit_core.model import file_stream
 REDOWNLOAD = "download the file again (it is damaged or was cut short), or point to an intact copy"
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model directory, file or hub id that is not available offline; the message says what to do."""
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def require_safetensors(folder: Path, component: str) -> None:
+    """ModelNotFoundError when `folder` holds pickle weights (.bin, ...) but no .safetensors: only safetensors
+    are read from model directories (`use_safetensors=True`)."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelNotFoundError(
+            f"{component}: {str(folder)!r} holds only pickle-based weights ({', '.join(pickles[:3])}), which are "
+            "never loaded (they can run code); convert them once where you trust the file, e.g. "
+            "`model.save_pretrained(folder, safe_serialization=True)` in diffusers/transformers, or download the "
+            "safetensors release of the model")
+
+
 class WeightFileError(ValueError):
     """A weight file that cannot be what its loader expects; the message names the file, the problem and the
     fix."""
@@ -128,9 +150,11 @@ def meta_shapes(component: str, folder: Path) -> dict[str, tuple[int, ...]]:
     meta device: no weights, no memory."""
     import diffusers
     from accelerate import init_empty_weights
-    default = diffusers.QwenImageTransformer2DModel if component == "transformer" else diffusers.AutoencoderKLQwenImage
+
+    from qwen_edit_core.families import DEFAULT
+    default = DEFAULT.class_of(component)
     config = default.load_config(folder)
-    # the class config.json names (Qwen-Image-2.1 has its own transformer and VAE classes)
+    # the class config.json names (each family has its own transformer and VAE classes)
     cls = getattr(diffusers, config.get("_class_name", ""), None) or default
     with init_empty_weights():
         model = cls.from_config(config)

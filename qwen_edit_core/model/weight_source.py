@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from qwen_edit_core.model import file_stream, single_file
-from qwen_edit_core.families import QWEN_IMAGE, Family, family_of_class, family_of_file
+from qwen_edit_core.families import DEFAULT, Family, family_of_class, family_of_file
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
@@ -49,7 +49,7 @@ class DirectorySource:
     """The transformer of a diffusers-layout model directory (one safetensors file or a sharded checkpoint)."""
 
     def __init__(self, model_dir: Path):
-        from qwen_edit_core.model.components import ModelNotFoundError, require_safetensors
+        from qwen_edit_core.model.weight_files import ModelNotFoundError, require_safetensors
         folder = Path(model_dir) / "transformer"
         self.name = str(folder)
         require_safetensors(folder, "transformer")
@@ -136,7 +136,7 @@ class ShapeOnlySource:
     """No file: a transformer `config` of `family` whose tensors are uninitialised host tensors in `dtype` (see
     module doc)."""
 
-    def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16, family: Family = QWEN_IMAGE):
+    def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16, family: Family = DEFAULT):
         from accelerate import init_empty_weights
         self.name, self._config, self.family = "shapes only (no weights)", dict(config), family
         with init_empty_weights():

@@ -20,14 +20,14 @@ def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditio
     """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
     from qwen_edit_core.adapters import multires
     device = next(transformer.parameters()).device
-    text = encode.pad_embeddings([e.valid(0) for e in embeds], speed.text_multiple(transformer)).to(device)
+    text = encode.pad_embeddings([e.valid(0) for e in embeds]).to(device)
     packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
                                    [c.img_shapes for c in conds])
     dtype = latents[0].dtype
     t = torch.stack([ts.to(device=device, dtype=dtype) for ts in timesteps])
     out = transformer(hidden_states=packed.hidden, timestep=t / 1000, encoder_hidden_states=text.embeds,
                       encoder_hidden_states_mask=text.mask_or_none(), img_shapes=packed.img_shapes,
-                      attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+                      attention_kwargs=packed.packed_kwargs(text.lengths, text.embeds.shape[1]), return_dict=False)[0]
     return [out[b: b + 1, : x.shape[1]] for b, x in enumerate(latents)]
 
 

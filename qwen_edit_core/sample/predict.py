@@ -100,16 +100,11 @@ def encode_prompt(components, prompt: str, image, *, area: int | None, vae_area:
 
 
 def encode_image(components, image, area: int) -> torch.Tensor:
-    """Normalized VAE latents (1, C, 1, h, w) of an image at `area` (C: the VAE's latent channels). A Qwen-Image-2.1
-    VAE reads RGBA, and the image is sized as the 2.1 pipeline sizes a reference (encode21.prepare_references)."""
-    from qwen_edit_core.model import variants
-    from qwen_edit_core.families.qwen_image_21 import encode as encode21
+    """Normalized VAE latents (1, C, 1, h, w) of an image at `area` (C: the VAE's latent channels), the image sized
+    and converted as its family's pipeline does (`vae_pixels` of families/<family>/encode.py)."""
     components.require("vae")
-    if variants.get(components.variant).family.alpha:
-        return encode.encode_latents(components.vae, encode21.prepare_references([image], area).pixels[0])
-    pil = encode.to_pil(image)
-    size = encode.image_size_at_area(pil, area)
-    return encode.encode_latents(components.vae, encode.pixels_for_vae(pil, *size))
+    pixels = variants.get(components.variant).family.stage("encode").vae_pixels(image, area)
+    return encode.encode_latents(components.vae, pixels)
 
 
 def decode(components, latents: torch.Tensor) -> torch.Tensor:

@@ -249,9 +249,9 @@ def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: 
     return out[:, : latents.shape[1]]
 
 
-def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds, multiple: int = 1) -> PromptEmbeds:
-    """Cond and uncond as one right-padded batch of 2 (length a multiple of `multiple`)."""
-    return encode.pad_embeddings([a.valid(0), b.valid(0)], multiple)
+def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
+    """Cond and uncond as one right-padded batch of 2 (no mask when their lengths are equal)."""
+    return encode.pad_embeddings([a.valid(0), b.valid(0)])
 
 
 def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
@@ -265,15 +265,14 @@ def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
 
 
 class _Denoiser:
-    """Predicts the guided velocity for one step in the chosen CFG mode. Prompts are padded (with the mask) to
-    the transformer's text multiple once here: bounded shapes for compiled blocks (speed.text_multiple)."""
+    """Predicts the guided velocity for one step in the chosen CFG mode. Each prompt keeps its exact length,
+    compiled or not (one graph serves every length: speed.compile), so a branch run alone has no mask."""
 
     def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None,
                  cfg_split=None):
         self.transformer, self.cond, self.settings = transformer, cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
-        multiple = speed.text_multiple(transformer)
-        self.embeds = cond.cond.padded(multiple), cond.uncond.padded(multiple) if settings.do_cfg else None
+        self.embeds = cond.cond, cond.uncond if settings.do_cfg else None
         if self.mode == "split" and cfg_split is not None:
             # This process runs one branch; the pair group hands it the other one's prediction.
             self.mode, self.cfg_split = "processes", cfg_split
@@ -283,13 +282,13 @@ class _Denoiser:
                      "split (no negative pass): the transformer runs alone on its own device", settings.true_cfg_scale,
                      "unset" if settings.negative_prompt is None else "set")
         if self.mode == "batched":
-            self.both = _stack_embeds(cond.cond, cond.uncond, multiple)
+            self.both = _stack_embeds(cond.cond, cond.uncond)
         if self.mode == "split":
             if uncond_transformer is None:
                 raise ValueError("cfg_mode 'split' needs a second transformer replica (give uncond_device)")
             self.replica = uncond_transformer
             device = next(uncond_transformer.parameters()).device
-            self.replica_uncond = cond.uncond.padded(speed.text_multiple(uncond_transformer)).to(device)
+            self.replica_uncond = cond.uncond.to(device)
             self.replica_cond = Conditioning(cond.cond, None, cond.control_tokens.to(device), cond.img_shapes,
                                              cond.width, cond.height)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen-edit-uncond")
@@ -367,9 +366,15 @@ def sample(components, prompt: str, images: Sequence, settings: SampleSettings =
            cancel: CancelToken | None = None) -> torch.Tensor:
     """Edit `images` (one control image, or 1-3 for Edit Plus; 0-10 references for Qwen-Image-2.1) by `prompt`;
     returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
-    if variants.get(components.variant).family.references == "in-text":
-        from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
-        return sampler21.sample(components, prompt, images, settings, progress=progress, cancel=cancel)
+    family = variants.get(components.variant).family
+    return family.stage("sampler").sample(components, prompt, images, settings, uncond_transformer=uncond_transformer,
+                                          cfg_split=cfg_split, progress=progress, cancel=cancel)
+
+
+def sample_packed(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
+                  uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
+                  cancel: CancelToken | None = None) -> torch.Tensor:
+    """`sample` for a family whose controls follow the target's packed tokens (the 2025 family's `sample`)."""
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
                       progress=progress, cancel=cancel)

@@ -34,6 +34,11 @@ import torch
 SCHEDULES = ("diffusers", "comfyui", "lightning")
 #: ComfyUI's default model-sampling shift for Qwen-Image (ModelSamplingFlux: used as mu, exponential shift)
 COMFYUI_QWEN_MU = 1.15
+#: ComfyUI's model-sampling mu for Qwen-Image-2.1, the same at every resolution (comfy/supported_models.py
+#: ``QwenImage21.sampling_settings = {"multiplier": 1.0, "shift": 0.69}`` on ``ModelType.FLUX``, Comfy-Org/ComfyUI
+#: commit 01f03bbdc7df9462d3fc4c0918f80049333450f3: diffusers' 2.1 pipeline's mu at 1024x1024); the official
+#: scheduler computes mu from the target's token count instead
+COMFYUI_QWEN21_MU = 0.69
 COMFYUI_FLUX_TABLE = 10000
 COMFYUI_AURAFLOW_TABLE = 1000
 #: the Lightning LoRAs' fixed shift (their scheduler config's base_shift = max_shift = ln 3)
@@ -77,19 +82,20 @@ def lightning_scheduler_config(scheduler_config: dict, shift: float = LIGHTNING_
             "use_dynamic_shifting": True, "time_shift_type": "exponential", "shift_terminal": None, "shift": 1.0}
 
 
-def comfyui_sigma_table(shift: float | None = None) -> torch.Tensor:
-    """ComfyUI's model-sampling table (float32, ascending): the default ModelSamplingFlux of Qwen-Image
-    (mu 1.15, 10000 entries) when `shift` is None, else ModelSamplingAuraFlow(shift) (1000 entries)."""
+def comfyui_sigma_table(shift: float | None = None, mu: float = COMFYUI_QWEN_MU) -> torch.Tensor:
+    """ComfyUI's model-sampling table (float32, ascending): the default ModelSamplingFlux of the model (`mu`:
+    1.15 for Qwen-Image, `COMFYUI_QWEN21_MU` for Qwen-Image-2.1; 10000 entries) when `shift` is None, else
+    ModelSamplingAuraFlow(shift) (1000 entries)."""
     if shift is None:
         t = torch.arange(1, COMFYUI_FLUX_TABLE + 1, 1) / COMFYUI_FLUX_TABLE
-        return math.exp(COMFYUI_QWEN_MU) / (math.exp(COMFYUI_QWEN_MU) + (1 / t - 1) ** 1.0)
+        return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
     t = torch.arange(1, COMFYUI_AURAFLOW_TABLE + 1, 1) / COMFYUI_AURAFLOW_TABLE * 1.0
     return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
 
 
-def comfyui_sigmas(steps: int, shift: float | None = None) -> torch.Tensor:
+def comfyui_sigmas(steps: int, shift: float | None = None, mu: float = COMFYUI_QWEN_MU) -> torch.Tensor:
     """ComfyUI's ``simple`` scheduler over `comfyui_sigma_table`: steps + 1 float32 sigmas ending in 0."""
-    table = comfyui_sigma_table(shift)
+    table = comfyui_sigma_table(shift, mu)
     stride = len(table) / steps
     sigmas = [float(table[-(1 + int(i * stride))]) for i in range(steps)] + [0.0]
     return torch.FloatTensor(sigmas)
@@ -128,6 +134,9 @@ def steps_and_cfg(name: str, steps: int | None, cfg: float | None, fallback_step
 SIGMA_PRESETS: dict[str, tuple[tuple[float, ...], float, str]] = {
     "qwen21-dmd-6step": ((1.0, 0.9375, 0.875, 0.75, 0.5, 0.25), 1.0,
                          "Qwen-Image-2.1 DMD 6-step LoRA: sigmas [1.0, 0.9375, 0.875, 0.75, 0.5, 0.25] at CFG 1"),
+    "qwen21-turbo-8step": ((1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568), 1.0,
+                           "Qwen-Image-2.1-Turbo: the `sample_sigmas` its checkpoint ships (8 steps, CFG off; its "
+                           "scheduler has shift 1.0 and dynamic shifting off, so they run unshifted)"),
 }
 
 

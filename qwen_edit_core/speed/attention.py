@@ -1,11 +1,36 @@
-"""Which fused scaled-dot-product attention kernel runs first."""
+"""Which attention kernel runs, and which one ran.
+
+`train.attention` / `predict.attention` name a kernel; `attention_kernel(name)` is the context (around the
+forward and the backward) under which it runs first:
+
+- "auto": torch's own SDPA order (flash, then memory-efficient, then cuDNN on most builds), unchanged; the
+  runbook (bench/device_run.sh) records which kernel each row ran, so "auto" can follow what it measures.
+- "cudnn", "flash", "efficient", "math": that SDPA backend first, the others after it as fallbacks (a call the
+  kernel cannot run, such as a mask flash rejects, or any call on the CPU, falls through).
+- "flash3": FlashAttention-3 (Hopper) through diffusers' attention dispatch (its `_flash_3` backend), where the
+  `flash_attn_interface` package is importable; refused with what to install otherwise. It takes no mask: batches
+  of different lengths run variable-length attention over their valid tokens (adapters.multires).
+
+`offered_kernels(device)` lists what this torch and device offer; `kernels_ran(fn)` the attention kernels a
+call launched (profiler kernel names), which the benchmarks print for every row.
+"""
 
 from __future__ import annotations
 
-#: `train.attention` / `predict.attention` values: which fused SDPA kernel runs first. "auto" is torch's own
-#: order (flash, then memory-efficient, then cuDNN on most builds); "cudnn" puts cuDNN's kernel first, which
-#: on Hopper is the fastest for Qwen's 24 heads x 128 dims (docs/MODEL.md: attention is ~1/3 of a 1 MP step).
-ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
+import contextlib
+import importlib.util
+
+import torch
+
+#: `train.attention` / `predict.attention` values (config.AttentionKernel mirrors it)
+ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "math", "flash3")
+#: the values the ComfyUI speed node offers (its inputs never change: config values beyond these are CLI/YAML's)
+SDPA_KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
+#: kernels reached through diffusers' attention dispatch: name -> (diffusers backend, the module it imports)
+DIFFUSERS_KERNELS = {"flash3": ("_flash_3", "flash_attn_interface")}
+#: substrings of the profiler names of attention kernels and ops (CUDA kernels of flash, cuDNN, xformers-style
+#: fmha; the CPU's aten ops), lower case
+ATTENTION_NAME_PARTS = ("flash", "fmha", "cudnn", "attention", "attn", "sdpa", "mha")
 
 
 def check_attention_kernel(name: str) -> None:
@@ -13,20 +38,77 @@ def check_attention_kernel(name: str) -> None:
         raise ValueError(f"attention kernel {name!r} is not accepted; accepted: {', '.join(ATTENTION_KERNELS)}")
 
 
+def _sdpa_backends() -> dict:
+    from torch.nn.attention import SDPBackend
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def offered_kernels(device: torch.device | str) -> tuple[str, ...]:
+    """The kernels this torch and `device` offer, by name (without running anything): on the CPU "math" (torch's
+    CPU SDPA); on CUDA the SDPA backends this build has, and "flash3" on Hopper where its package imports."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ("math",)
+    offered = ["efficient", "math"]
+    if torch.backends.cuda.is_flash_attention_available():
+        offered.insert(0, "flash")
+    if torch.backends.cudnn.is_available():
+        offered.insert(0, "cudnn")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major == 9 and importlib.util.find_spec(DIFFUSERS_KERNELS["flash3"][1]) is not None:
+        offered.insert(0, "flash3")
+    return tuple(offered)
+
+
 def attention_kernel(name: str):
-    """A context manager under which `F.scaled_dot_product_attention` prefers kernel `name`, falling back to
-    the others when it cannot run the call (CPU, a mask the kernel rejects). torch's SDPA backend flags are
-    set for the duration of the block and restored on exit (`torch.nn.attention.sdpa_kernel`).
+    """A context manager under which attention prefers kernel `name` (see the module doc), falling back to the
+    others when it cannot run the call. torch's SDPA backend flags (`torch.nn.attention.sdpa_kernel`) or
+    diffusers' active attention backend (`attention_backend`) are set for the block and restored on exit.
 
     Wrap the forward and the backward pass of a step: a checkpointed block's recompute runs in the backward.
     """
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
     check_attention_kernel(name)
     if name == "auto":
         return contextlib.nullcontext()
-    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    if name in DIFFUSERS_KERNELS:
+        backend, module = DIFFUSERS_KERNELS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"attention kernel {name!r} needs the {module!r} package (FlashAttention-3, built from "
+                             "github.com/Dao-AILab/flash-attention hopper/ for a Hopper GPU); use 'cudnn' or 'auto'")
+        from diffusers.models.attention_dispatch import attention_backend
+        return attention_backend(backend)
+    order = _sdpa_backends()
     first = order.pop(name)
     return sdpa_kernel([first, *order.values()], set_priority=True)
+
+
+def is_attention_name(name: str) -> bool:
+    """Whether a profiler event name is an attention kernel or op (ATTENTION_NAME_PARTS)."""
+    lowered = name.lower()
+    return any(part in lowered for part in ATTENTION_NAME_PARTS)
+
+
+def kernels_ran(fn, device: torch.device | str) -> list[tuple[str, float]]:
+    """Run `fn()` once under torch's profiler; the attention kernels it launched (CUDA kernels on a GPU, aten ops
+    on the CPU) with their share of the profiled device time, largest first. For benchmarks: a profiled call is
+    slower than an unprofiled one."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    timed = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in events]
+    total = sum(t for _, t in timed) or 1.0
+    return sorted(((k, t / total) for k, t in timed if is_attention_name(k) and t > 0), key=lambda kt: -kt[1])
+
+
+def kernels_text(ran: list[tuple[str, float]], top: int = 2) -> str:
+    """`kernels_ran`'s first `top` names with their shares, for a table cell ("-" when none ran)."""
+    if not ran:
+        return "-"
+    return "; ".join(f"{name[:60]} {100 * share:.0f}%" for name, share in ran[:top])

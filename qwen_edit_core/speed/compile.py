@@ -2,10 +2,9 @@
 
 What compiles, and when a block compiles again (each graph costs ~30 s at real size, once per process):
 
-- Sequence lengths are dynamic (`dynamic=True`): one graph serves every image size and text length. While
-  blocks are compiled, prompt embeddings are also padded to a multiple of `TEXT_BUCKET` tokens (the padding
-  is masked out of attention, so the numbers do not change; `text_multiple`), which keeps the shapes that
-  kernels tune for to a few.
+- Sequence lengths are dynamic (`dynamic=True`): one graph serves every image size and text length, so prompts
+  keep their exact length, compiled or not: a batch of one prompt (or of equal lengths) has no padding and no
+  mask, and attention stays on the fused kernels (a padded prompt's key mask takes it off them).
 - A new graph is compiled for what changes the graph itself: batch size 1 against larger ones (a size of 1
   is always specialised), a text or image padding mask present or not, gradients on or off (training against
   sampling), which LoRA adapters are active (and their ranks), dtype, device or autocast. In training the
@@ -42,8 +41,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: prompt embeddings are padded (with their mask) to a multiple of this many tokens while blocks are compiled
-TEXT_BUCKET = 64
 #: graphs the compiled blocks may hold together, on a torch whose torch.compile takes `recompile_limit` (2.14);
 #: otherwise dynamo's global recompile_limit (8) applies
 RECOMPILE_LIMIT = 32
@@ -151,7 +148,7 @@ def _reason(err: Exception) -> str:
         if line.strip().startswith(("Set TORCH", "For more information", "You can suppress")):
             break
         lines.append(line.strip())
-    return f"{type(err).__name__}: {' '.join(l for l in lines if l)}"[:300]
+    return f"{type(err).__name__}: {' '.join(line for line in lines if line)}"[:300]
 
 
 def _fall_back(stats: CompileStats, err: Exception) -> None:
@@ -214,13 +211,6 @@ def compile_blocks(transformer, skip: Sequence[int] = (), mode: str | None = Non
 def compile_stats(transformer) -> CompileStats | None:
     """The transformer's compile statistics, or None when its blocks were never compiled."""
     return getattr(transformer, "_qwen_edit_compile", None)
-
-
-def text_multiple(transformer) -> int:
-    """The multiple that prompt embeddings are padded to for this transformer: `TEXT_BUCKET` while its blocks
-    are compiled (bounded shapes), else 1 (exact lengths: no mask for a single prompt, the fused kernels)."""
-    stats = compile_stats(transformer)
-    return TEXT_BUCKET if stats is not None and stats.active else 1
 
 
 def scales_as_inputs(model) -> int:

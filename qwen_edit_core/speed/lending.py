@@ -13,8 +13,8 @@ things that act on the shared tensors themselves:
 - fp8: a layer the copy quantizes no longer uses the original bf16 weight, which would stay on the device beside
   the fp8 one and defeat the memory plan. `quantize_fp8` parks each such weight in pageable host memory as it
   replaces the layer (`park`: one synchronous copy each way needs no pinning), and `give_back` moves it back.
-  Cost: host memory for those weights while the run lasts (the block linears: about 38 GiB for the 20 B
-  transformer in bf16) and one copy each way at the start and the end of a run (seconds at PCIe speed).
+  Cost: host memory for those weights while the run lasts (the block linears' bf16 size: docs/MODEL.md, "The
+  real model's sizes") and one copy each way at the start and the end of a run (seconds at PCIe speed).
 
 `give_back` ends by handing the pinned host blocks torch's allocator keeps cached back to the system
 (speed.host_memory.release_cache).

@@ -40,12 +40,10 @@ class SpeedPlan:
 #: what one block without checkpointing saves (fused attention saves its output and log-sum-exp, not scores)
 ACTIVATION_FACTOR = 20.2
 #: what one block without checkpointing saves when the blocks are compiled: the compiler's partitioner recomputes
-#: cheap elementwise work in the backward instead of saving it. Measured on an H100 (2026-11-27, torch 2.11,
-#: `qwen-edit bench activations --device cuda:0`: the bytes a real-width block hands to autograd at 1024^2 Edit,
-#: 9,600 tokens, the same as the allocated memory its forward left): 13.79 compiled against 21.50 eager. With it
-#: the planner's estimate of a compiled plan (budget 76: fp8, 19 of 60 blocks checkpointed) comes to 52.6 GiB of
-#: tensors against the 52.2 GiB the step held on that H100 (the eager constant said 72.7). The 2025 family only:
-#: Qwen-Image-2.1's compiled blocks are not measured, so its plans keep the eager constant.
+#: cheap elementwise work in the backward instead of saving it. The simulator runs blocks eagerly, so this one is
+#: the GPU's: the bytes a real-width block hands to autograd, `qwen-edit bench activations --device cuda:0`
+#: (BENCHMARKS.md, "Real size", with the plan it corrects). The 2025 family only: Qwen-Image-2.1's compiled blocks
+#: are not measured, so its plans keep the eager constant.
 ACTIVATION_FACTOR_COMPILED = 13.8
 #: what one checkpointed block saves: its two input streams (measured 0.73-1.1)
 BOUNDARY_FACTOR = 1.0
@@ -53,14 +51,6 @@ BOUNDARY_FACTOR = 1.0
 #: recomputed and its backward, the loss in fp32; the fp8 base adds the fp32 copies `quantize_rows` makes of
 #: each linear's input
 WORKING_FACTOR = {(False, True): 29.4, (True, True): 40.8, (False, False): 7.7, (True, False): 20.5}
-#: Qwen-Image-2.1's constants, in units of its joint sequence (the text tokens less the prompt's vision slots, plus
-#: every image token) x 4096 bf16 values, measured the same way (`qwen-edit bench memory --variant image-2.1`: 2-
-#: and 4-block models at 1024^2 with one reference, 8,246 tokens). Its blocks save more per token than the 2025
-#: family's: the per-token modulation (`where` over the target's rows), fp32 rotary and q/k norms, the SwiGLU
-#: MLP's three products; a checkpointed block saves its one input stream, as `BOUNDARY_FACTOR` says. The fp8 base
-#: adds 5.0 to the working set (measured with checkpointing; taken as the same without).
-ACTIVATION_FACTOR_21 = 29.1
-WORKING_FACTOR_21 = {(False, True): 44.3, (True, True): 49.3, (False, False): 14.2, (True, False): 19.2}
 #: offloaded blocks on the device at once: the one running and the one prefetched
 OFFLOAD_IN_FLIGHT = 2
 #: bytes per trainable parameter: the fp32 LoRA, its gradient and AdamW's two moments
@@ -160,8 +150,8 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
 
 
 def model_sizes(transformer) -> dict:
-    """Parameter counts `estimate_memory` needs, read off the model, and a Qwen-Image-2.1 transformer's own
-    activation constants."""
+    """Parameter counts `estimate_memory` needs, read off the model, and its family's own activation constants
+    where it has them (`SIZES` of families/<family>/planner.py)."""
     blocks = transformer.transformer_blocks
     frozen = lambda m: sum(p.numel() for p in m.parameters() if not p.requires_grad) + sum(  # noqa: E731
         b.numel() for b in m.buffers())
@@ -171,14 +161,14 @@ def model_sizes(transformer) -> dict:
     sizes = {"n_blocks": len(blocks), "block_params": block_params,
              "other_params": total - sum(frozen(b) for b in blocks), "trainable_params": trainable,
              "dim": transformer.config.num_attention_heads * transformer.config.attention_head_dim}
-    if any(c.__name__ == "QwenImage21Transformer2DModel" for c in type(transformer).__mro__):
-        sizes.update(activation_factor=ACTIVATION_FACTOR_21, working_factor=WORKING_FACTOR_21)
+    from qwen_edit_core.families import family_of
+    sizes.update(family_of(transformer).stage("planner").SIZES)
     return sizes
 
 
 def compiled_sizes(sizes: dict, compiled: bool) -> dict:
     """`model_sizes` for a run whose blocks are `compiled`: the 2025 family's compiled activation constant
-    (`ACTIVATION_FACTOR_COMPILED`); a family with constants of its own (2.1) keeps them, as do eager runs."""
+    (`ACTIVATION_FACTOR_COMPILED`); a family with constants of its own keeps them, as do eager runs."""
     if not compiled or "activation_factor" in sizes:
         return sizes
     return {**sizes, "activation_factor": ACTIVATION_FACTOR_COMPILED}

@@ -6,7 +6,7 @@ their activations. `plan_training` makes it from the training config, the model'
 meta-device model: no weight needed), the longest sequence and the memory the device has free; the planned
 loader (model/planned_load.py) then puts every weight straight into that form and place, and `configure_training`
 applies the rest (checkpointing, compile) without planning again. Loading first and planning afterwards would
-put the whole bf16 transformer on the device before the plan could shrink it (38 GiB for the real model).
+put the whole bf16 transformer on the device before the plan could shrink it (docs/MODEL.md, "The real model's sizes").
 """
 
 from __future__ import annotations

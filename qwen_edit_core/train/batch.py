@@ -11,6 +11,7 @@ equally whatever its resolution, so a batch equals the average of one-by-one ste
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from qwen_edit_core.adapters import multires
 from qwen_edit_core.data import masks
 from qwen_edit_core.config import Config
+from qwen_edit_core.families import DEFAULT, Family, family_of
 from qwen_edit_core.model import encode
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.sample import flow
@@ -40,6 +42,8 @@ class TrainBatch:
     generators: list[torch.Generator]
     #: per sample: its mask's fractions per target token (float32), or None (no mask)
     loss_masks: list[torch.Tensor | None] = field(default_factory=list)
+    #: the model family whose `predict` runs it (families/<family>/batch.py)
+    family: Family = DEFAULT
 
 
 def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Generator:
@@ -52,18 +56,25 @@ def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Gene
 
 
 def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-            control_dropout: float, device: torch.device, dtype: torch.dtype, text_multiple: int = 1) -> TrainBatch:
-    """Per-sample cache tensors -> a batch; applies caption and control dropout.
+            control_dropout: float, device: torch.device, dtype: torch.dtype, family: Family | None = None):
+    """Per-sample cache tensors -> a batch of their `family` (default: `family_of` the first entry, which tells a
+    family by its own cache tensors), by the family's `collate` (families/<family>/batch.py); applies caption and
+    control dropout, each draw from the sample's own generator. The batch carries its family, whose `predict`
+    runs it."""
+    family = family or (family_of(items[0]) if items else DEFAULT)
+    batch = family.stage("batch").collate(items, generators, caption_dropout=caption_dropout,
+                                          control_dropout=control_dropout, device=device, dtype=dtype)
+    return batch if batch.family is family else dataclasses.replace(batch, family=family)
+
+
+def collate_packed(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
+                   control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
+    """`collate` for a family whose controls follow the target's packed tokens (the 2025 family's).
 
     Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
     (the mean image in normalized latent space). Each draw uses the sample's own generator. Prompts are padded
-    (with the mask) to a multiple of `text_multiple` tokens (`speed.text_multiple`: bounded shapes for
-    compiled blocks; the cache keeps exact lengths).
+    (with the mask) to the batch's longest only: one prompt, or prompts of one length, have no mask.
     """
-    from qwen_edit_core.families.qwen_image_21 import batch as batch21
-    if items and batch21.is_21_item(items[0]):  # Qwen-Image-2.1: references in the text (families/qwen_image_21/batch.py)
-        return batch21.collate21(items, generators, caption_dropout=caption_dropout, control_dropout=control_dropout,
-                                 device=device, dtype=dtype)
     embeds, controls, targets, shapes, masks = [], [], [], [], []
     for item, gen in zip(items, generators):
         drop_caption = torch.rand((), generator=gen).item() < caption_dropout
@@ -75,7 +86,7 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
         targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
         shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
         masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    text = encode.pad_embeddings(embeds, text_multiple).to(device, dtype)
+    text = encode.pad_embeddings(embeds).to(device, dtype)
     return TrainBatch(targets=targets, controls=controls, embeds=text, img_shapes=shapes, generators=list(generators),
                       loss_masks=masks)
 
@@ -85,16 +96,20 @@ def _padded(rows: Sequence[torch.Tensor], n_max: int) -> torch.Tensor:
     return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, n_max - r.shape[0])) for r in rows])
 
 
-def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: dict):
-    """One forward pass at each sample's sampled sigma: (prediction (B, n_max, 64), velocity target (same),
-    token mask (B, n_max) or None when nothing is padded, sigmas (B,)).
+def predict(transformer, batch, config: Config, scheduler_config: dict):
+    """One forward pass at each sample's sampled sigma, by the batch's family (`predict` of
+    families/<family>/batch.py): (prediction (B, n_max, 64), velocity target (same), token mask (B, n_max) or
+    None when nothing is padded, sigmas (B,))."""
+    return batch.family.stage("batch").predict(transformer, batch, config, scheduler_config)
 
-    Samples of different sizes are padded into one call (multires.pack_samples); padding is masked out of
-    attention, so each sample's prediction equals its one-by-one prediction.
+
+def predict_packed(transformer, batch: TrainBatch, config: Config, scheduler_config: dict):
+    """`predict` for a family whose controls follow the target's packed tokens (the 2025 family's).
+
+    Samples of different sizes are padded into one call (multires.pack_samples); attention runs over each
+    sample's valid tokens alone (`PackedBatch.packed_kwargs`: variable-length attention, no padded mask), so each
+    sample's prediction equals its one-by-one prediction.
     """
-    from qwen_edit_core.families.qwen_image_21 import batch as batch21
-    if isinstance(batch, batch21.TrainBatch21):
-        return batch21.predict21(transformer, batch, config, scheduler_config)
     noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.controls[0].dtype, config,
                                                scheduler_config)
     packed = multires.pack_samples(noisy, batch.controls, batch.img_shapes)
@@ -102,7 +117,8 @@ def predict(transformer, batch: TrainBatch, config: Config, scheduler_config: di
     pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
                        encoder_hidden_states=batch.embeds.embeds,
                        encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
-                       attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
+                       attention_kwargs=packed.packed_kwargs(batch.embeds.lengths, batch.embeds.embeds.shape[1]),
+                       return_dict=False)[0]
     n_max = max(packed.n_target)
     token_mask = None
     if any(n != n_max for n in packed.n_target):

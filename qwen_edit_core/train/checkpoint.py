@@ -1,6 +1,6 @@
 """Training checkpoints: written whole or not at all, found by their own metadata, the last K kept.
 
-A checkpoint is a directory `checkpoints/step-<n>/` holding `adapter.safetensors` (the trainable LoRA
+A checkpoint is a directory `checkpoints/step-0000012/` (the step, seven digits) holding `adapter.safetensors` (the trainable LoRA
 parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
 `optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`), `ema.safetensors` (the LoRA's moving average, with
 `train.ema_decay`) and `state.json` (step, LR
@@ -182,6 +182,38 @@ def read_checkpoint(path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor], di
     return Checkpoint(path, int(state["step"]), state), adapter, optimizer, rng
 
 
+#: the files every complete checkpoint holds (ema.safetensors only with train.ema_decay)
+REQUIRED_FILES = ("adapter.safetensors", "lora.safetensors", "optimizer.pt", "rng.pt", STATE_FILE)
+
+
+def file_problems(path: Path) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """({adapter tensor: shape}, problems) of a checkpoint directory, read without any model: a missing file, a
+    safetensors file whose header or size is wrong (model/weight_files.py), an optimizer or RNG file torch cannot
+    read (cut short, not torch's), a state.json that is not JSON."""
+    from qwen_edit_core.model.weight_files import header_problems
+    path, problems, shapes = Path(path), [], {}
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    problems += [f"{name} is missing" for name in missing]
+    for name in ("adapter.safetensors", "lora.safetensors", EMA_FILE):
+        if (path / name).is_file():
+            entries, bad = header_problems(path / name)
+            problems += [f"{name}: {problem}" for problem in bad]
+            if name == "adapter.safetensors":
+                shapes = {key: tuple(entry["shape"]) for key, entry in entries.items()}
+    for name in ("optimizer.pt", "rng.pt"):
+        if name not in missing:
+            try:
+                torch.load(path / name, weights_only=True)
+            except Exception as err:  # noqa: BLE001 - a damaged file makes torch raise several types
+                problems.append(f"{name} cannot be read ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})")
+    if STATE_FILE not in missing:
+        try:
+            read_state(path)
+        except (OSError, ValueError) as err:
+            problems.append(f"{STATE_FILE} cannot be read ({err})")
+    return shapes, problems
+
+
 def read_ema(path: Path, params) -> dict[str, torch.Tensor]:
     """The EMA tensors of a checkpoint directory; a checkpoint of a run without train.ema_decay starts the
     average from the restored parameters (logged)."""
@@ -193,12 +225,19 @@ def read_ema(path: Path, params) -> dict[str, torch.Tensor]:
     return load_file(file)
 
 
-def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` checkpoints (keep <= 0 keeps all)."""
+def prune(root: Path, keep: int, run_id: str | None = None) -> None:
+    """Remove all but the newest `keep` checkpoints of run `run_id` (keep <= 0 keeps all); another run's
+    checkpoints are never removed."""
     if keep <= 0:
         return
-    for old in list_checkpoints(root)[:-keep]:
+    own = [c for c in list_checkpoints(root) if c.state.get("run_id") == run_id]
+    for old in own[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint directory's state.json (step, run id, schedule, data position, config)."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
 
 
 def lora_stack(configured: tuple, resume: Path | None) -> tuple[tuple[str, float], ...]:

@@ -68,13 +68,14 @@ class Distributed:
             log.info("training on %d processes (%s)", self.world, "FSDP2" if self.fsdp else "data parallel")
 
     def wrap(self, model):
-        """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A Qwen-Image-2.1 model is
-        never DDP-wrapped: its micro-batch runs one forward per token layout (families/qwen_image_21/batch.py), which DDP's
-        once-per-backward hooks refuse, so its LoRA gradients are averaged in `sync_gradients` (as under FSDP)."""
-        from qwen_edit_core.families import family_of_model
+        """The model for the forward passes: FSDP2-sharded, DDP-wrapped, or as it is. A model of a family whose
+        micro-batch runs one forward per token layout (not `Family.padded_batches`) is never DDP-wrapped: DDP's
+        once-per-backward hooks refuse several forwards, so its LoRA gradients are averaged in `sync_gradients`
+        (as under FSDP)."""
+        from qwen_edit_core.families import family_of
         if self.fsdp:
             return sharding.shard_frozen_base(model, self.accelerator.device, self.world)
-        if self.accelerator is not None and family_of_model(model).references == "in-text":
+        if self.accelerator is not None and not family_of(model).padded_batches:
             self.manual = True
             return model
         return self.accelerator.prepare_model(model) if self.accelerator else model
@@ -89,19 +90,12 @@ class Distributed:
         if self.manual:
             sharding.average_gradients(list(params), self.world)
 
-    def mean_tensor(self, value: torch.Tensor) -> float:
-        """The mean of a one-element device tensor over processes, read on the host once."""
+    def sum_read(self, values: torch.Tensor) -> list[float]:
+        """A 1-D device tensor summed over processes (one all-reduce) and read on the host once: the training
+        loop's one host read per logging interval (`train.loop.read_pending`)."""
         if self.accelerator is not None:
-            value = self.accelerator.reduce(value.reshape(1), reduction="mean")
-        return float(value.reshape(-1)[0])
-
-    def agreed(self, flag: bool) -> bool:
-        """True on every process when `flag` is True on any (one small all-reduce): a stop asked of one process
-        (a signal reaches each at a slightly different point) stops all of them at the same step."""
-        if self.accelerator is None:
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
+            values = self.accelerator.reduce(values, reduction="sum")
+        return values.tolist()
 
     def barrier(self) -> None:
         if self.accelerator is not None:

@@ -30,11 +30,17 @@ class LoraEma:
         self.shadow = {name: p.detach().float().clone() for name, p in params.items()}
 
     @torch.no_grad()
-    def update(self, params: Mapping[str, torch.nn.Parameter]) -> None:
-        """One step of the average: shadow = decay * shadow + (1 - decay) * param."""
+    def update(self, params: Mapping[str, torch.nn.Parameter], skip: torch.Tensor | None = None) -> None:
+        """One step of the average: shadow = decay * shadow + (1 - decay) * param. `skip`: a device flag (1: the
+        optimizer skipped this step), under which the average stays exactly as it was, without a host read."""
         for name, p in params.items():
             shadow = self.shadow[name]
-            shadow.mul_(self.decay).add_(p.detach().to(shadow.device, torch.float32), alpha=1.0 - self.decay)
+            value = p.detach().to(shadow.device, torch.float32)
+            if skip is None:
+                shadow.mul_(self.decay).add_(value, alpha=1.0 - self.decay)
+            else:
+                shadow.copy_(torch.where(skip.to(shadow.device) > 0, shadow,
+                                         shadow.mul(self.decay).add_(value, alpha=1.0 - self.decay)))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averages by parameter name (CPU float32 copies, for a checkpoint)."""

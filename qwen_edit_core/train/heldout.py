@@ -9,7 +9,7 @@ Per validation step and averaged over the held-out pairs: `latent_mse` (sampled 
 cached latents, in the normalized latent units the loss uses), `pixel_mse` (the decoded picture against the
 target image resized to the sampled size, both as 8-bit RGB in [0, 1]), and for pairs with a mask
 `pixel_mse_in_mask` / `pixel_mse_out_mask` (white = the edited region; empty when no pair has a mask). Each
-pair's picture and sampled latents are written to `validation/heldout/step-N/NAME.png` / `.safetensors`, so the
+pair's picture and sampled latents are written to `validation/heldout/step-0000012/NAME.png` / `.safetensors`, so the
 numbers can be checked by hand.
 """
 
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data.examples import EditExample
-from qwen_edit_core.model import encode
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +101,12 @@ class HeldOutMetrics:
 
     def pair_errors(self, pair: HeldOutPair, picture_path: Path | None) -> tuple[float, float, float, float]:
         """(latent mse, pixel mse, in mask, out of mask) of one pair sampled now."""
-        from qwen_edit_core.families.qwen_image_21 import encode as encode21
-        from qwen_edit_core.sample import sampler
-        from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
-        from qwen_edit_core.train.validation import conditioning21_from_entry, conditioning_from_entry
+        from qwen_edit_core.families import family_of
         transformer = self.components.transformer
-        in_text = "prompt_slots" in pair.tensors  # a Qwen-Image-2.1 entry: its own sampler and packing
-        make, sampling, pack = (conditioning21_from_entry, sampler21, encode21.pack) if in_text else \
-            (conditioning_from_entry, sampler, encode.pack)
-        cond = make(pair.tensors, next(transformer.parameters()).device, transformer.img_in.weight.dtype)
+        sampling = family_of(pair.tensors).stage("sampler")  # the entry's family samples and packs it
+        cond = sampling.conditioning_from_entry(pair.tensors, next(transformer.parameters()).device, transformer.img_in.weight.dtype)
         latents = sampling.denoise(self.components, cond, self.settings)
-        target = pack(pair.tensors["target_latents"][None]).to(latents.device, torch.float32)
+        target = sampling.pack(pair.tensors["target_latents"][None]).to(latents.device, torch.float32)
         latent_mse = float(((latents.float() - target) ** 2).mean())
         pixels = sampling.decode(self.components, latents, cond.width, cond.height)[0, ..., :3]  # 2.1: RGBA
         picture = (pixels.numpy() * 255).round().clip(0, 255).astype(np.uint8)

@@ -88,12 +88,18 @@ class RunState:
     state: str = "done"
     ema: LoraEma | None = None  # the LoRA's moving average (train.ema_decay > 0)
     regions: RegionLosses | None = None  # masked/unmasked validation losses (datasets with masks)
-    #: the loss summed on the device since the last logged step, and how many steps it holds
-    pending_loss: torch.Tensor | None = None
-    pending_steps: int = 0
+    #: the steps since the last host read: their device losses and skip flags, read together (`read_pending`)
+    pending: list = field(default_factory=list)
+    #: this step's loss on the device (set before `optimizer_step`, which skips the update when it is not finite)
+    step_loss: torch.Tensor | None = None
+    #: this step's skip flag on the device (0-d float32, 1 where the update was skipped), set by `optimizer_step`
+    step_skip: torch.Tensor | None = None
+    stop: bool = False  # several processes agreed to stop (at the last host read)
+    examples: Sequence[EditExample] = ()  # named in the non-finite step's message
     drawn: list = field(default_factory=list)  # the example indices of this step's batches
     skipped: int = 0  # steps skipped for a non-finite loss
     progress: ProgressFn | None = None  # also told of every checkpoint and validation file the run writes
+    run_id: str | None = None  # recorded in each checkpoint: pruning and --resume keep to this run's own
 
 
 class NonFiniteLossError(ValueError):
@@ -172,8 +178,7 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
     run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
-                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
-                    text_multiple=speed.text_multiple(run.transformer))
+                    control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype)
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
@@ -185,37 +190,104 @@ def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> t
 
 
 def optimizer_step(run: RunState) -> None:
-    """Unscale, clip, step the optimizer and the schedule, clear the gradients; the step count advances."""
+    """Unscale, clip, step the optimizer and the schedule, clear the gradients; the step count advances.
+
+    No host read: a step whose loss (`run.step_loss`) or LoRA gradient norm is not finite leaves the LoRA, the
+    optimizer state and the EMA exactly as they were, through a device flag (`run.step_skip`) that fused AdamW
+    takes as `found_inf` (GradScaler's protocol); the flag is read with the loss at the next logging step
+    (`read_pending`). The step count and the schedule advance either way. With several processes only the
+    gradients (averaged, so the same on every process) decide: a process's non-finite loss reaches them."""
     run.dist.sync_gradients(run.params.values())
     run.scaler.unscale_(run.optimizer)
+    params = [p for p in run.params.values() if p.grad is not None]
     if run.config.train.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(list(run.params.values()), run.config.train.max_grad_norm)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
+        norm = torch.nn.utils.clip_grad_norm_(params, run.config.train.max_grad_norm)
+    elif params:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        norm = torch.zeros((), device=run.device)
+    finite = torch.isfinite(norm)
+    if run.step_loss is not None and run.dist.world == 1:
+        finite = finite & torch.isfinite(run.step_loss)
+    run.step_skip = (~finite).to(torch.float32)
+    if run.scaler.is_enabled():
+        # fp16: the scaler skips steps whose gradients overflow (its own flag; a non-finite loss gives such
+        # gradients); only a non-finite loss counts as a skipped step
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        if run.step_loss is not None:
+            run.step_skip = (~torch.isfinite(run.step_loss)).to(torch.float32)
+    elif skips_on_device(run.optimizer):
+        run.optimizer.found_inf = run.step_skip
+        try:
+            run.optimizer.step()
+        finally:
+            del run.optimizer.found_inf
+    elif bool(finite):  # an optimizer without a device-side skip (bitsandbytes): one host read per step
+        run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     if run.ema is not None:
-        run.ema.update(run.params)
+        run.ema.update(run.params, skip=run.step_skip)
     run.step += 1
 
 
-def read_loss(run: RunState, loss: torch.Tensor) -> float | None:
-    """Add the step's device loss to the pending sum; every `logging.every` steps (and at the last) return the
-    mean over ranks and steps since the last read: one host read per logging interval."""
-    run.pending_loss = loss if run.pending_loss is None else run.pending_loss + loss
-    run.pending_steps += 1
-    every = max(1, run.config.logging.every)
-    if run.step % every and run.step < run.config.train.max_steps:
-        return None
-    value = run.dist.mean_tensor(run.pending_loss / run.pending_steps)
-    run.pending_loss, run.pending_steps = None, 0
-    return value
+def skips_on_device(optimizer) -> bool:
+    """Whether `optimizer.step` takes a device `found_inf` flag and skips the whole update where it is 1 (torch's
+    fused Adam/AdamW: `torch._fused_adamw_`, which also takes back the step count's increment)."""
+    return isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults["fused"])
 
 
-def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: ProgressFn | None, validate) -> None:
-    """Log the loss when due, report progress, validate and checkpoint when due."""
+@dataclass(frozen=True)
+class PendingStep:
+    """One optimizer step not yet read on the host: its number, device loss and skip flag, and its samples."""
+
+    step: int
+    loss: torch.Tensor
+    skip: torch.Tensor
+    drawn: tuple[int, ...]
+
+
+def read_due(run: RunState) -> bool:
+    """Whether this step reads the device: every `logging.every` steps, at the last step and before a
+    checkpoint (a step skipped for a non-finite loss must be counted before a checkpoint keeps the run)."""
     t, step = run.config.train, run.step
-    loss = read_loss(run, loss)
+    return (step % max(1, run.config.logging.every) == 0 or step >= t.max_steps
+            or bool(t.checkpoint_every and step % t.checkpoint_every == 0))
+
+
+def read_pending(run: RunState, cancel: CancelToken | None = None) -> float | None:
+    """Read the pending steps' losses and skip flags in one host read (with several processes, one all-reduce
+    that also agrees on a stop: `run.stop`); count and name the skipped steps (`nonfinite_step`). Returns the
+    mean loss of the steps not skipped (None when every step was skipped or none is pending)."""
+    pending, run.pending = run.pending, []
+    if not pending:
+        return None
+    values = torch.stack([p.loss.reshape(()).float() for p in pending] + [p.skip.reshape(()) for p in pending])
+    several = run.dist.world > 1
+    if several:
+        stop = cancel is not None and cancel.cancelled
+        values = torch.cat([values, torch.tensor([1.0 if stop else 0.0], device=values.device)])
+    read = run.dist.sum_read(values)
+    n = len(pending)
+    if several:
+        run.stop = run.stop or read[-1] > 0
+    kept = []
+    for p, loss, skip in zip(pending, [v / run.dist.world for v in read[:n]], read[n:2 * n]):
+        if skip > 0 or not math.isfinite(loss):
+            nonfinite_step(run, loss, p)
+        else:
+            kept.append(loss)
+    return sum(kept) / len(kept) if kept else None
+
+
+def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: ProgressFn | None, validate,
+               cancel: CancelToken | None = None) -> None:
+    """Log the loss when due (the one host read of a logging interval: `read_pending`), report progress,
+    validate and checkpoint when due."""
+    t, step = run.config.train, run.step
+    run.pending.append(PendingStep(step, loss, run.step_skip, tuple(run.drawn)))
+    loss = read_pending(run, cancel) if read_due(run) else None
     if run.losslog is not None and loss is not None:
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
@@ -245,10 +317,11 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
         path = ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
                              optimizer=run.optimizer.state_dict(),
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
-                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config)},
+                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config),
+                                    "run_id": run.run_id},
                              write_lora=lambda path: write_lora(path, at),
                              ema=run.ema.state_dict() if run.ema is not None else None, device=run.device)
-        ckpt.prune(root, run.config.train.keep_checkpoints)
+        ckpt.prune(root, run.config.train.keep_checkpoints, run.run_id)
         if run.progress is not None:
             run.progress(Progress("checkpoint", at, run.config.train.max_steps, path=path))
     run.last_saved = at
@@ -257,21 +330,22 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
 
 def cancel_step(run: RunState) -> None:
     """Stop at the last completed step: the half-accumulated gradient is discarded and the batch order
-    rewound, so a resume redraws this step's batches."""
+    rewound to that step's boundary, so a resume redraws the batches of the step that did not finish (none when
+    the stop came after the optimizer step, e.g. during validation)."""
     run.optimizer.zero_grad(set_to_none=True)
     run.state = "cancelled"
     run.sampler.load_state_dict(run.position)
+    read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
     log.info("training stopped at step %d; saving a checkpoint", run.step)
 
 
-def nonfinite_step(run: RunState, loss: float, examples: Sequence[EditExample]) -> None:
-    """A step whose loss is NaN or Inf: its gradients are dropped, so the LoRA stays as it was. Skipped while
-    `train.skip_nonfinite_steps` allows; then NonFiniteLossError names the step and samples (nothing more is
-    written: the last checkpoint stays the newest)."""
-    run.optimizer.zero_grad(set_to_none=True)
+def nonfinite_step(run: RunState, loss: float, pending: PendingStep) -> None:
+    """A step whose loss (or gradient) was NaN or Inf: its update was skipped on the device, so the LoRA stayed as
+    it was. Counted while `train.skip_nonfinite_steps` allows; then NonFiniteLossError names the step and samples
+    (nothing more is written: the last checkpoint stays the newest)."""
     run.skipped += 1
-    names = ", ".join(examples[i].name for i in run.drawn) if examples else "?"
-    where = f"step {run.step + 1} (samples: {names})"
+    names = ", ".join(run.examples[i].name for i in pending.drawn) if run.examples else "?"
+    where = f"step {pending.step} (samples: {names})"
     limit = run.config.train.skip_nonfinite_steps
     if run.skipped > limit:
         found = ckpt.latest_checkpoint(run.out_dir / "checkpoints")
@@ -307,14 +381,16 @@ def finish(run: RunState, write_lora: Callable[[Path, int], None]) -> TrainResul
 def train(config: Config, transformer, load_item: Callable[[int], dict], examples: Sequence[EditExample],
           bucket_keys: Sequence, *, scheduler_config: dict, write_lora: Callable[[Path, int], None],
           out_dir: Path, resume: Path | None = None, progress: ProgressFn | None = None,
-          cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None) -> TrainResult:
+          cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None,
+          run_id: str | None = None) -> TrainResult:
     """Train the LoRA already injected into `transformer` for `config.train.max_steps` optimizer steps.
 
     `load_item(i)` returns example i's cache tensors (from the cache, or encoded in real time).
-    `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory.
+    `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory. `run_id`
+    (train.run_folder) goes into every checkpoint.
     """
     run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
-    run.progress = progress
+    run.progress, run.examples, run.run_id = progress, examples, run_id
     masked = [i for i, example in enumerate(examples) if example.mask is not None][:REGION_SAMPLES]
     if masked and config.train.validation_every:
         run.regions = RegionLosses([load_item(i) for i in masked], config, scheduler_config, out_dir)
@@ -326,17 +402,19 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             run.position, run.drawn = run.sampler.state_dict(), []
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
-                if cancel is not None and run.dist.agreed(cancel.cancelled):
+                if stop_requested(run, cancel):
                     raise Cancelled("cancelled by request")
                 share = micro_step(run, micro, load_item)
                 total = share if total is None else total + share
-            # one host sync per step: a NaN/Inf loss must stop (or skip) the step before the optimizer applies it
-            loss_now = float(total)
-            if not math.isfinite(run.dist.mean_tensor(total) if run.dist.world > 1 else loss_now):
-                nonfinite_step(run, loss_now, examples)
-                continue
-            optimizer_step(run)
-            after_step(run, total, write_lora, progress, validate)
+            # No host read here: a non-finite loss skips the update on the device (`optimizer_step`) and is
+            # counted at the next read (`read_pending`).
+            run.step_loss = total
+            with cancel.shielded() if cancel is not None else contextlib.nullcontext():
+                optimizer_step(run)
+                # From here the state is step `run.step`'s boundary: a stop during validation or a checkpoint
+                # write must save the position after this step's batches, not rewind to before them.
+                run.position = run.sampler.state_dict()
+            after_step(run, total, write_lora, progress, validate, cancel)
     except (Cancelled, KeyboardInterrupt):
         cancel_step(run)
     finally:
@@ -349,6 +427,15 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
     log.info("training %s at step %d (%.1f s)%s", run.state, run.step, time.perf_counter() - started,
              f"; {stats.summary()}" if stats is not None else "")
     return result
+
+
+def stop_requested(run: RunState, cancel: CancelToken | None) -> bool:
+    """Whether to stop before the next micro-step. One process: the cancel token (a host flag, no device read).
+    Several: what they agreed at the last host read (`read_pending`: a signal reaches each process at a slightly
+    different point, so each stops at the same step; a stop asked of one is seen within `logging.every` steps)."""
+    if run.dist.world > 1:
+        return run.stop
+    return cancel is not None and cancel.cancelled
 
 
 def _restore(path: Path, run: RunState) -> int:
@@ -377,10 +464,15 @@ def resolve_resume(out_dir: Path, resume: str | Path | bool | None) -> Path | No
     if not resume:
         return None
     if resume is True:
-        found = ckpt.latest_checkpoint(out_dir / "checkpoints")
-        if found is None:
+        found = ckpt.list_checkpoints(out_dir / "checkpoints")
+        if not found:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {str(out_dir / 'checkpoints')!r}")
-        return found.path
+        runs = {c.state.get("run_id"): c for c in found}  # the newest checkpoint of each run
+        if len(runs) > 1:
+            newest = ", ".join(str(c.path) for c in runs.values())
+            raise ValueError(f"--resume: {str(out_dir / 'checkpoints')!r} holds checkpoints of {len(runs)} runs; "
+                             f"give the one to continue (--resume PATH), the newest of each: {newest}")
+        return found[-1].path
     path = Path(resume)
     if (path / ckpt.STATE_FILE).is_file():
         return path

@@ -7,13 +7,19 @@ import torch
 from qwen_edit_core.config import Config
 
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+#: devices where torch's fused AdamW runs (torch.optim.adam: CUDA, and the CPU since torch 2.4)
+FUSED_DEVICES = ("cuda", "cpu")
 
 
 def make_optimizer(params, config: Config):
     params = list(params)
     o = config.optimizer
     if o.type == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+        # fused: one kernel per step, and it takes the loop's device skip flag (`found_inf`), so a non-finite
+        # step is skipped without reading the device (train.loop.optimizer_step)
+        fused = all(p.device.type in FUSED_DEVICES and p.dtype.is_floating_point for p in params) or None
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps,
+                                 fused=fused)
     if o.type == "adamw8bit":
         if any(p.device.type != "cuda" for p in params):
             raise ValueError("optimizer.type adamw8bit (bitsandbytes) needs the LoRA on a CUDA device; "

@@ -22,7 +22,7 @@ from qwen_edit_core.model import components as comp
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.model.weight_source import weight_source
-from qwen_edit_core.train import sharding
+from qwen_edit_core.train import cache_share, run_folder, sharding
 from qwen_edit_core.train.heldout import Validations
 from qwen_edit_core.train.distributed import local_device
 
@@ -115,18 +115,29 @@ def _model(config: Config) -> tuple[Path, EncodeSettings]:
 def run_cache(config: Config, examples: Sequence, encoders=None, *, progress=None, cancel=None) -> dict:
     """Encode every example missing from the cache (text encoder and VAE on `cache.text_encoder_device` /
     `cache.vae_encoder_device`, or the given `encoders` components when they hold both); returns
-    {"total", "hits", "computed"}. Nothing is loaded when every entry is present."""
+    {"total", "hits", "computed"}. Nothing is loaded when every entry is present. Under a multi-process launch each
+    process encodes its share of the missing entries ("computed" counts this process's) and all wait for the
+    whole cache (train/cache_share.py)."""
     model_dir, settings = _model(config)
     cache, identity = open_cache(config), cache_identity(config, model_dir)
     # `contains` validates each entry's header, so a damaged one is recomputed in this same run.
     missing = [ex for ex in examples if not cache.contains(cache_key(ex, settings, identity))]
-    if not missing:
+    if not missing and cache_share.launch_world() == 1:
         log.info("cache: all %d entries present in %s; encoders not loaded", len(examples), cache.root)
         return {"total": len(examples), "hits": len(examples), "computed": 0}
-    if encoders is None or encoders.text_encoder is None or encoders.vae is None:
-        encoders = comp.load_components(model_dir, encoder_plan(config), which=("vae", "text_encoder"),
-                                        **model_files(config))
-    return build_cache(encoders, examples, cache, settings, identity=identity, progress=progress, cancel=cancel)
+
+    def encode(todo: list) -> dict:
+        loaded = encoders
+        if loaded is None or loaded.text_encoder is None or loaded.vae is None:
+            loaded = comp.load_components(model_dir, encoder_plan(config), which=("vae", "text_encoder"),
+                                          **model_files(config))
+        return build_cache(loaded, todo, cache, settings, identity=identity, progress=progress, cancel=cancel)
+
+    if cache_share.launch_world() == 1:
+        return encode(list(examples))
+    # each process of the launch encodes its share of what is missing and waits for the others
+    done = cache_share.run_shared(missing, encode, cpu=config.train.device == "cpu")
+    return {"total": len(examples), "hits": len(examples) - done["computed"], "computed": done["computed"]}
 
 
 # -- the memory plan, before any weight loads ------------------------------------------------------------------
@@ -241,12 +252,15 @@ def _inject(config: Config, transformer, spec: lora_mod.LoraSpec) -> None:
     if config.model.lora.init_from:
         lora_mod.load_lora_into(transformer, lora_mod.read_lora_file(config.model.lora.init_from),
                                 adapter_name="default", strength=1.0)
+    if config.train.lora_format == "fused":  # refused before the first step, not at the first save
+        lora_mod.check_fusable(transformer)
 
 
 def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         release: Callable[[], None] = lambda: None,
         ready: Callable[[comp.Components, lora_mod.LoraSpec], None] = lambda comps, spec: None,
-        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None):
+        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None,
+        overwrite: bool = False):
     """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and write
     it to `train.output_dir`; returns loop.TrainResult.
 
@@ -254,17 +268,21 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     (the caller drops its reference, so they are freed before the transformer loads); `shared`: loaded
     components to train on instead of loading (the caller's, e.g. a ComfyUI graph's: trained as `speed.lend`'s
     copy, given back exactly as it was however the run ends); `ready(components, spec)` as soon as the LoRA is injected;
-    `check(model_dir, n_examples)` before any weight loads (the facade's preflight)."""
+    `check(model_dir, n_examples)` before any weight loads (the facade's preflight); `overwrite`: another run's
+    files in the output folder are moved aside instead of refusing the run (train.run_folder)."""
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
     model_dir, settings = _model(config)
     resume_path = resolve_resume(out_dir, resume)
+    run_folder.check_free(out_dir, resume_path, overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
     check(model_dir, len(examples))
+    run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
+    run_doctor(config, examples, held)  # after the preflight: it writes its measures beside the cache
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
                   progress=progress, cancel=cancel)
@@ -284,24 +302,35 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                 # companions: active and frozen; saved files and checkpoints hold only "default"
                 lora_mod.activate_with_trained(comps.transformer, stack)
             ready(comps, spec)
-
-            def write_lora(path: Path, step: int) -> None:
-                lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(model_dir), steps=step)
-
             log_resizes(examples, settings)
             result = train(config, comps.transformer, inputs.load_item, examples, keys,
                            scheduler_config=comps.scheduler_config,
-                           write_lora=write_lora, out_dir=out_dir, resume=resume_path, progress=progress,
-                           cancel=cancel, validate=Validations(validator, metrics) if metrics else validator)
+                           write_lora=_lora_writer(config, comps.transformer, spec, model_dir),
+                           out_dir=out_dir, resume=resume_path, progress=progress, cancel=cancel,
+                           validate=Validations(validator, metrics) if metrics else validator, run_id=run_id)
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
+    return _with_validation(result, config, comps, validator, metrics, model_dir, plan)
+
+
+def _with_validation(result, config: Config, comps: comp.Components, validator, metrics, model_dir: Path,
+                     plan: DevicePlan):
+    """`result` with the held-out metrics' rows and the validation pictures: training is over, so a VAE may
+    load now to turn the validation latents into images."""
     result.validation_metrics = metrics.rows if metrics is not None else []
     if validator is not None and validator.latent_files:
-        # Training is over: a VAE may load now to turn the validation latents into images.
         vae = comps.vae or comp.load_components(model_dir, plan, which=("vae",), **model_files(config)).vae
         result.validation_images = validator.decode_pending(vae)
     return result
+
+
+def _lora_writer(config: Config, transformer, spec: lora_mod.LoraSpec, model_dir: Path):
+    """write_lora(path, step): the run's LoRA file at `step`, in `train.lora_format`'s layout."""
+    def write_lora(path: Path, step: int) -> None:
+        lora_mod.save_lora(path, transformer, spec, base_identity=str(model_dir), steps=step,
+                           layout=config.train.lora_format)
+    return write_lora
 
 
 def _lent(comps: comp.Components) -> comp.Components:
@@ -345,6 +374,23 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
     return train_pairs, held
 
 
+def run_doctor(config: Config, examples: Sequence, held: Sequence):
+    """The dataset doctor on the training and held-out pairs (`data.doctor`): its summary logged ("warn"), or the
+    run refused when it flags a pair ("refuse"); measures kept beside the embedding cache. Returns its report."""
+    if config.data.doctor == "off":
+        return None
+    from qwen_edit_core.data.doctor import DoctorSettings, diagnose
+    d = config.data
+    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.control_size == "target", batch_size=d.batch_size)
+    cache_dir = open_cache(config).root if config.cache.enabled else None
+    report = diagnose(examples, held, settings, cache_dir=cache_dir)
+    if report.findings and d.doctor == "refuse":
+        raise ValueError(f"{report.summary()}\ndata.doctor is 'refuse': fix the pairs (qwen-edit doctor "
+                         f"{d.folder} --fix NEW_FOLDER writes a fixed copy) or set data.doctor: warn")
+    (log.warning if report.findings else log.info)("%s", report.summary())
+    return report
+
+
 def _heldout_metrics(config: Config, comps: comp.Components, held: list, model_dir: Path,
                      settings: EncodeSettings, out_dir: Path):
     """The held-out pairs' metrics callable: their tensors from the cache (or encoded now in realtime mode),
@@ -386,6 +432,6 @@ def batch_loss(config: Config, comps: comp.Components, items: Sequence, *, step:
     gens = [sample_generator(config.train.seed, step, 0, j) for j in range(len(tensors))]
     batch = collate(tensors, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=param.device,
-                    dtype=comps.transformer.img_in.weight.dtype, text_multiple=speed.text_multiple(comps.transformer))
+                    dtype=comps.transformer.img_in.weight.dtype)
     loss, _ = flow_loss(comps.transformer, batch, config, comps.scheduler_config)
     return loss

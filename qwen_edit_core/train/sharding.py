@@ -31,12 +31,18 @@ import os
 
 import torch
 
+from qwen_edit_core.families import DEFAULT, FAMILIES
+
 log = logging.getLogger(__name__)
 
-#: the FSDP unit: one transformer block (60 in the 2025 model, 32 in Qwen-Image-2.1); the accelerate config may name
-#: either family's block class: the unit is always the trained model's own block
-BLOCK_CLASS = "QwenImageTransformerBlock"
-BLOCK_CLASSES = (BLOCK_CLASS, "QwenImage21TransformerBlock")
+#: the FSDP unit: one transformer block (`Family.block_class`); the accelerate config may name any family's block
+#: class: the unit is always the trained model's own block
+BLOCK_CLASS = DEFAULT.block_class
+
+
+def block_classes() -> tuple[str, ...]:
+    """Every family's transformer block class name (what FSDP_TRANSFORMER_CLS_TO_WRAP may name)."""
+    return tuple(f.block_class for f in FAMILIES.values())
 
 
 def is_fsdp() -> bool:
@@ -95,9 +101,9 @@ def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) 
                          "shard, so every process would hold all of them. Turn train.fp8_base off (and load a "
                          "bf16 transformer file), or train with data parallel (plain `accelerate launch`)")
     wrap = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", BLOCK_CLASS)
-    if wrap not in BLOCK_CLASSES:
+    if wrap not in block_classes():
         raise ValueError(f"fsdp_transformer_layer_cls_to_wrap {wrap!r}: the unit must be the transformer block "
-                         f"({' or '.join(BLOCK_CLASSES)}; this model's is {type(model.transformer_blocks[0]).__name__})")
+                         f"({' or '.join(block_classes())}; this model's is {type(model.transformer_blocks[0]).__name__})")
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard")
     mesh = init_device_mesh(torch.device(device).type, (world,))
     lora = {p for p in model.parameters() if p.requires_grad}

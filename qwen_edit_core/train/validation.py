@@ -3,7 +3,7 @@ previews (named schedules, steps, CFG, LoRA files stacked for a preview only) sh
 datasets with masks) the loss inside and outside the edited regions.
 
 The conditioning comes from the embedding cache like any training sample (so training from the cache still
-loads no encoder); the sampled latents are written to `validation/step-N.safetensors` and decoded to PNG
+loads no encoder); the sampled latents are written to `validation/step-0000012.safetensors` and decoded to PNG
 when a VAE is at hand: at once in realtime mode, after training in cached mode.
 """
 
@@ -19,14 +19,10 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen_edit_core import speed
 from qwen_edit_core.model import encode
-from qwen_edit_core.families.qwen_image_21 import encode as encode21
-from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
-from qwen_edit_core.families import QWEN_IMAGE_21
+from qwen_edit_core.families import family_of, family_of_cache_name
 from qwen_edit_core.config import ValidationPreview
 from qwen_edit_core.sample import sampler, schedules
-from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.model.templates import EMPTY_PROMPT
@@ -43,33 +39,6 @@ def validation_example(image: str, prompt: str, n_controls: int) -> EditExample:
     if not prompt:
         raise ValueError("train.validation_prompt is empty: give the edit instruction to validate with")
     return EditExample("validation", path, (path,) * n_controls, prompt, size, (size,) * n_controls)
-
-
-def conditioning_from_entry(tensors: dict, device, dtype) -> sampler.Conditioning:
-    """Sampler conditioning from a cache entry: the caption's embeddings, the empty caption as negative."""
-    shapes = [tuple(s) for s in tensors["img_shapes"].tolist()]
-    n = len(shapes) - 1
-    control = torch.cat([encode.pack(tensors[f"control_latents_{i}"][None]) for i in range(n)], dim=1)
-    _, rows, cols = shapes[0]
-    return sampler.Conditioning(cond=encode.pad_embeddings([tensors["prompt_embeds"]]).to(device, dtype),
-                                uncond=encode.pad_embeddings([tensors["empty_prompt_embeds"]]).to(device, dtype),
-                                control_tokens=control.to(device, dtype), img_shapes=shapes,
-                                width=cols * encode.LATENT_MULTIPLE, height=rows * encode.LATENT_MULTIPLE)
-
-
-def conditioning21_from_entry(tensors: dict, device, dtype) -> sampler21.Conditioning21:
-    """2.1 sampler conditioning from a 2.1 cache entry: the caption and the empty caption (the negative) with
-    their slot masks plus the target's slots, the references' tokens, [references..., target] shapes."""
-    shapes = [tuple(s) for s in tensors["img_shapes"].tolist()]
-    _, rows, cols = shapes[0]
-
-    def prompt(name: str) -> PromptWithSlots:
-        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
-        return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
-    refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
-    return sampler21.Conditioning21(prompt("prompt"), prompt("empty_prompt"),
-                                    torch.cat(refs, dim=1).to(device, dtype) if refs else None, shapes[1:] + shapes[:1],
-                                    width=cols * QWEN_IMAGE_21.token_pixels, height=rows * QWEN_IMAGE_21.token_pixels)
 
 
 @dataclass(frozen=True)
@@ -106,8 +75,8 @@ def previews_from_config(config) -> list[Preview]:
             problems.append(f"{where}: {err}")
         loras = tuple((lora.path, float(lora.strength)) for lora in item.loras)
         problems += [f"{where}: LoRA file {path!r} does not exist" for path, _ in loras if not Path(path).is_file()]
-        label = f"sigmas {item.sigmas}" if isinstance(item.sigmas, str) and item.sigmas else \
-            f"{item.schedule} {steps} steps{' (sigma list)' if grid else ''}"
+        label = (f"sigmas {item.sigmas}" if isinstance(item.sigmas, str) and item.sigmas else
+                 f"{item.schedule} {steps} steps{' (sigma list)' if grid else ''}") + f", CFG {cfg:g}"
         previews.append(Preview(item.label or label, settings, loras))
     if problems:
         raise ValueError(_problems("validation previews", problems))
@@ -246,19 +215,17 @@ class Validator:
         from qwen_edit_core.adapters import lora
         transformer = self.components.transformer
         param = next(transformer.parameters())
-        in_text = "prompt_slots" in self.tensors  # a Qwen-Image-2.1 entry: its own sampler (families/qwen_image_21/sampler.py)
-        make, denoise = (conditioning21_from_entry, sampler21.denoise) if in_text else \
-            (conditioning_from_entry, sampler.denoise)
-        cond = make(self.tensors, param.device, transformer.img_in.weight.dtype)
+        family = family_of(self.tensors)  # the entry's family samples it (families/<family>/sampler.py)
+        sampling = family.stage("sampler")
+        cond = sampling.conditioning_from_entry(self.tensors, param.device, transformer.img_in.weight.dtype)
         transformer.eval()
         tensors = {"size": torch.tensor([cond.width, cond.height])}
         try:
             for i, preview in enumerate(self.previews):
-                if in_text:
-                    sampler21.check_settings(preview.settings)
+                sampling.check_settings(preview.settings)
                 if preview.loras:
                     lora.activate_with_trained(transformer, self.stack + preview.loras)
-                tensors[f"latents_{i}"] = denoise(self.components, cond, preview.settings).cpu().contiguous()
+                tensors[f"latents_{i}"] = sampling.denoise(self.components, cond, preview.settings).cpu().contiguous()
                 if preview.loras:
                     lora.activate_with_trained(transformer, self.stack)
         finally:
@@ -268,7 +235,7 @@ class Validator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step-{step:07d}.safetensors"
         save_file(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews]),
-                                           "family": QWEN_IMAGE_21.name if in_text else ""})
+                                           "family": family.cache_name})
         self.latent_files.append(path)
         if self.components.vae is not None:
             self.images.append(decode_file(self.components.vae, path))
@@ -287,8 +254,7 @@ def decode_file(vae, path: Path) -> Path:
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         labels = json.loads((f.metadata() or {}).get("labels", "[]"))
-        unpack = encode21.unpack if (f.metadata() or {}).get("family") == QWEN_IMAGE_21.name else \
-            (lambda tokens, w, h: encode.unpack(tokens, h, w))
+        unpack = family_of_cache_name((f.metadata() or {}).get("family", "")).stage("sampler").unpack
     data = load_file(path)
     width, height = data["size"].tolist()
     images = []
@@ -315,7 +281,7 @@ class RegionLosses:
         param = next(transformer.parameters())
         gens = [sample_generator(self.config.train.seed, 0, 0, j) for j in range(len(self.items))]
         batch = collate(self.items, gens, caption_dropout=0.0, control_dropout=0.0, device=param.device,
-                        dtype=transformer.img_in.weight.dtype, text_multiple=speed.text_multiple(transformer))
+                        dtype=transformer.img_in.weight.dtype)
         transformer.eval()
         masked, unmasked = region_losses(transformer, batch, self.config, self.scheduler_config)
         self.history.append((step, masked, unmasked))
@@ -342,5 +308,5 @@ def labelled_grid(images: list, labels: list[str], band: int = 14):
     return canvas
 
 
-__all__ = ["PromptEmbeds", "Preview", "RegionLosses", "Validator", "conditioning_from_entry", "decode_file",
+__all__ = ["PromptEmbeds", "Preview", "RegionLosses", "Validator", "decode_file",
            "labelled_grid", "parse_lora_lines", "parse_previews", "previews_from_config", "validation_example"]

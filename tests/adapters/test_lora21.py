@@ -210,3 +210,84 @@ def test_dora_and_lokr_files_reach_comfyuis_fused_model(base, tmp_path, kind):
         # DoRA: the weight's row norms (sums over up to 96 inputs) and a rescale; LoKr: a Kronecker product of
         # rank-4 factors; either against peft's merge, in another order
         assert_close_fp32(base_weight + delta, merged[module], ops=96 + MERGE_ROUNDINGS, what=f"{module} effect")
+
+
+def test_the_fused_layout_loads_in_comfyui_with_every_key_and_reads_back_with_the_same_effect(base, tmp_path):
+    """`train.lora_format: fused` writes ComfyUI's own layout (`diffusion_model.` keys, one `img_mlp.gate_up` LoRA
+    per block): every key reaches ComfyUI's fused model (its generic `diffusion_model.P` mapping) with peft's
+    effect, and the file reads back into ours with the effect of the split file."""
+    model, spec = _trained(base)
+    fused = lora.save_lora(tmp_path / "fused.safetensors", model, spec, base_identity="tiny", steps=1, layout="fused")
+    split = lora.save_lora(tmp_path / "split.safetensors", model, spec, base_identity="tiny", steps=1)
+    file = load_file(fused)
+    assert all(k.startswith("diffusion_model.transformer_blocks.") for k in file)
+    assert not any(".gate_layer." in k or ".img_mlp.proj." in k for k in file)
+    assert file["diffusion_model.transformer_blocks.0.img_mlp.gate_up.lora_down.weight"].shape[0] == 2 * spec.rank
+    patched = _comfy_patch(file, _comfy_state(base))  # asserts that no key is left unloaded
+    expected = _comfy_state(_merged_model(model))
+    for k in expected:
+        assert_close_fp32(patched[k], expected[k], ops=MERGE_ROUNDINGS, what=f"{k} ComfyUI-patched fused file")
+    from_fused, from_split = copy.deepcopy(base), copy.deepcopy(base)
+    lora.load_lora_file(from_fused, fused)
+    lora.load_lora_file(from_split, split)
+    a, b = _merged(from_fused), _merged(from_split)
+    assert a.keys() == b.keys() == _merged(model).keys()
+    for k in a:
+        assert_close_fp32(a[k], b[k], ops=MERGE_ROUNDINGS, what=f"{k} read from the fused file vs the split one")
+
+
+def test_fusing_halves_of_different_scales_or_one_half_keeps_each_halfs_delta():
+    """Unequal alphas are folded into the ups; a block with one half trained gets a zero block for the other."""
+    torch.manual_seed(5)
+    down_g, up_g, down_p, up_p = torch.randn(4, 6), torch.randn(10, 4), torch.randn(2, 6), torch.randn(10, 2)
+    split = {"b.img_mlp.gate_layer.lora_down.weight": down_g, "b.img_mlp.gate_layer.lora_up.weight": up_g,
+             "b.img_mlp.gate_layer.alpha": torch.tensor(8.0), "b.img_mlp.proj.lora_down.weight": down_p,
+             "b.img_mlp.proj.lora_up.weight": up_p, "b.img_mlp.proj.alpha": torch.tensor(1.0),
+             "b.attn.to_q.lora_down.weight": down_p}
+    fused = lora.fuse_mlp_tensors(split)
+    delta = fused["diffusion_model.b.img_mlp.gate_up.alpha"] / 6 * (
+        fused["diffusion_model.b.img_mlp.gate_up.lora_up.weight"] @ fused["diffusion_model.b.img_mlp.gate_up.lora_down.weight"])
+    assert_close_fp32(delta, torch.cat([2.0 * up_g @ down_g, 0.5 * up_p @ down_p]), ops=8, what="fused delta")
+    assert torch.equal(fused["diffusion_model.b.attn.to_q.lora_down.weight"], down_p)
+    only = lora.fuse_mlp_tensors({k: v for k, v in split.items() if ".proj." in k})
+    up = only["diffusion_model.b.img_mlp.gate_up.lora_up.weight"]
+    assert up.shape == (20, 2) and torch.equal(up[:10], torch.zeros(10, 2)) and torch.equal(up[10:], up_p)
+
+
+def test_the_fused_layout_is_refused_for_a_model_without_the_fused_mlp_and_for_lokr(base, tmp_path):
+    with pytest.raises(ValueError, match="train.lora_format 'fused': this model has no fused MLP layout"):
+        lora.check_fusable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    model, spec = _trained(base, {"type": "lokr"})
+    with pytest.raises(ValueError, match="LoKr/LoHa layers cannot be written in the fused layout"):
+        lora.save_lora(tmp_path / "l.safetensors", model, spec, base_identity="tiny", steps=1, layout="fused")
+
+
+def test_a_dora_lora_in_the_fused_layout_reads_back_with_the_split_files_effect(base, tmp_path):
+    model, spec = _trained(base, {"dora": True})
+    fused = lora.save_lora(tmp_path / "f.safetensors", model, spec, base_identity="tiny", steps=1, layout="fused")
+    split = lora.save_lora(tmp_path / "s.safetensors", model, spec, base_identity="tiny", steps=1)
+    assert load_file(fused)["diffusion_model.transformer_blocks.0.img_mlp.gate_up.dora_scale"].shape[0] == \
+        2 * base.transformer_blocks[0].img_mlp.gate_layer.weight.shape[0]
+    from_fused, from_split = copy.deepcopy(base), copy.deepcopy(base)
+    lora.load_lora_file(from_fused, fused)
+    lora.load_lora_file(from_split, split)
+    a, b = _merged(from_fused), _merged(from_split)
+    for k in a:
+        assert_close_fp32(a[k], b[k], ops=MERGE_ROUNDINGS, what=f"{k} DoRA from the fused file vs the split one")
+
+
+def test_the_lora_format_flag_sets_the_config_key():
+    from qwen_edit_core.cli import build_parser, train_overrides
+    args = build_parser().parse_args(["train", "c.yaml", "--lora-format", "fused"])
+    assert train_overrides(args) == {"train": {"lora_format": "fused"}}
+
+
+def test_a_fused_layout_on_a_model_without_the_fused_mlp_is_refused_before_the_first_step(tiny_edit_dir, pairs_dir,
+                                                                                          tmp_path):
+    from conftest import train_config
+
+    from qwen_edit_core import QwenImageEditTrainer
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"lora_format": "fused"})
+    with pytest.raises(ValueError, match="train.lora_format 'fused': this model has no fused MLP layout"):
+        QwenImageEditTrainer(config).fit()
+    assert not (tmp_path / "o" / "checkpoints").exists() and not list((tmp_path / "o").glob("*.safetensors"))

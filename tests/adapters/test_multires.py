@@ -173,7 +173,7 @@ def test_uniform_batch_builds_no_mask_and_stays_fused():
     with torch.no_grad():
         model(hidden_states=packed.hidden, encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
               timestep=torch.tensor([0.5, 0.5]), img_shapes=packed.img_shapes, return_dict=False)
-    assert processor.calls == {"fused": 2, "masked": 0}
+    assert processor.calls == {"fused": 2, "masked": 0, "packed": 0}
     with torch.no_grad():
         _batched(model, _inputs(), torch.tensor([0.5] * 3))
     assert processor.calls["masked"] == 2
@@ -200,3 +200,49 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
         assert one.shape == many.shape
         assert_close_fp32(many, one, ops=TINY_SAMPLER_ROUNDINGS, what="picture sampled in a batch vs alone")
     assert singles[0].shape != singles[1].shape
+
+
+def _batched_packed(model, inputs, t):
+    """`_batched` with variable-length attention over the valid tokens instead of the key mask."""
+    from qwen_edit_core.model.encode import pad_embeddings
+    packed = batching.pack_samples([i[0] for i in inputs], [i[1] for i in inputs], [i[3] for i in inputs])
+    text = pad_embeddings([i[2] for i in inputs])
+    kwargs = packed.packed_kwargs(text.lengths, text.embeds.shape[1])
+    out = model(hidden_states=packed.hidden, encoder_hidden_states=text.embeds,
+                encoder_hidden_states_mask=text.mask_or_none(), timestep=t, img_shapes=packed.img_shapes,
+                attention_kwargs=kwargs, return_dict=False)[0]
+    return [out[b, : i[0].shape[0]] for b, i in enumerate(inputs)], kwargs
+
+
+def test_packed_layout_lists_each_samples_valid_text_then_image_tokens():
+    layout = batching.packed_layout([2, 3], 3, [4, 1], 4, "cpu")
+    assert layout["varlen_index"].tolist() == [0, 1, 3, 4, 5, 6, 7, 8, 9, 10]  # rows of 3 + 4 positions
+    assert layout["varlen_offsets"].tolist() == [0, 6, 10] and layout["varlen_offsets"].dtype == torch.int32
+    assert batching.packed_layout([3, 3], 3, [4, 4], 4, "cpu") is None  # nothing padded: no mask, no packing
+
+
+def test_packed_attention_equals_the_masked_path_and_one_by_one():
+    """Different text lengths and image sizes in one batch: variable-length attention over the valid tokens
+    gives the masked path's outputs and gradients, and each sample's one-by-one output."""
+    model = _model()
+    processor = batching.install(model)
+    inputs = _inputs()
+    t = torch.tensor([0.3, 0.6, 0.9])
+    got, kwargs = _batched_packed(model, inputs, t)
+    assert kwargs is not None and processor.calls["packed"] == 2 and processor.calls["masked"] == 0
+    masked, _ = _batched(model, inputs, t)
+    for b, (target, control, text, shapes) in enumerate(inputs):
+        # the same softmax sums in another order (a block-diagonal mask over packed tokens against a key mask)
+        assert_close_fp32(got[b], masked[b], ops=TINY_FORWARD_ROUNDINGS, what=f"sample {b}: packed vs masked")
+        alone = _alone(model, target, control, text, shapes, t[b: b + 1])
+        assert_close_fp32(got[b], alone, ops=TINY_FORWARD_ROUNDINGS, what=f"sample {b}: packed vs alone")
+    grads = []
+    for run in (_batched_packed, _batched):
+        model.zero_grad(set_to_none=True)
+        out, _ = run(model, inputs, t)
+        sum(o.square().sum() for o in out).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[1]:
+        assert_close_fp32(grads[0][name], grads[1][name], ops=2 * TINY_FORWARD_ROUNDINGS,
+                          what=f"gradient of {name}: packed vs masked")

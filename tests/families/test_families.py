@@ -84,7 +84,8 @@ def test_convrot_files_are_refused_with_what_to_use(tmp_path):
 
     from safetensors.torch import save_file
 
-    from qwen_edit_core.model.single_file import SingleFileError, load_transformer_file
+    from qwen_edit_core.model.planned_load import load_transformer_file
+    from qwen_edit_core.model.single_file import SingleFileError
     note = torch.tensor(list(_json.dumps({"format": "int8_convrot"}).encode()), dtype=torch.uint8)
     save_file({"txt_in.text_norm.weight": torch.zeros(4), "img_in.weight": torch.zeros(4, 4, dtype=torch.int8),
                "img_in.comfy_quant": note}, tmp_path / "convrot.safetensors")

@@ -14,7 +14,7 @@ from qwen_edit_core.families.qwen_image_21 import single_file as single_file21
 from qwen_edit_core.model.components import ModelNotFoundError, load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.families import QWEN_IMAGE_21
-from qwen_edit_core.model.single_file import load_transformer_file
+from qwen_edit_core.model.planned_load import load_transformer_file
 from qwen_edit_core.sample import sampler
 
 from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32

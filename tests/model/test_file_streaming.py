@@ -24,7 +24,7 @@ _CHILD = textwrap.dedent("""
     import accelerate, diffusers  # the loader's imports belong to the baseline
     from diffusers import QwenImageTransformer2DModel
     from qwen_edit_core import speed
-    from qwen_edit_core.model.single_file import load_transformer_file
+    from qwen_edit_core.model.planned_load import load_transformer_file
 
     def status(field):
         with open("/proc/self/status") as fh:

@@ -213,7 +213,7 @@ def test_the_planned_load_equals_loading_whole_then_applying_the_levers(request,
         source = weight_source.DirectorySource(model_dir)
         old = comp.load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32, family=family)
     else:
-        from qwen_edit_core.model.single_file import load_transformer_file
+        from qwen_edit_core.model.planned_load import load_transformer_file
         source = _source(model_dir, family, tmp_path, layout)
         old = load_transformer_file(tmp_path / "t.safetensors", device=torch.device("cpu"), dtype=torch.float32,
                                     fp8="keep")

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
-from qwen_edit_core.model.single_file import SingleFileError, load_transformer_file
+from qwen_edit_core.model.planned_load import load_transformer_file
+from qwen_edit_core.model.single_file import SingleFileError
 
 from conftest import scaled_fp8
 from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32

@@ -108,6 +108,7 @@ def comfy(tmp_path, monkeypatch):
                          ("comfy.model_management", comfy_pkg.model_management)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(comfy_runtime, "_patcher_type", None)
+    monkeypatch.setattr(comfy_runtime, "_PATCHERS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(loaded_models, "SLOTS", loaded_models.LoaderSlots())
     monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry())
     return comfy_pkg.model_management

@@ -1,5 +1,6 @@
-"""`make comfy-test` (tools/comfy_test) runs and reports every shipped workflow whatever one of them raises (a
-timeout included), scales its time limits to the machine, and starts ComfyUI without deprecated flags."""
+"""`make comfy-test` (tools/comfy_test) runs and reports every shipped workflow once whatever one of them raises (a
+timeout included), scales its time limits to the machine, starts ComfyUI without deprecated flags, and leaves no
+folder behind: not in the system's temporary folder, not under --out."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_every_workflow_is_run_and_reported_after_a_timeout(tool, monkeypatch, t
     comfy, run = tool
     monkeypatch.setattr(run, "ComfyServer", _FakeServer)
     monkeypatch.setattr(run, "to_api", lambda workflow, info: {})
-    monkeypatch.setattr(run, "check_edits", lambda base: [])
+    monkeypatch.setattr(run, "check_edits", lambda base: ["edit one", "edit two"])
     monkeypatch.setattr(run, "keep_thumbnail", lambda *a: "thumbnail kept")
     monkeypatch.setattr(comfy, "TIME_SCALE", 2.5)
     _FakeServer.calls = []
@@ -75,7 +76,7 @@ def test_every_workflow_is_run_and_reported_after_a_timeout(tool, monkeypatch, t
     assert message.startswith(f"2 of {len(names)} workflows failed")
     assert f"{names[0]}: TimeoutError" in message and f"(limit {run.WORKFLOW_LIMIT_S * 2.5:.0f} s)" in message
     assert f"{names[1]}: KeyError" in message
-    assert all(name in message for name in names[2:])  # the rest ran and are listed as ok
+    assert all(message.count(name) == 1 for name in names)  # the rest ran and are listed as ok, each once
 
 
 def test_time_limits_follow_the_machine(tool, monkeypatch):
@@ -110,3 +111,51 @@ def test_comfyui_is_started_without_deprecated_flags(tool, tmp_path):
     cli.write_text('parser.add_argument("--disable-partner-nodes", action="store_true")\n'
                    'parser.add_argument("--disable-api-nodes", action="store_true", help="Deprecated alias")\n')
     assert comfy.server_flags(tmp_path) == ["--disable-partner-nodes"]
+
+
+def test_each_passing_workflow_is_one_pass_line(tool, monkeypatch, tmp_path):
+    comfy, run = tool
+    monkeypatch.setattr(run, "ComfyServer", _FakeServer)
+    monkeypatch.setattr(run, "to_api", lambda workflow, info: {})
+    monkeypatch.setattr(run, "check_edits", lambda base: ["edit one", "edit two"])
+    monkeypatch.setattr(run, "keep_thumbnail", lambda *a: "thumbnail kept")
+    _FakeServer.calls = [("run", 0), ("run", 0)]  # past the fake's two failures
+    args = type("Args", (), {"comfyui_dir": tmp_path, "python": "python", "out": tmp_path, "write_thumbnails": False,
+                           "workflows": ""})
+    lines = run.check_workflows(args)
+    assert [line.split(":")[0] for line in lines] == [p.name for p in run.WORKFLOWS]
+    assert all("edit one; edit two; thumbnail kept" in line for line in lines)
+
+
+def test_a_run_leaves_no_folder_behind(tool, monkeypatch, tmp_path):
+    """The servers' fresh base directories, and every other temporary folder of the run and its children, are
+    under --out while it runs and gone when it ends; a server removes the base it made when it closes."""
+    import os
+    import tempfile
+
+    comfy, run = tool
+    server = comfy.ComfyServer(tmp_path, "python")
+    assert server.base.is_dir()
+    given = comfy.ComfyServer(tmp_path, "python", base=server.base)
+    given.close()
+    assert server.base.is_dir()  # a base it was given stays (a restart on the same one)
+    server.close()
+    assert not server.base.exists()
+
+    (tmp_path / "ComfyUI").mkdir()
+    (tmp_path / "ComfyUI" / "main.py").write_text("")
+    seen = {}
+
+    def checks(args):
+        seen["base"] = comfy.ComfyServer(args.comfyui_dir, args.python).base  # never closed: a crashed check
+        seen["tmpdir"] = os.environ["TMPDIR"]
+        return 0
+
+    monkeypatch.setattr(run, "_run_checks", checks)
+    monkeypatch.setattr(run.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
+    monkeypatch.setenv("TMPDIR", tempfile.gettempdir())
+    out = tmp_path / "out"
+    assert run.main(["--comfyui-dir", str(tmp_path / "ComfyUI"), "--out", str(out)]) == 0
+    assert seen["base"].parent == out.resolve() / "tmp" == Path(seen["tmpdir"])
+    assert not seen["base"].exists() and sorted(p.name for p in out.iterdir()) == []

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "comfy_test"))
 from edit_check import DEMO_CONTROL, check_edits  # noqa: E402

@@ -479,3 +479,23 @@ def test_a_signal_sent_to_another_thread_is_handled_while_the_main_thread_waits_
         signal.signal(signal.SIGUSR1, previous)
         release.set()
         job.wait()
+
+
+def test_an_interrupt_says_what_the_stopped_job_saved_and_delivered(fake, tmp_path, monkeypatch, caplog):
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    fake.files = True
+    fake.release(2)
+
+    class Interrupted(Exception):
+        """ComfyUI's InterruptProcessingException"""
+
+    def interrupted():
+        raise Interrupted()
+
+    monkeypatch.setattr(comfy_runtime, "interrupt_requested", lambda: True)
+    monkeypatch.setattr(comfy_runtime, "raise_if_interrupted", interrupted)
+    with pytest.raises(Interrupted):
+        nodes.QwenEditTrainStatus().status(True, job=job)
+    assert job.status().state == "cancelled"
+    assert (f"training job 'lora_a' stopped; checkpoint step-0000002 saved; LoRA lora_a.safetensors delivered to "
+            f"{tmp_path / 'loras'}") in caplog.text

@@ -43,8 +43,9 @@ def test_schema_agrees_with_function(node_id):
     spec = _inputs(cls)
     params = inspect.signature(getattr(cls, cls.FUNCTION)).parameters
     names = [n for group in spec.values() for n in group]
-    if cls.FUNCTION == "load_tracked":  # loaders: load_tracked(unique_id, **widgets) calls load(**widgets)
-        assert list(params) == ["self", "unique_id", "widgets"] and list(spec["hidden"]) == ["unique_id"]
+    if cls.FUNCTION == "load_tracked":  # loaders: load_tracked(<hidden>, **widgets) calls load(**widgets)
+        hidden = ["unique_id", "prompt", "extra_pnginfo"]
+        assert list(params) == ["self", *hidden, "widgets"] and list(spec["hidden"]) == hidden
         params = inspect.signature(cls.load).parameters
         names = [n for group in ("required", "optional") for n in spec.get(group, {})]
     for name in names:
@@ -187,7 +188,7 @@ def test_split_cfg_node_equals_batched(model):
         import nodes.sample_nodes as sn
         settings = sn._settings(2, 3.0, 4, 64, 64, "dynamic", " ", vae_area=64)
         from qwen_edit_core.sample import sampler
-        cond = sampler.build_conditioning(handle.components, "x", sn._controls(_image()), settings)
+        cond = sampler.build_conditioning(handle.components, "x", sn._controls(handle, _image()), settings)
         import dataclasses
         from qwen_edit_core.model.components import replicate
         split = sampler.decode(handle.components, sampler.denoise(

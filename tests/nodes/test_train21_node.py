@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file

@@ -1,6 +1,6 @@
-"""Compiled blocks stay compiled across what changes in real runs: text lengths are padded to buckets without
-changing the numbers, LoRA strengths are graph inputs, and a compile failure falls back to eager with one
-warning. The inductor runs (training and sampling with compile on) live in test_compile_runs.py."""
+"""Compiled blocks stay compiled across what changes in real runs: prompts keep their exact lengths (no mask at
+batch 1) with one graph over many lengths, padded prompts keep the numbers, LoRA strengths are graph inputs,
+and a compile failure falls back to eager with one warning. The inductor runs (training and sampling with compile on) live in test_compile_runs.py."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def _run(model, text, hidden, shapes):
 
 @pytest.mark.parametrize("batching", [False, True], ids=["stock-attention", "batching-adapter"])
 def test_text_padded_to_a_bucket_gives_the_unpadded_output(batching):
-    """Prompts padded with masked tokens to a multiple of 64 (what compiled blocks get) give the exact-length
-    output up to float32 rounding, alone and in a batch of two lengths (both attention processors)."""
+    """Prompts padded with masked tokens to a multiple of 64 give the exact-length output up to float32
+    rounding, alone and in a batch of two lengths (both attention processors)."""
     model = _model(batching)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randn(n, 32, generator=g) for n in (23, 41)]
@@ -57,7 +57,7 @@ def test_text_padded_to_a_bucket_gives_the_unpadded_output(batching):
     shapes = [[(1, 4, 5), (1, 4, 5)]] * 2
     for idx in ([0], [1], [0, 1]):
         exact = pad_embeddings([prompts[i] for i in idx])
-        bucketed = exact.padded(speed.TEXT_BUCKET)
+        bucketed = exact.padded(64)
         assert bucketed.embeds.shape[1] == 64 and bucketed.mask_or_none() is not None
         expected = _run(model, exact, hidden[: len(idx)], shapes[: len(idx)])
         # masked keys add zeros to the softmax's and the values' sums, in other kernels' order
@@ -117,11 +117,10 @@ def _failing_backend(gm, example_inputs):
 def test_a_compile_failure_falls_back_to_eager_with_one_warning(backend, caplog, monkeypatch, dynamo_reset):
     """A backend error, or the recompile limit under fullgraph (a guarded value changed 12 times, limit 8),
     does not fail the run: every block runs eagerly from then on, the output is the eager one, one warning
-    says why, and text is no longer padded to buckets."""
+    says why."""
     monkeypatch.setattr(compile_mod, "RECOMPILE_LIMIT", 8)
     model, reference = _Toy(), _Toy()
     assert speed.compile_blocks(model, backend=backend) == 3
-    assert speed.text_multiple(model) == speed.TEXT_BUCKET
     x = torch.randn(4, 8)
     with caplog.at_level(logging.WARNING, logger="qwen_edit_core.speed.compile"):
         for i in range(12):
@@ -133,7 +132,7 @@ def test_a_compile_failure_falls_back_to_eager_with_one_warning(backend, caplog,
     stats = speed.compile_stats(model)
     expected = "no compiler here" if backend is _failing_backend else "recompile limit (8)"
     assert expected in warnings[0].getMessage() and expected in stats.fallback
-    assert not stats.active and speed.text_multiple(model) == 1
+    assert not stats.active
     assert all(block._compiled_call_impl is None for block in model.transformer_blocks)
 
 
@@ -148,11 +147,11 @@ def test_an_input_error_is_raised_and_keeps_the_blocks_compiled():
 
 
 def test_a_copy_of_a_compiled_transformer_is_not_compiled():
-    """Deep copies (split-CFG replicas) drop compiled calls as nn.Module pickling does; the copy pads nothing."""
+    """Deep copies (split-CFG replicas) drop compiled calls as nn.Module pickling does."""
     model = _Toy()
     speed.compile_blocks(model, backend="eager")
     clone = copy.deepcopy(model)
-    assert speed.text_multiple(model) == speed.TEXT_BUCKET and speed.text_multiple(clone) == 1
+    assert speed.compile_stats(model).active and not speed.compile_stats(clone).active
 
 
 @pytest.mark.parametrize("mode", compile_mod.CUDA_GRAPH_MODES)
@@ -164,3 +163,27 @@ def test_a_cuda_graph_mode_is_refused_before_anything_is_compiled(mode):
         speed.compile_blocks(model, mode=mode)
     assert speed.compile_stats(model) is None
     assert all(block._compiled_call_impl is None for block in model.transformer_blocks)
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["stock-attention", "batching-adapter"])
+def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_many_lengths(batching, dynamo_reset):
+    """The sampler's prompts reach compiled blocks at their exact length (no padding, no mask: attention stays on
+    the fused kernels), and fourteen caption lengths, cond and uncond run one by one, compile one graph
+    (dynamic lengths; dynamo alone, the `eager` backend: the graphs are what is counted)."""
+    from qwen_edit_core.sample import sampler
+    model = _model(batching)
+    speed.compile_blocks(model, backend="eager")
+    g = torch.Generator().manual_seed(2)
+    shapes = [(1, 4, 5), (1, 4, 5)]
+    settings = sampler.SampleSettings(true_cfg_scale=3.0, negative_prompt="", cfg_mode="sequential")
+    for n in range(7, 35, 2):
+        cond = sampler.Conditioning(pad_embeddings([torch.randn(n, 32, generator=g)]),
+                                    pad_embeddings([torch.randn(n // 2 + 3, 32, generator=g)]),
+                                    torch.randn(1, 20, 64, generator=g), shapes, 80, 64)
+        denoiser = sampler._Denoiser(model, cond, settings)
+        assert [e.embeds.shape[1] for e in denoiser.embeds] == [n, n // 2 + 3]
+        assert all(e.mask_or_none() is None for e in denoiser.embeds)
+        with torch.no_grad():
+            denoiser(torch.randn(1, 20, 64, generator=g), torch.tensor([500.0]))
+    stats = speed.compile_stats(model)
+    assert stats.fallback is None and stats.graphs == 1, stats

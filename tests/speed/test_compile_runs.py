@@ -118,7 +118,7 @@ def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_e
 
     _, eager = fit("eager", False)
     lengths = _text_lengths(tmp_path / "cache")
-    assert len(set(lengths)) >= 12 and len({-(-n // speed.TEXT_BUCKET) for n in lengths}) >= 2, lengths
+    assert len(set(lengths)) >= 12 and len({-(-n // 64) for n in lengths}) >= 2, lengths
     with caplog.at_level(logging.INFO):
         trainer, fast = fit("compiled", True)
     stats = speed.compile_stats(trainer.components.transformer)

@@ -159,7 +159,7 @@ def test_other_sizes_and_edit_2511_fit_their_budget(variant, side, controls, bud
 
 @pytest.mark.simulation
 def test_the_references_setting_matches_its_measured_peak():
-    """The setting measured on an H100 (docs/MODEL.md: LoRA on the image attention, every block
+    """The setting measured on an H100 (BENCHMARKS.md, "Reference timings": LoRA on the image attention, every block
     checkpointed, bf16, 43.7 GiB): the tracked peak is within 10% of the measured one."""
     result = memory.simulate_train("edit", 1024, 1, 0.0, targets="attn-img")
     print(memory.table([result]))  # noqa: T201
@@ -169,7 +169,7 @@ def test_the_references_setting_matches_its_measured_peak():
 @pytest.mark.simulation
 def test_sampling_levers_peaks_at_one_megapixel():
     """One true-CFG denoising step of a 1 MP edit per sampling lever: the sequential step holds the weights and
-    one forward's activations (measured on an H100: 38.9 GiB, docs/MODEL.md); fp8 halves the block weights;
+    one forward's activations (measured on an H100: BENCHMARKS.md, "Reference timings"); fp8 halves the block weights;
     batching both branches holds a second forward's activations; split CFG and context parallelism run half of
     the work on each of two devices."""
     rows = {lever: memory.simulate_sample("edit", 1024, 1, lever) for lever in memory.SAMPLE_LEVERS}

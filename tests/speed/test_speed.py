@@ -195,7 +195,8 @@ def test_a_compiled_run_is_planned_with_the_compiled_blocks_activations():
     checkpoints no block where the eager constant checkpointed 19, and that plan, estimated with the compiled
     constant, holds the 52.2 GiB of tensors measured (weights and activations, +-3%). A family with its own
     constants (2.1) keeps them."""
-    from qwen_edit_core.speed.planner import ACTIVATION_FACTOR_21, compiled_sizes
+    from qwen_edit_core.families.qwen_image_21.planner import ACTIVATION_FACTOR_21
+    from qwen_edit_core.speed.planner import compiled_sizes
     from qwen_edit_core.speed.weight_plan import plan_training
     from qwen_edit_core.config import load_config
     real = {"n_blocks": 60, "block_params": 339_831_296, "other_params": 40_523_328, "dim": 3072,
@@ -306,7 +307,7 @@ def test_attention_kernel_keeps_the_numbers_and_names_bad_values():
     q, k, v = (torch.randn(1, 4, 10, 16) for _ in range(3))
     mask = torch.rand(1, 1, 1, 10) > 0.3
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    for name in perf.ATTENTION_KERNELS:
+    for name in perf.SDPA_KERNELS:
         with perf.attention_kernel(name):  # unavailable kernels (cuDNN on a CPU) fall back to the others
             got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # another kernel's order: q.k over 16 dims, the softmax's sum and the weighted sum over 10 keys
@@ -316,6 +317,27 @@ def test_attention_kernel_keeps_the_numbers_and_names_bad_values():
     from qwen_edit_core.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="train.attention: 'fast' is not accepted"):
         load_config(overrides={"train": {"attention": "fast"}})
+
+
+def test_the_kernels_offered_here_and_the_kernel_that_ran_are_named(monkeypatch):
+    """The CPU offers torch's CPU attention alone; FlashAttention-3 is a config value whose absence is named
+    with what to install; the profiler names the attention op a call ran (the benchmarks print it per row)."""
+    import importlib.util
+
+    from qwen_edit_core.config import load_config
+    assert perf.offered_kernels("cpu") == ("math",)
+    assert load_config(overrides={"predict": {"attention": "flash3"}}).predict.attention == "flash3"
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn_interface" else real_find(name, *a))
+    with pytest.raises(ValueError, match="'flash3' needs the 'flash_attn_interface' package"):
+        perf.attention_kernel("flash3")
+    q, k, v = (torch.randn(1, 4, 10, 16) for _ in range(3))
+    ran = perf.kernels_ran(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), "cpu")
+    assert ran and all(perf.attention.is_attention_name(name) for name, _ in ran), ran
+    assert any("scaled_dot_product" in name for name, _ in ran) and 0 < ran[0][1] <= 1
+    assert perf.kernels_text(ran).startswith(ran[0][0][:60])
+    assert perf.kernels_text([]) == "-"
 
 
 def _edit(trainer, **kwargs):

@@ -22,7 +22,6 @@ MAX_FUNCTION_LINES = 60
 ALLOWED_LONG_FUNCTIONS = {
     "qwen_edit_core/cli.py:build_parser": "argparse builder: one flat list of subcommands and their flags",
     "nodes/train_nodes.py:INPUT_TYPES": "a node's schema: one table of inputs, each with its tooltip",
-    "nodes/comfy_runtime.py:_patcher_class": "the ModelPatcher subclass is built against ComfyUI's class at run time",
 }
 
 

@@ -111,7 +111,7 @@ def test_validation_previews_side_by_side(tiny_edit_dir, pairs_dir, tmp_path, co
     png = result.validation_images[-1]
     latents = png.with_suffix(".safetensors")
     with safe_open(latents, "pt") as f:
-        assert json.loads(f.metadata()["labels"]) == ["diffusers 2 steps", "fast"]
+        assert json.loads(f.metadata()["labels"]) == ["diffusers 2 steps, CFG 4", "fast"]
     data = load_file(latents)
     width, height = data["size"].tolist()
     assert Image.open(png).size[0] == 2 * width and Image.open(png).size[1] > height

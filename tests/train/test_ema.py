@@ -75,6 +75,7 @@ def _comfy_key(param_name: str) -> str:
 def test_ema_resume_equals_uninterrupted(tiny_edit_dir, pairs_dir, tmp_path):
     sections = {"train": {"max_steps": 4, "checkpoint_every": 2, "ema_decay": 0.7}}
     full = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "full", **sections)).fit()
+    assert full.step == 4
     out, token = tmp_path / "stopped", CancelToken()
 
     def stop_at_2(event):

@@ -218,10 +218,11 @@ def test_every_rank_waits_for_validation_at_a_barrier(tiny_edit_dir, pairs_dir, 
     from qwen_edit_core.train.loop import after_step
     events = []
     config = train_config(tiny_edit_dir, pairs_dir, tmp_path, train={"validation_every": 2})
-    dist = SimpleNamespace(is_main=is_main, fsdp=False, mean_tensor=float, barrier=lambda: events.append("barrier"))
+    dist = SimpleNamespace(is_main=is_main, fsdp=False, world=1, sum_read=lambda t: t.tolist(),
+                           barrier=lambda: events.append("barrier"))
     run = SimpleNamespace(config=config, step=2, dist=dist, losslog=None, transformer=torch.nn.Linear(1, 1),
-                          lr_scheduler=SimpleNamespace(get_last_lr=lambda: [0.1]), pending_loss=None,
-                          pending_steps=0, ema=None, regions=None)
+                          lr_scheduler=SimpleNamespace(get_last_lr=lambda: [0.1]), pending=[],
+                          step_skip=torch.tensor(0.0), drawn=[], ema=None, regions=None)
     after_step(run, torch.tensor(0.5), write_lora=None, progress=None,
                validate=lambda step: events.append("validate"))
     assert events == (["validate", "barrier"] if is_main else ["barrier"])

@@ -31,3 +31,12 @@ def test_soak_kills_inside_a_cache_write_and_a_step_recover_bit_exactly(tmp_path
     from qwen_edit_core.bench.soak import soak
     report = soak(rounds=1, faults=("kill-cache", "kill-step"), seed=1, work=tmp_path)
     assert report.injected == 2 and report.recovered == 2 and report.max_diff == 0.0, report.rows
+
+
+def test_soak_signals_during_validation_and_the_cache_stage_recover_bit_exactly(tmp_path):
+    """Two SIGTERMs during a validation pass (the checkpoint holds that step's boundary) and a SIGTERM inside a
+    cache write (the run stops at once, exit 143): each run, resumed, ends with the uninterrupted run's LoRA."""
+    from qwen_edit_core.bench.soak import soak
+    report = soak(rounds=1, faults=("sigterm-validation", "sigterm-cache"), seed=1, work=tmp_path)
+    assert report.injected == 2 and report.recovered == 2 and report.max_diff == 0.0, report.rows
+    assert all("exit 143" in note for _, note, _ in report.rows), report.rows

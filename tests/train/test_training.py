@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +153,11 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous(tiny_edit_
     assert not list((out / "checkpoints").glob(".partial-*"))
 
 
+def _files(root) -> dict:
+    """Every file under `root` by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
 @pytest.mark.slow  # accelerate launch: several processes
 def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on the CPU (two processes: `--cpu` would start one)
@@ -173,9 +179,12 @@ def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tm
                            "train", str(path)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training on 2 processes (data parallel)" in proc.stderr, proc.stderr[-3000:]
+    # the fresh cache was shared out: each process encoded its half, and the result is one process's cache
+    assert "process 0 of 2 encodes" in proc.stderr and "process 1 of 2 encodes" in proc.stderr, proc.stderr[-3000:]
     single = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "one",
-                                               cache_dir=tmp_path / "cache",
+                                               cache_dir=tmp_path / "c1",
                                                train={"max_steps": 3, "fp8_base": True})).fit()
+    assert _files(tmp_path / "cache") == _files(tmp_path / "c1")
     # the processes' forwards (one pair each) and the gradient all-reduce round differently from one process's
     # batch of two: three steps' rounding and one more for the average, magnified by Adam (adam_trained_size)
     expected = _lora(single.lora_path)

@@ -297,7 +297,7 @@ def test_validation_previews_with_a_sigma_list(tiny_21_dir, simple_dir, tmp_path
     assert [p.name for p in result.validation_images] == ["step-0000002.png"]
     latents = load_file(out / "validation" / "step-0000002.safetensors")
     with safe_open(out / "validation" / "step-0000002.safetensors", "pt") as f:
-        assert f.metadata()["labels"] == '["diffusers 2 steps", "sigmas qwen21-dmd-6step"]'
+        assert f.metadata()["labels"] == '["diffusers 2 steps, CFG 1", "sigmas qwen21-dmd-6step, CFG 1"]'
     trainer.load_model(keep_transformer=True)
     comps = trainer.components
     refs = [Image.open(image).convert("RGB")]
@@ -518,9 +518,9 @@ def test_preview_sigma_lists_from_the_config_and_preview_lines():
     preset, listed, given = previews_from_config(config)
     assert preset.settings.sigmas == (1.0, 0.9375, 0.875, 0.75, 0.5, 0.25)
     assert (preset.settings.num_inference_steps, preset.settings.true_cfg_scale) == (6, 1.0)
-    assert preset.label == "sigmas qwen21-dmd-6step"
+    assert preset.label == "sigmas qwen21-dmd-6step, CFG 1"
     assert listed.settings.sigmas == (1.0, 0.6, 0.3) and listed.settings.true_cfg_scale == 4.0
-    assert listed.label == "diffusers 3 steps (sigma list)"
+    assert listed.label == "diffusers 3 steps (sigma list), CFG 4"
     assert given.settings.true_cfg_scale == 2.5
     assert parse_previews(["diffusers sigmas=qwen21-dmd-6step", "diffusers sigmas=1,0.5"]) == [
         {"schedule": "diffusers", "loras": [], "sigmas": "qwen21-dmd-6step"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,6 +69,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def limit(seconds: float) -> float:
+    """A time limit set on the reference machine, scaled to this one (TIME_SCALE)."""
+    return seconds * TIME_SCALE
+
+
 def poll(check, timeout: float, what: str, every: float = 0.25):
     """Call `check()` until it returns something truthy (returned) or `timeout` seconds (times the machine's
     TIME_SCALE) pass."""
@@ -84,10 +90,12 @@ def poll(check, timeout: float, what: str, every: float = 0.25):
 
 class ComfyServer:
     """`python main.py --cpu` of the ComfyUI checkout at `comfyui_dir`, with the pack symlinked into
-    `<base>/custom_nodes/`; `base` is a fresh temporary directory unless given (to restart on the same one)."""
+    `<base>/custom_nodes/`; `base` is a fresh temporary directory unless given (to restart on the same one), removed
+    by `close()` (and on leaving a `with` block) when the server made it."""
 
     def __init__(self, comfyui_dir: Path, python: str, base: Path | None = None, log_dir: Path | None = None):
         self.comfyui_dir, self.python = Path(comfyui_dir).resolve(), python
+        self.owns_base = base is None
         self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="qwen_edit_comfy_"))
         self.log_dir = Path(log_dir or self.base)
         self.proc, self.port, self.starts = None, None, 0
@@ -137,20 +145,20 @@ class ComfyServer:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(limit(timeout))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
 
     def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        with urllib.request.urlopen(self.url + path, timeout=limit(30)) as r:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict | None = None):
         req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=limit(60)) as r:
                 return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"POST {path}: {err.code} {err.read().decode()[:2000]}") from None
@@ -182,5 +190,13 @@ class ComfyServer:
     def __enter__(self):
         return self.start()
 
+    def close(self) -> int:
+        """Stop the server and remove its base directory if it made it (the logs stay in `log_dir`); returns the
+        server's exit code."""
+        code = self.stop()
+        if self.owns_base:
+            shutil.rmtree(self.base, ignore_errors=True)
+        return code
+
     def __exit__(self, *exc):
-        self.stop()
+        self.close()

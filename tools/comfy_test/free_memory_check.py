@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
-from comfy import PACK
+from comfy import PACK, limit
 
 SCRIPT = """
 import sys, torch
@@ -47,7 +47,7 @@ print("unloaded the cuda:0 model, kept the cuda:1 one")
 def check_free_memory(args) -> list[str]:
     """Run SCRIPT in ComfyUI's Python inside its checkout; its last line is the result."""
     proc = subprocess.run([args.python, "-c", f"PACK = {str(PACK)!r}\n" + SCRIPT], cwd=args.comfyui_dir,
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=limit(300), check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"free-memory check failed:\n{proc.stderr[-3000:]}")
     return [proc.stdout.strip().splitlines()[-1]]

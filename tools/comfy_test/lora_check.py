@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from comfy import limit
+
 PACK = Path(__file__).resolve().parents[2]
 #: (label, type, dora, rank): LoKr rank 64 keeps every factor full at width 3072 (48x48 and 64x64, 64 >= 64 / 2),
 #: rank 16 makes w2 low-rank
@@ -113,7 +115,8 @@ def run_check(comfyui_dir: Path, python: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="qwen_lora_check_") as work:
         code = (CODE.replace("PACK)", f"{str(PACK)!r})").replace("sys_work", repr(work))
                 .replace("sys_kinds", repr(KINDS)).replace("sys_targets", repr(TARGETS)))
-        proc = subprocess.run([python, "-c", code], cwd=comfyui_dir, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run([python, "-c", code], cwd=comfyui_dir, capture_output=True, text=True,
+                              timeout=limit(3600))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"the LoRA check failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import tempfile
 
-from comfy import PACK
+from comfy import PACK, limit
 
 SCRIPT = """
 import gc, sys, torch
@@ -56,7 +56,7 @@ def check_model_memory(args) -> list[str]:
     """Run SCRIPT in ComfyUI's Python inside its checkout; its last line is the result."""
     with tempfile.TemporaryDirectory(prefix="qwen_edit_models_") as models:
         proc = subprocess.run([args.python, "-c", f"PACK = {str(PACK)!r}\nMODELS = {models!r}\n" + SCRIPT],
-                              cwd=args.comfyui_dir, capture_output=True, text=True, timeout=600, check=False)
+                              cwd=args.comfyui_dir, capture_output=True, text=True, timeout=limit(600), check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"model-memory check failed:\n{proc.stderr[-3000:]}")
     return [proc.stdout.strip().splitlines()[-1]]

@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,12 +65,13 @@ def check_workflows(args) -> list[str]:
             delivered = sorted(p.name for p in (server.base / "models" / "loras").glob("*.safetensors"))
             results.append(f"{path.name}: ok in {time.monotonic() - started:.1f} s (limit "
                            f"{WORKFLOW_LIMIT_S * comfy.TIME_SCALE:.0f} s)"
-                           + (f", LoRA in models/loras: {delivered}" if delivered else ""))
-            results += [f"{path.name}: {line}" for line in edits]
-            log.info("\n".join(results[-1 - len(edits):]))
+                           + (f", LoRA in models/loras: {delivered}" if delivered else "")
+                           + "".join(f"; {line}" for line in edits))  # one line per workflow
+            log.info(results[-1])
     if failures:
-        raise RuntimeError(f"{len(failures)} of {len(chosen)} workflows failed ({len(results)} ok: "
-                           f"{[r.split(':')[0] for r in results]}):\n" + "\n".join(failures))
+        passed = [p.name for p in chosen if p.name not in {f.split(":")[0] for f in failures}]
+        raise RuntimeError(f"{len(failures)} of {len(chosen)} workflows failed ({len(passed)} ok: {passed}):\n"
+                           + "\n".join(failures))
     return results
 
 
@@ -110,7 +114,7 @@ def check_lifecycle(args) -> list[str]:
         results.append(_unattended(server, base))
         results.append(_interrupt_signal(server, base))
     finally:
-        server.stop()
+        server.close()
     return results
 
 
@@ -185,6 +189,19 @@ def main(argv=None) -> int:
     if not (args.comfyui_dir / "main.py").is_file():
         parser.error(f"--comfyui-dir {args.comfyui_dir}: no main.py there; point it at a ComfyUI checkout")
     args.out.mkdir(parents=True, exist_ok=True)
+    # every temporary folder of this run and of the servers and browsers it starts (their fresh base directories,
+    # profiles, the pack's own temporary files) goes under --out and is removed when the run ends
+    work = (args.out / "tmp").resolve()
+    work.mkdir(exist_ok=True)
+    tempfile.tempdir = os.environ["TMPDIR"] = str(work)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return _run_checks(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_checks(args) -> int:
     comfy.FRONT_END_ROOT = args.front_end_root
     comfy.TIME_SCALE, seconds = (args.time_scale, None) if args.time_scale else comfy.machine_scale(args.python)
     print(f"time limits x{comfy.TIME_SCALE:.2f}" + (f" (calibration {seconds:.2f} s here, {comfy.REFERENCE_WORK_S:.2f} s "

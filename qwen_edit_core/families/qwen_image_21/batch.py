@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from qwen_edit_core.families import QWEN_IMAGE_21, Family
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.families.qwen_image_21.encode import TOKENS_PER_SLOT
 
@@ -42,15 +43,12 @@ class TrainBatch21:
     loss_masks: list[torch.Tensor | None] = field(default_factory=list)
     #: per sample: its token layout (image shapes and slot mask), read on the CPU before the batch moved
     layouts: list[tuple] = field(default_factory=list)
+    #: the model family whose `predict` runs it
+    family: Family = QWEN_IMAGE_21
 
 
-def is_21_item(item) -> bool:
-    """Whether cache tensors are a 2.1 entry's (they carry vision-slot masks)."""
-    return "prompt_slots" in item
-
-
-def collate21(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-              control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch21:
+def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
+            control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch21:
     """Per-sample 2.1 cache tensors -> a batch. Caption dropout swaps in the empty caption's embeddings and slot
     mask (encoded with the same references); control dropout zeroes the reference latents. The two draws come
     from the sample's generator in the 2025 path's order."""
@@ -83,7 +81,7 @@ def layout_groups(batch: TrainBatch21) -> list[list[int]]:
     return list(groups.values())
 
 
-def predict21(transformer, batch: TrainBatch21, config, scheduler_config: dict):
+def predict(transformer, batch: TrainBatch21, config, scheduler_config: dict):
     """One forward per token layout at each sample's sampled sigma: (prediction (B, n_max, 64), velocity target
     (same), token mask (B, n_max) or None when every target has n_max tokens, sigmas (B,)), as train.batch.predict
     returns them (so `flow_loss` and `region_losses` take either)."""

@@ -163,3 +163,8 @@ def unpack(tokens: torch.Tensor, width: int, height: int) -> torch.Tensor:
 def token_grid(width: int, height: int) -> tuple[int, int, int]:
     """The (frames, rows, cols) `img_shapes` entry of an image of width x height pixels."""
     return 1, height // QWEN_IMAGE_21.vae_scale, width // QWEN_IMAGE_21.vae_scale
+
+
+def vae_pixels(image, area: int) -> torch.Tensor:
+    """(1, 4, 1, H, W) RGBA VAE input of `image` sized as the 2.1 pipeline sizes a reference at `area`."""
+    return prepare_references([image], area).pixels[0]

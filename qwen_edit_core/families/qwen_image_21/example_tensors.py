@@ -31,7 +31,7 @@ def target_pixels(image, width: int, height: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_example21(components, example, settings) -> dict[str, torch.Tensor]:
+def encode_example(components, example, settings) -> dict[str, torch.Tensor]:
     """The cache tensors of one 2.1 example, on the CPU in `settings.dtype` (slots bool, img_shapes int64)."""
     components.require("vae", "text_encoder")
     target = load_rgb(example.target, convert_modes=settings.convert_modes)

@@ -88,7 +88,7 @@ def text_tokens(side: int, references: int, caption_tokens: int) -> int:
 
 def cache_item(side: int, references: int, caption_tokens: int) -> dict:
     """A real 2.1 cache entry (latents and embeddings, tens of MB) of one side x side pair with `references`
-    references of the same size, in the layout `train.batch21.collate21` reads."""
+    references of the same size, in the layout `families/qwen_image_21/batch.collate` reads."""
     h = w = side // QWEN_IMAGE_21.vae_scale
     channels, width = QWEN_IMAGE_21.latent_channels, transformer_config(1)["context_in_dim"]
     slots = prompt_slots(references, side, caption_tokens)
@@ -111,3 +111,39 @@ def fake_batch(batch, mode: FakeTensorMode):
         return [mode.from_tensor(t).clone() for t in tensors]
     return dataclasses.replace(batch, targets=fake(batch.targets), references=fake(batch.references),
                                embeds=fake(batch.embeds))
+
+
+# -- this family's bench stage (bench/fake_model.py calls these) ----------------------------------------------
+#: `bench memory` simulates training only (the measured reference and sampling levers are the 2025 family's)
+SAMPLING_SIMULATED = False
+
+
+def fake_mode() -> LayoutMode:
+    """Fake tensors, with operators on the real token layout run for real."""
+    return LayoutMode(allow_non_fake_inputs=True)
+
+
+def real_config(variant: str, num_layers: int | None = None) -> dict:
+    """The shipped 2.1 configuration (every variant of this family has it)."""
+    del variant
+    return transformer_config(num_layers)
+
+
+def prompt_tokens(variant: str, side: int, controls: int) -> int:
+    """The prompt's text tokens with one vision slot per 32x32 pixels of each reference (`text_tokens`)."""
+    from qwen_edit_core.model.prompt_length import CAPTION_TOKENS
+    del variant
+    return text_tokens(side, controls, CAPTION_TOKENS)
+
+
+def fake_entry(variant: str, side: int, controls: int) -> dict:
+    """`cache_item` with a long caption."""
+    from qwen_edit_core.model.prompt_length import CAPTION_TOKENS
+    del variant
+    return cache_item(side, controls, CAPTION_TOKENS)
+
+
+def default_controls(variant: str) -> int:
+    """One reference."""
+    del variant
+    return 1

@@ -19,7 +19,7 @@
 2. The transformer (`QwenImage21Transformer2DModel`) learns "keep the image" (copy reference 1), "make it
    grayscale" and "move the shapes left" from (reference, prompt) -> target pairs encoded exactly as the 2.1
    trainer encodes them (`encode21`: one reference, in its vision slots), with the trainer's flow-matching loss
-   (`train.batch21.predict21` via `flow_loss`).
+   (`batch.predict` via `flow_loss`).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
 
 
 def batch(picked: list[dict], side: int, generators: list):
-    """A `TrainBatch21` of dataset items (reference 1 in its slots, the target last), as `collate21` builds one."""
+    """A `TrainBatch21` of dataset items (reference 1 in its slots, the target last), as `batch.collate` builds one."""
     from qwen_edit_core.families.qwen_image_21.batch import TrainBatch21
 
     shapes = [(1, side, side), (1, side, side)]

@@ -16,8 +16,8 @@ pipeline_qwenimage21.py and transformer_qwenimage21.py:
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +30,16 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 from qwen_edit_core.model import encode
+from qwen_edit_core.families import QWEN_IMAGE_21
+from qwen_edit_core.sample import schedules
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
 from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
 
 log = logging.getLogger(__name__)
 
+#: the schedules of sample/schedules.py this family samples with: the official pipeline's, and stock ComfyUI's
+#: (its fixed mu, schedules.COMFYUI_QWEN21_MU, through ComfyUI's simple scheduler and Euler)
+SCHEDULES = ("diffusers", "comfyui")
 #: calculate_shift's defaults in the 2.1 pipeline, used where the scheduler config lacks a key
 SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
@@ -55,10 +60,10 @@ class Conditioning21:
 
 def check_settings(settings) -> None:
     """Refuse what the 2.1 loop does not do, naming what to use instead."""
-    if settings.schedule != "diffusers":
-        raise ValueError(f"schedule {settings.schedule!r} is not available for Qwen-Image-2.1 (it has no Lightning "
-                         "LoRAs and ComfyUI's 2.1 sampling is not re-derived here); use schedule 'diffusers' with an "
-                         "explicit sigma list (sigmas) for few-step adapters")
+    if settings.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {settings.schedule!r} is not available for Qwen-Image-2.1; accepted: "
+                         f"{', '.join(SCHEDULES)} (few-step adapters: schedule 'diffusers' with their sigma list, "
+                         "e.g. sigmas 'qwen21-turbo-8step')")
     if settings.do_cfg and settings.cfg_mode != "sequential":
         raise ValueError(f"cfg_mode {settings.cfg_mode!r} is not available for Qwen-Image-2.1: its transformer reads "
                          "one token layout per batch, and cond and uncond prompts differ in length; use "
@@ -94,30 +99,43 @@ def build_conditioning(components, prompt: str, images: Sequence, settings) -> C
     return Conditioning21(cond, uncond, reference_tokens, shapes, width, height)
 
 
-def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype) -> torch.Tensor:
-    """Unpatched Gaussian noise (1, h*w, C) drawn on the CPU from `seed` in `dtype`, as the pipeline's CPU
-    generator draws (1, 1, C, h, w) (the same numbers in the same order), then moved to `device`."""
+def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype,
+                  draw_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Unpatched Gaussian noise (1, h*w, C) drawn on the CPU from `seed` in `draw_dtype` (default `dtype`), as the
+    pipeline's CPU generator draws (1, 1, C, h, w) (the same numbers in the same order; ComfyUI draws
+    (1, C, h, w) in float32, also the same order), then cast to `dtype` and moved to `device`."""
     scale = encode21.QWEN_IMAGE_21.vae_scale
     generator = torch.Generator("cpu").manual_seed(seed)
-    noise = torch.randn((1, channels, 1, height // scale, width // scale), generator=generator, dtype=dtype)
+    noise = torch.randn((1, channels, 1, height // scale, width // scale), generator=generator,
+                        dtype=draw_dtype or dtype).to(dtype)
     return encode21.pack(noise).to(device)
 
 
 def model_sigmas(model_dir: Path | None) -> list[float] | None:
-    """The model's own default sigma list (`sample_sigmas` in model_index.json), or None."""
-    index = Path(model_dir) / "model_index.json" if model_dir else None
-    if index is None or not index.is_file():
-        return None
-    value = json.loads(index.read_text()).get("sample_sigmas")
-    return [float(s) for s in value] if value else None
+    """The model's own default sigma list (`sample_sigmas` in model_index.json: a few-step checkpoint such as
+    Qwen-Image-2.1-Turbo), or None."""
+    from qwen_edit_core.model.components import shipped_sigmas
+    return shipped_sigmas(model_dir) if model_dir else None
 
 
-def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps: int, image_seq_len: int, device):
-    """A fresh FlowMatchEulerDiscreteScheduler set to `sigmas` (else linspace(1, 1/steps, steps)) with the 2.1
-    pipeline's mu; returns (scheduler, timesteps, mu)."""
+def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps: int, image_seq_len: int, device,
+                   *, schedule: str = "diffusers", shift: float | None = None):
+    """A fresh scheduler set to `sigmas` (else the schedule's own grid of `steps`); returns (scheduler, timesteps,
+    mu). "diffusers": FlowMatchEulerDiscreteScheduler with the 2.1 pipeline's mu from the token count (a `shift`
+    replaces it with the fixed mu ln(shift); shift 1 runs the sigmas as given), else linspace(1, 1/steps, steps);
+    "comfyui": ComfyUI's simple scheduler over its 2.1 table (mu 0.69 at every size) or the given sigmas, with
+    ComfyUI's Euler step."""
+    if schedule == "comfyui":
+        grid = torch.tensor([*sigmas, 0.0]) if sigmas else schedules.comfyui_sigmas(
+            steps, shift, mu=schedules.COMFYUI_QWEN21_MU)
+        scheduler = schedules.ComfyEuler(grid, device)
+        return scheduler, scheduler.timesteps, math.log(shift) if shift else schedules.COMFYUI_QWEN21_MU
     c = {**SHIFT_DEFAULTS, **{k: v for k, v in scheduler_config.items() if k in SHIFT_DEFAULTS}}
     slope = (c["max_shift"] - c["base_shift"]) / (c["max_image_seq_len"] - c["base_image_seq_len"])
     mu = image_seq_len * slope + c["base_shift"] - slope * c["base_image_seq_len"]
+    if shift is not None:  # a fixed exponential shift, whatever the checkpoint's scheduler does
+        scheduler_config = {**scheduler_config, "use_dynamic_shifting": True, "time_shift_type": "exponential"}
+        mu = math.log(shift)
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
     grid = list(sigmas) if sigmas else np.linspace(1.0, 1 / steps, steps)
     scheduler.set_timesteps(sigmas=grid, mu=mu, device=device)
@@ -149,13 +167,16 @@ def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn 
     transformer = components.transformer
     device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-    latents = initial_noise(seed, cond.width, cond.height, transformer.config.in_channels, device, dtype)
-    sigmas = settings.sigmas or model_sigmas(components.model_dir)
+    comfyui = settings.schedule == "comfyui"  # ComfyUI's noise is drawn in float32; it ignores sample_sigmas
+    latents = initial_noise(seed, cond.width, cond.height, transformer.config.in_channels, device, dtype,
+                            draw_dtype=torch.float32 if comfyui else None)
+    sigmas = settings.sigmas or (None if comfyui else model_sigmas(components.model_dir))
     scheduler, timesteps, mu = make_timesteps(components.scheduler_config, sigmas, settings.num_inference_steps,
-                                              latents.shape[1], device)
-    log.info("sampling %dx%d (Qwen-Image-2.1), %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d", cond.width,
-             cond.height, len(timesteps), settings.true_cfg_scale if settings.do_cfg else 1.0, mu,
-             "on" if settings.kv_cache else "off", seed)
+                                              latents.shape[1], device, schedule=settings.schedule,
+                                              shift=settings.shift)
+    log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
+             cond.width, cond.height, settings.schedule, len(timesteps),
+             settings.true_cfg_scale if settings.do_cfg else 1.0, mu, "on" if settings.kv_cache else "off", seed)
     branches = [_Branch(transformer, cond.cond, settings.kv_cache)]
     if settings.do_cfg:
         branches.append(_Branch(transformer, cond.uncond, settings.kv_cache))
@@ -182,9 +203,37 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
     return encode.postprocess(pixels).cpu()
 
 
-def sample(components, prompt: str, images: Sequence, settings, *, progress: ProgressFn | None = None,
-           cancel: CancelToken | None = None) -> torch.Tensor:
-    """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1]."""
+def sample(components, prompt: str, images: Sequence, settings, *, uncond_transformer=None, cfg_split=None,
+           progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1].
+    Both CFG passes run here, on the transformer's device: `uncond_transformer` and `cfg_split` (the 2025
+    driver's second-device CFG) are accepted, as every family's `sample` takes them, and not used."""
+    del uncond_transformer, cfg_split
     cond = build_conditioning(components, prompt, images, settings)
     latents = denoise(components, cond, settings, progress=progress, cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """Latents (B, 64, 1, h, w) -> the transformer's tokens (B, h * w, 64): one token per latent pixel."""
+    return encode21.pack(latents)
+
+
+def unpack(tokens: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Tokens of a `width` x `height` image -> latents (B, 64, 1, h, w)."""
+    return encode21.unpack(tokens, width, height)
+
+
+def conditioning_from_entry(tensors: dict, device, dtype) -> Conditioning21:
+    """2.1 sampler conditioning from a 2.1 cache entry: the caption and the empty caption (the negative) with
+    their slot masks plus the target's slots, the references' tokens, [references..., target] shapes."""
+    shapes = [tuple(s) for s in tensors["img_shapes"].tolist()]
+    _, rows, cols = shapes[0]
+
+    def prompt(name: str) -> PromptWithSlots:
+        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
+        return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
+    refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
+    return Conditioning21(prompt("prompt"), prompt("empty_prompt"),
+                          torch.cat(refs, dim=1).to(device, dtype) if refs else None, shapes[1:] + shapes[:1],
+                          width=cols * QWEN_IMAGE_21.token_pixels, height=rows * QWEN_IMAGE_21.token_pixels)

@@ -13,7 +13,7 @@ The layout, from ComfyUI's and diffusers' own source (docs/MODEL.md gives the co
 The architecture is read from the shapes (blocks, heads, widths, MLP ratio) and matched by head size against the
 2.1 configs shipped in `model/architectures/transformer_architectures.json` (the rotary axes are not in the
 weights). This module is the 2.1 family's file layout (`families.Family.layout`): the file is loaded by the same
-code as a 2025 one (`single_file.load_transformer_file`, the planned loader of model/planned_load.py), scaled fp8
+code as a 2025 one (`load_transformer_file`, the planned loader of model/planned_load.py), scaled fp8
 layers upcast or kept in fp8 as there; other quantized formats (ComfyUI's int8 "convrot", nvfp4) are refused
 naming the format (`single_file.check_quant_formats`).
 """
@@ -36,6 +36,13 @@ MARKER = QWEN_IMAGE_21.file_marker
 FUSED_MODULE = "img_mlp.gate_up"
 FUSED = FUSED_MODULE + ".weight"
 FAMILY = QWEN_IMAGE_21.name
+
+
+#: why a text encoder file is refused for this family and what to use ({found}: what the file is)
+TEXT_ENCODER_REFUSAL = (
+    "Qwen-Image-2.1's text encoder (Qwen3-VL) is not read from {found}. ComfyUI ships it only as int8 'convrot' "
+    "(qwen3vl_8b_int8_convrot.safetensors), which this project does not read: leave the text encoder file empty, "
+    "and the 2.1 model directory's text_encoder/ (Qwen3VLForConditionalGeneration) is loaded")
 
 
 def is_21(tensors) -> bool:

@@ -194,3 +194,19 @@ def to_comfy(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         conv = value.ndim == 4 and not key.endswith("gamma") and not any(p in key for p in _CONV2D)
         out[name] = value.unsqueeze(2) if conv else value
     return out
+
+
+def claims(header: dict[str, torch.Tensor]) -> bool:
+    """Whether a VAE file's header is this family's (`families.family_of_vae`)."""
+    return is_21(header)
+
+
+def directory_config(config: dict | None) -> dict | None:
+    """What a VAE file takes from its model directory's vae/config.json: its latent statistics (ComfyUI's file
+    has none)."""
+    return config
+
+
+def load_vae(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
+    """This family's VAE from one file; `config` gives only its latent statistics."""
+    return load_vae_file(path, device=device, dtype=dtype, statistics=config)

@@ -1,0 +1,104 @@
+"""What the doctor reports: one `Finding` per problem with a pair, and the `DoctorReport` of a dataset."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+#: every kind of finding, in the order the summary lists them
+KINDS = ("swapped", "misaligned", "reference-order", "no-change", "duplicate", "leak", "mask", "caption", "size")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem with one pair: `pair` (its file stem), `kind` (one of KINDS), `figure` (the measured value),
+    `fix` (the proposed fix, None when there is none), `why` (a sentence with the figure and what it is compared
+    against) and `severity` (0 to 1, for ordering: the worst first)."""
+    pair: str
+    kind: str
+    figure: object
+    fix: Optional[str]
+    why: str
+    severity: float = 0.5
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"finding kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+    def as_json(self) -> dict:
+        """The JSON object `qwen-edit doctor --json` prints for it."""
+        return {"pair": self.pair, "kind": self.kind, "figure": self.figure, "fix": self.fix, "why": self.why}
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """The doctor's verdict on a dataset: its findings (worst first), how many pairs and held-out pairs it read,
+    notes that are not about one pair (no common edit direction, the buckets' fill) and the measured statistics."""
+    findings: tuple[Finding, ...]
+    pairs: int
+    held_out: int = 0
+    notes: tuple[str, ...] = ()
+    stats: dict = field(default_factory=dict)
+    #: pair name -> (its EditExample, its measure.Measures), for the fixes and the report picture
+    pairs_measured: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def flagged(self) -> list[str]:
+        """The names of the pairs with at least one finding, in order of their worst finding."""
+        return list(dict.fromkeys(f.pair for f in self.findings))
+
+    def of_kind(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    def summary(self, limit: int = 10) -> str:
+        """A few lines for a log: the counts by kind, the notes, then the worst `limit` findings."""
+        counts = Counter(f.kind for f in self.findings)
+        held = f" and {self.held_out} held-out pair(s)" if self.held_out else ""
+        head = (f"dataset doctor: {self.pairs} pair(s){held}, {len(self.flagged)} flagged"
+                + (": " + ", ".join(f"{counts[k]} {k}" for k in KINDS if counts[k]) if counts else ""))
+        lines = [head, *(f"  note: {n}" for n in self.notes)]
+        lines += [f"  {f.pair}: {f.kind}: {f.why}" + (f" (fix: {f.fix})" if f.fix else "")
+                  for f in self.findings[:limit]]
+        if len(self.findings) > limit:
+            lines.append(f"  ... and {len(self.findings) - limit} more (qwen-edit doctor DATASET lists them all)")
+        return "\n".join(lines)
+
+    def json_lines(self) -> str:
+        """One JSON object per finding, one per line."""
+        return "\n".join(json.dumps(f.as_json()) for f in self.findings)
+
+
+@dataclass(frozen=True)
+class DoctorSettings:
+    """How the doctor judges a dataset. `area`: the training pixel area (data.vae_area), for the upscale and bucket
+    checks (None: not checked); `pixel_aligned`: the edit keeps every pixel in place (data.control_size: target),
+    so --fix realigns shifted and zoomed targets; `batch_size`: buckets of one pair are flagged when above 1."""
+    area: Optional[int] = None
+    pixel_aligned: bool = False
+    batch_size: int = 1
+    #: a target moved by more than this fraction of its side against its control (beyond the dataset's median) is
+    #: misaligned; zoomed by more than `zoom_tolerance` likewise
+    shift_tolerance: float = 0.015
+    zoom_tolerance: float = 0.02
+    #: a picture upscaled by more than this factor (per side) to reach `area` is flagged
+    max_upscale: float = 2.0
+    #: two pairs whose target and control perceptual hashes differ in at most this many of 128 bits are duplicates
+    duplicate_bits: int = 12
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A pair with its measurements (`measure.Measures`), as the checks see it."""
+    name: str
+    example: object  # data.examples.EditExample
+    measures: object  # measure.Measures
+
+
+@dataclass
+class CheckResult:
+    """What one check family found: findings, notes about the whole dataset and statistics for the report."""
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)

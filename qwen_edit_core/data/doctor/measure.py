@@ -1,0 +1,202 @@
+"""What the checks need of one pair, measured once from its pictures and cached by their content hashes.
+
+The registration of target onto control runs on gradient magnitude (skimage.filters.sobel of the luma), which an
+edit that recolours (inverts, greys, restyles) leaves in place: the translation is scikit-image's phase correlation
+(`skimage.registration.phase_cross_correlation`), the zoom the best of a few scales around 1 by normalised
+correlation once that translation is taken out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+from PIL import Image
+from skimage.filters import sobel
+from skimage.registration import phase_cross_correlation
+
+from qwen_edit_core.data.doctor.pictures import HASH_SIDE, PairPictures, Picture, luminance, resized
+
+#: bump when a measure changes meaning: cached measures of another version are measured again
+VERSION = 1
+#: zooms tried between control and target (then refined by a parabola through the best and its neighbours)
+SCALES = (0.91, 0.94, 0.97, 1.0, 1.03, 1.06, 1.09)
+_LUMA_BINS = 8
+
+
+@dataclass(frozen=True)
+class Measures:
+    """One pair's measurements (JSON-able: the doctor's cache holds them by the pair's content key)."""
+    target_size: tuple[int, int]
+    control_sizes: tuple[tuple[int, int], ...]
+    target_features: tuple[float, ...]
+    control_features: tuple[float, ...]  # of the source control, the picture the edit starts from
+    hashes: tuple[int, ...]  # perceptual hashes: the target, then each control in order
+    shift: tuple[float, float]  # (dx, dy) of the target's content against the source, in the target's pixels
+    scale: float  # the target's zoom against the source control (1.05: zoomed in by 5 %)
+    aligned_ncc: float  # gradient correlation once shift and zoom are taken out (1: same structure)
+    change: float  # mean |target - source control|, in 8-bit levels
+    reference_ncc: tuple[float, ...]  # the target's `block_similarity` with each control, in control order
+    source: int  # index of the control the target resembles most (the one the edit starts from)
+    mask_area: Optional[float] = None  # fraction of the target the mask marks as edited
+    change_inside: Optional[float] = None  # mean |target - source| inside the mask, 8-bit levels
+    change_outside: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Measures":
+        tuples = {"target_size", "control_features", "target_features", "hashes", "shift", "reference_ncc"}
+        values = {k: tuple(v) if k in tuples else v for k, v in data.items()}
+        values["control_sizes"] = tuple(tuple(s) for s in data["control_sizes"])
+        return cls(**values)
+
+
+def features(rgb: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """A cheap description of a picture (24 numbers) the edit moves consistently: channel means, luma quantiles and
+    histogram, the sorted channels' means (saturation), a 2x2 grid of luma and the gradient energy (of `edges`,
+    the picture's `gradient`)."""
+    luma = luminance(rgb)
+    h, w = luma.shape
+    quantiles = np.percentile(luma, [5, 25, 50, 75, 95])
+    histogram = np.bincount(np.minimum((luma * _LUMA_BINS).astype(np.int64), _LUMA_BINS - 1).ravel(),
+                            minlength=_LUMA_BINS) / luma.size
+    ordered = np.sort(rgb.reshape(-1, 3), axis=1).mean(axis=0)
+    grid = [luma[:h // 2, :w // 2].mean(), luma[:h // 2, w // 2:].mean(), luma[h // 2:, :w // 2].mean(),
+            luma[h // 2:, w // 2:].mean()]
+    energy = [float(edges.mean())]
+    return np.concatenate([rgb.reshape(-1, 3).mean(axis=0), quantiles, histogram, ordered, grid, energy])
+
+
+def _dct_matrix(n: int) -> np.ndarray:
+    k, i = np.arange(n)[:, None], np.arange(n)[None, :]
+    return np.cos(np.pi * (2 * i + 1) * k / (2 * n)).astype(np.float32)
+
+
+_DCT = _dct_matrix(HASH_SIDE)
+
+
+def perceptual_hash(rgb: np.ndarray) -> int:
+    """A 64-bit DCT hash (pHash): the 8x8 lowest frequencies of the 32x32 luma, each bit above their median.
+    Re-encoding, faint noise and small resizes change a few bits; another picture about half of them."""
+    small = resized(luminance(rgb), (HASH_SIDE, HASH_SIDE))
+    coefficients = (_DCT @ small @ _DCT.T)[:8, :8].ravel()
+    bits = coefficients > np.median(coefficients[1:])
+    return int(np.packbits(bits).view(">u8")[0])
+
+
+def gradient(rgb: np.ndarray) -> np.ndarray:
+    """Gradient magnitude of the luma: where the structure is, whatever the colours."""
+    return sobel(luminance(rgb))
+
+
+def ncc(a: np.ndarray, b: np.ndarray) -> float:
+    """Normalised correlation of two arrays of one shape (1: equal up to brightness and contrast)."""
+    a, b = a - a.mean(), b - b.mean()
+    denominator = float(np.sqrt((a * a).sum() * (b * b).sum()))
+    return float((a * b).sum() / denominator) if denominator > 0 else 0.0
+
+
+def block_similarity(a: np.ndarray, b: np.ndarray, blocks: int = 4) -> float:
+    """The median over a `blocks` x `blocks` grid of |normalised correlation| of two lumas of one shape: 1 when each
+    block shows the same structure, whatever was recoloured or inverted in it (a local edit spoils a few blocks
+    only, the median ignores them); about 0.2 for unrelated pictures."""
+    h, w = (a.shape[0] // blocks) * blocks, (a.shape[1] // blocks) * blocks
+
+    def tiles(x: np.ndarray) -> np.ndarray:
+        x = x[:h, :w].reshape(blocks, h // blocks, blocks, w // blocks).transpose(0, 2, 1, 3)
+        x = x.reshape(blocks * blocks, -1)
+        return x - x.mean(axis=1, keepdims=True)
+
+    ta, tb = tiles(a), tiles(b)
+    denominator = np.sqrt((ta * ta).sum(axis=1) * (tb * tb).sum(axis=1))
+    correlation = np.abs((ta * tb).sum(axis=1)) / np.maximum(denominator, 1e-12)
+    return float(np.median(np.where(denominator > 1e-9, correlation, 0.0)))
+
+
+def _warped(moving: np.ndarray, scale: float, shift_rc: np.ndarray) -> np.ndarray:
+    """`moving` sampled at scale * (p - centre) + centre - shift for each pixel p: the target on the control's grid."""
+    h, w = moving.shape
+    cx, cy = w / 2, h / 2
+    data = (scale, 0.0, cx - scale * cx - shift_rc[1], 0.0, scale, cy - scale * cy - shift_rc[0])
+    image = Image.fromarray(np.ascontiguousarray(moving, dtype=np.float32), mode="F")
+    return np.asarray(image.transform((w, h), Image.AFFINE, data, resample=Image.BILINEAR))
+
+
+def _centre(a: np.ndarray) -> np.ndarray:
+    h, w = a.shape
+    return a[h // 8: h - h // 8, w // 8: w - w // 8]
+
+
+def _best_scale(reference: np.ndarray, moving: np.ndarray, shift: np.ndarray, scales) -> tuple[float, float]:
+    """(the zoom among `scales` (evenly spaced) that best correlates the centres, refined by a parabola through the
+    best score and its two neighbours; that best score)."""
+    scores = [ncc(_centre(reference), _centre(_warped(moving, s, shift))) for s in scales]
+    best = int(np.argmax(scores))
+    scale = float(scales[best])
+    if 0 < best < len(scales) - 1:
+        left, mid, right = scores[best - 1], scores[best], scores[best + 1]
+        curvature = left - 2 * mid + right
+        if curvature < 0:
+            scale += float(np.clip(0.5 * (left - right) / curvature, -0.5, 0.5)) * (scales[1] - scales[0])
+    return scale, scores[best]
+
+
+def _shift(reference: np.ndarray, moving: np.ndarray, scale: float, upsample: int) -> np.ndarray:
+    """The phase correlation's shift of `moving` zoomed by `scale` onto `reference`."""
+    zoomed = moving if scale == 1.0 else _warped(moving, scale, np.zeros(2))
+    shift, _, _ = phase_cross_correlation(reference, zoomed, upsample_factor=upsample, normalization="phase")
+    return np.asarray(shift, dtype=float)
+
+
+def register(reference: np.ndarray, moving: np.ndarray, upsample: int = 1,
+             rounds: int = 1) -> tuple[np.ndarray, float, float]:
+    """(shift (row, col) that registers `moving` onto `reference`, zoom of `moving`, correlation once aligned), both
+    gradient maps of one shape. Each of `rounds` searches the zoom on a grid three times finer around the last one
+    and measures the translation again (1 round: about 1/100 of zoom, enough to flag; 3: for realigning)."""
+    shift = _shift(reference, moving, 1.0, upsample)
+    scales, scale, score = np.asarray(SCALES), 1.0, 0.0
+    for _ in range(rounds):
+        scale, score = _best_scale(reference, moving, shift, scales)
+        shift = _shift(reference, moving, scale, upsample)
+        step = (scales[1] - scales[0]) / 3
+        scales = scale + step * np.arange(-3, 4)
+    aligned = ncc(_centre(reference), _centre(_warped(moving, scale, shift)))
+    return shift, scale, max(aligned, score)
+
+
+def _mask_change(diff: np.ndarray, mask: Picture) -> tuple[float, float, float]:
+    """(area, mean change inside, mean change outside) of a mask over a per-pixel change map."""
+    inside = resized(mask.pixels, (diff.shape[1], diff.shape[0])) >= 0.5
+    area = float(inside.mean())
+    mean = lambda where: float(diff[where].mean()) if where.any() else 0.0  # noqa: E731
+    return area, mean(inside), mean(~inside)
+
+
+def measure(pair: PairPictures) -> Measures:
+    """Every measurement of one pair, on the target's analysis grid."""
+    target = pair.target.pixels
+    grid = (target.shape[1], target.shape[0])
+    controls = [resized(c.pixels, grid) for c in pair.controls]
+    target_gradient = gradient(target)
+    gradients = [gradient(c) for c in controls]
+    target_luma = luminance(target)
+    similarity = tuple(block_similarity(luminance(c), target_luma) for c in controls)
+    source = int(np.argmax(similarity))  # the control the target was made from: the one it resembles most
+    first = controls[source]
+    shift, scale, aligned = register(gradients[source], target_gradient)
+    to_target_pixels = pair.target.size[0] / grid[0]
+    diff = np.abs(target - first).mean(axis=2) * 255
+    mask = _mask_change(diff, pair.mask) if pair.mask is not None else (None, None, None)
+    return Measures(
+        target_size=pair.target.size, control_sizes=tuple(c.size for c in pair.controls),
+        target_features=tuple(map(float, features(target, target_gradient))),
+        control_features=tuple(map(float, features(first, gradients[source]))),
+        hashes=(perceptual_hash(target), *(perceptual_hash(c) for c in controls)),
+        # the phase correlation's shift registers the target: its content moved the other way
+        shift=(float(-shift[1] * to_target_pixels) + 0.0, float(-shift[0] * to_target_pixels) + 0.0), scale=scale,
+        aligned_ncc=aligned, change=float(diff.mean()),
+        reference_ncc=similarity, source=source,
+        mask_area=mask[0], change_inside=mask[1], change_outside=mask[2])

@@ -1,0 +1,113 @@
+"""The dataset doctor on the planted-fault dataset (data/doctor/faulty.py: 24 "invert the colors" pairs of 64 px,
+two controls each, with 3 swapped, 3 shifted by 6 to 12 px, 2 zoomed by 5 %, 2 near-duplicates, a mask on the wrong
+half, the references of one pair reversed, and a held-out pair that repeats a training pair): every planted fault
+found with its kind, at most one clean pair flagged, the fixes applied into a new folder (the shifted targets
+realigned to within a pixel), each picture read once, the measures cached by content."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen_edit_core import cli
+from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.data.doctor import KINDS, DoctorSettings, diagnose, doctor_folder, runner
+from qwen_edit_core.data.doctor.faulty import PLANTED, write_faulty_dataset
+from qwen_edit_core.data.doctor.measure import gradient, register
+from qwen_edit_core.data.doctor.pictures import full_rgb
+
+SETTINGS = DoctorSettings(pixel_aligned=True)
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    return write_faulty_dataset(tmp_path_factory.mktemp("doctor") / "faulty")
+
+
+@pytest.fixture(scope="module")
+def examples(faulty):
+    return load_dataset(faulty.train).examples, load_dataset(faulty.heldout).examples
+
+
+@pytest.fixture(scope="module")
+def fixed(faulty, examples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fixed")
+    before = _hashes(faulty.train)
+    run = doctor_folder(faulty.train, *examples, SETTINGS, out_dir=out / "report", fix_dir=out / "fixed")
+    return run, out, before
+
+
+def _hashes(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_every_planted_fault_is_found_and_at_most_one_clean_pair_flagged(faulty, fixed):
+    report = fixed[0].report
+    kinds = {(f.pair, f.kind) for f in report.findings}
+    missed = {(pair, kind) for pair, kind in faulty.faults.items() if (pair, kind) not in kinds}
+    assert not missed, f"planted faults not found: {missed}\n{report.summary(50)}"
+    clean = [name for name in report.flagged if name not in faulty.faults]
+    assert len(clean) <= 1, f"clean pairs flagged: {clean}\n{report.summary(50)}"
+    assert len(faulty.faults) == len(PLANTED) + 1  # and the leak
+
+
+def test_findings_name_the_pair_the_kind_the_figure_and_the_fix(fixed):
+    for finding in fixed[0].report.findings:
+        assert finding.kind in KINDS and finding.figure is not None and finding.why
+    swapped = fixed[0].report.of_kind("swapped")
+    assert all(f.figure < -0.2 and f.fix == "swap the control and the target" for f in swapped)
+    shifted = {f.pair: f.figure for f in fixed[0].report.of_kind("misaligned")}
+    assert shifted["pair003"] == {"dx": -6.0, "dy": 0.0, "zoom": pytest.approx(1.0, abs=0.01)}
+    assert shifted["pair012"]["zoom"] == pytest.approx(1.05, abs=0.01)
+
+
+def test_fix_realigns_the_shifted_and_zoomed_targets_to_within_a_pixel(faulty, fixed):
+    _, out, _ = fixed
+    for index, (kind, detail) in PLANTED.items():
+        if kind != "misaligned":
+            continue
+        name = f"pair{index:03d}"
+        control = np.asarray(full_rgb(out / "fixed" / f"{name}_control_1.png"), dtype=np.float32) / 255
+        target = np.asarray(full_rgb(out / "fixed" / f"{name}.png"), dtype=np.float32) / 255
+        shift, zoom, _ = register(gradient(control), gradient(target), upsample=10, rounds=3)
+        corner = abs(zoom - 1) * control.shape[0] / 2  # how far the zoom moves the corners
+        assert np.hypot(*shift) + corner <= 1.0, f"{name} ({detail}): {shift} px, zoom {zoom}"
+
+
+def test_fix_writes_a_new_folder_and_leaves_the_original(faulty, fixed):
+    run, out, before = fixed
+    assert _hashes(faulty.train) == before
+    after = diagnose(load_dataset(out / "fixed").examples, load_dataset(faulty.heldout).examples, SETTINGS)
+    assert {(f.pair, f.kind) for f in after.findings} == {("held001", "leak")}, after.summary(50)
+    assert not (out / "fixed" / "pair020.png").exists()  # the duplicate dropped
+    swapped_back = np.asarray(full_rgb(out / "fixed" / "pair001.png"))
+    assert np.array_equal(swapped_back, np.asarray(full_rgb(faulty.train / "pair001_control_1.png")))
+    assert (out / "report" / "report.png").is_file() and run.picture == out / "report" / "report.png"
+    assert "pair001: swapped control and target" in run.fixes
+
+
+def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tmp_path, monkeypatch):
+    train, held = examples
+    reads = []
+    real_read = runner.read_bytes
+    monkeypatch.setattr(runner, "read_bytes", lambda path: reads.append(Path(path)) or real_read(path))
+    first = diagnose(train, held, SETTINGS, cache_dir=tmp_path)
+    files = [p for e in (*train, *held) for p in (*e.controls, e.target, *([e.mask] if e.mask else []))]
+    assert sorted(reads) == sorted(files)
+    monkeypatch.setattr(runner, "measure", lambda pair: pytest.fail(f"{pair.example.name} measured again"))
+    second = diagnose(train, held, SETTINGS, cache_dir=tmp_path)
+    assert second.findings == first.findings
+
+
+def test_cli_json_prints_one_object_per_finding(faulty, tmp_path, capsys):
+    code = cli.main(["doctor", str(faulty.train), "--held-out", str(faulty.heldout), "--json",
+                     "--out", str(tmp_path / "report")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and lines
+    found = [json.loads(line) for line in lines]
+    assert all(set(f) >= {"pair", "kind", "figure", "fix"} and f["kind"] in KINDS for f in found)
+    assert {"pair": "held001", "kind": "leak"}.items() <= next(f for f in found if f["kind"] == "leak").items()

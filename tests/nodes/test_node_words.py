@@ -1,0 +1,97 @@
+"""What the nodes tell a ComfyUI user, in the graph's words, and what the live view shows: too many control
+images name the inputs and the models that take them (not the command line's variants); a retrained name shows
+no picture of its previous run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import nodes
+from nodes.common import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_images_on_a_one_image_model_say_what_to_connect_and_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN_EDIT_HOME", str(tmp_path))
+    with torch.inference_mode():
+        (model,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
+    image = torch.rand(1, 64, 64, 3)
+    with pytest.raises(ValueError) as refused:
+        nodes.QwenEditEncodePrompt().encode(model, image, "x", "", 64, 64, 64, image2=image)
+    words = str(refused.value)
+    assert "disconnect image2" in words and "Load Model" in words and "variant" not in words
+
+
+#: the live view's script run by Node with the frontend's app and api stubbed: one Train node, then job events
+LIVE_VIEW = """
+import { app, api, events } from "./scripts/app.js";
+const el = () => ({ style: {}, dataset: {}, append() {}, getContext: () => new Proxy({}, { get: () => () => {} }),
+                    removeAttribute(name) { delete this[name]; } });
+globalThis.document = { createElement: el };
+globalThis.window = {};
+globalThis.HTMLTextAreaElement = class {};
+await import("./extensions/pack/qwen_edit_jobs.js");
+const node = { comfyClass: "QwenEditTrainLoRA", widgets: [{ name: "lora_name", value: "same_name" }],
+               addDOMWidget: (name, type, root) => ({}) };
+app.graph._nodes.push(node);
+await app.extension.setup();
+await app.extension.nodeCreated(node);
+const seen = [];
+for (const entry of JSON.parse(process.argv[2])) {
+  events["qwen_edit.job"]({ detail: entry });
+  const img = node.__qwenEditLive.img;
+  seen.push([img.src ?? null, img.style.display ?? null, node.__qwenEditLive.text.textContent]);
+}
+console.log(JSON.stringify(seen));
+"""
+
+STUBS = """
+export const events = {};
+export const app = { graph: { _nodes: [] }, registerExtension(ext) { app.extension = ext; } };
+export const api = { addEventListener(name, fn) { events[name] = fn; }, apiURL: (u) => "http://x" + u,
+                     fetchApi: async () => ({ ok: false }) };
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the live view's script")
+def test_a_retrained_name_shows_no_picture_of_its_previous_run_and_a_failure_says_why(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text(STUBS)
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    shutil.copy(ROOT / "web" / "qwen_edit_jobs.js", tmp_path / "extensions" / "pack")
+    (tmp_path / "scripts" / "api.js").write_text('export { api } from "./app.js";\n')
+    (tmp_path / "run.mjs").write_text(LIVE_VIEW)
+    base = {"name": "same_name", "total": 10, "loss": 0.5, "outcome": ""}
+    runs = [{**base, "state": "training", "step": 5, "point": [5, 0.5], "validation_url": "/v?step=5"},
+            {**base, "state": "training", "step": 1, "point": [1, 0.5], "validation_url": None},  # retrained
+            {**base, "state": "failed", "step": 2, "point": None, "validation_url": None,
+             "outcome": "failed: NotImplementedError: Cannot copy out of meta tensor; no data!"}]
+    out = subprocess.run(["node", str(tmp_path / "run.mjs"), json.dumps(runs)], capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout
+    first, retrained, failed = json.loads(out)
+    assert first[:2] == ["http://x/v?step=5", "block"]
+    assert retrained[:2] == [None, "none"], "the previous run's validation picture is still shown"
+    assert "Cannot copy out of meta tensor" in failed[2]
+
+
+def test_fresh_nodes_size_pictures_for_their_model_the_default_toy_at_128(tmp_path, monkeypatch):
+    from nodes.common import TINY_21_MODEL, TOY_21_MODEL, TOY_MODEL, ModelHandle, resolve_model, side_of
+    from qwen_edit_core.model.components import Components
+    monkeypatch.setenv("QWEN_EDIT_HOME", str(tmp_path))
+    for node, name in ((nodes.QwenEditSampler, "vae_side"), (nodes.QwenEditEncodePrompt, "vae_side"),
+                       (nodes.QwenEditTrainLoRA, "resolution"), (nodes.QwenEditBuildCache, "resolution")):
+        assert node.INPUT_TYPES()["required"][name][1]["default"] == 0, f"{node.__name__}.{name}: not auto"
+
+    def handle(name):
+        return ModelHandle(Components(model_dir=resolve_model(name), variant="edit", scheduler_config={}))
+
+    toy, toy21, tiny21 = handle(TOY_MODEL), handle(TOY_21_MODEL), handle(TINY_21_MODEL)
+    assert side_of(0, toy) == side_of(0, toy21) == 128  # what the built-in toy models were trained at
+    assert side_of(0, tiny21) == 1024 and side_of(512, toy) == 512  # else a real model's side; a set side stays

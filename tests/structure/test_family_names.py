@@ -1,0 +1,129 @@
+"""Stages never name a model family: outside `qwen_edit_core/families/` (and the tests), no module holds a
+variant or family name, a family's class names or cache tensor keys as a string, a family's description by its
+constant (`QWEN_IMAGE_21`), an import of a family's subpackage, or an `is_<family>` test. Stages ask the family
+(`families.family_of`, `Family` fields, `Family.stage`) instead, so a new family is one new subpackage.
+
+Docstrings and comments may name families (they explain); node descriptions and messages may mention a family's
+title. `ALLOWED` lists what still names one, each with why; it only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from qwen_edit_core import families
+from qwen_edit_core.model import variants
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES_DIR = ROOT / "qwen_edit_core" / "families"
+
+#: module path -> why it still names a family (remove the entry when the module stops)
+ALLOWED: dict[str, str] = {
+    "qwen_edit_core/model/variants.py": "the variant registry: each variant's name and its family are its data",
+    "qwen_edit_core/config.py": "model.variant's accepted names, a typing.Literal the config reader checks",
+    "qwen_edit_core/model/tiny.py": "the 2025 family's tiny directory builder, still in model/ (its classes)",
+    "qwen_edit_core/model/single_file.py": "the 2025 family's VAE file reader, still in model/ (its VAE class)",
+    "qwen_edit_core/model/text_encoder_file.py": "the 2025 family's text encoder file, still in model/ (its classes)",
+    "qwen_edit_core/toys/pretrain.py": "the toy recipes pick the 2.1 toy's pretraining by variant (toys/ stage)",
+    "qwen_edit_core/toys/toy.py": "the shipped toy weights' folders are named after their families",
+    "qwen_edit_core/demo.py": "`qwen-edit demo --variant` picks the toy of each family by variant name",
+    "qwen_edit_core/cli.py": "`qwen-edit tiny --pretrained` picks the toy weights of each family by variant name",
+    "nodes/common.py": "the built-in model choices (saved workflow values) build the tiny model of each family",
+}
+
+
+def family_strings() -> set[str]:
+    """Every string that names a family or one of its variants, classes or cache tensors."""
+    names = set(variants.NAMES) | {v.encoding for v in variants.VARIANTS.values()} | set(families.REFERENCE_LAYOUTS)
+    for family in families.FAMILIES.values():
+        names |= {family.name, family.transformer_class, family.vae_class, family.text_encoder_class,
+                  family.processor_class, family.block_class, *family.cache_tensors}
+        names.add(family.cache_name)
+    return {n for n in names if n}
+
+
+def family_identifiers() -> set[str]:
+    """Names of the family descriptions' constants and of the family classes (as Python identifiers)."""
+    constants = {name for name, value in vars(families).items() if isinstance(value, families.Family)} - {"DEFAULT"}
+    classes = {cls for f in families.FAMILIES.values()
+               for cls in (f.transformer_class, f.vae_class, f.text_encoder_class, f.processor_class, f.block_class)}
+    return constants | classes
+
+
+FAMILY_TEST = re.compile(r"(^|_)is_\d+")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring nodes of `tree` (module, class and function docstrings)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                     str):
+                found.add(id(first.value))
+    return found
+
+
+def names_of_families(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for each place `path` names a family."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    strings, identifiers, docs = family_strings(), family_identifiers(), _docstrings(tree)
+    subpackages = {p.name for p in FAMILIES_DIR.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if node.value in strings:
+                found.append((node.lineno, node.value))
+        elif isinstance(node, ast.Name) and (node.id in identifiers or FAMILY_TEST.search(node.id)):
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute) and (node.attr in identifiers or FAMILY_TEST.search(node.attr)):
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and FAMILY_TEST.search(node.name):
+            found.append((node.lineno, node.name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[:2] == ["qwen_edit_core", "families"] and len(parts) > 2 and parts[2] in subpackages:
+                    found.append((node.lineno, module))
+            for alias in node.names:
+                if alias.name in identifiers:
+                    found.append((node.lineno, alias.name))
+    return sorted(set(found))
+
+
+def _stage_modules() -> list[Path]:
+    core = [p for p in (ROOT / "qwen_edit_core").rglob("*.py") if FAMILIES_DIR not in p.parents]
+    return sorted(core + list((ROOT / "nodes").rglob("*.py")))
+
+
+def test_the_check_sees_each_way_of_naming_a_family(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""image-2.1 in a docstring is fine."""\n'
+                     'from qwen_edit_core.families import QWEN_IMAGE_21\n'
+                     'from qwen_edit_core.families.qwen_image_21 import sampler\n'
+                     'variant = "image-2.1"\n'
+                     'def is_21(x):\n    return "prompt_slots" in x or x.__name__ == "QwenImage21Transformer2DModel"\n')
+    found = {what for _, what in names_of_families(probe)}
+    assert found == {"QWEN_IMAGE_21", "qwen_edit_core.families.qwen_image_21", "image-2.1", "is_21", "prompt_slots",
+                     "qwen_edit_core.families.qwen_image_21.sampler",
+                     "QwenImage21Transformer2DModel"}, found
+
+
+@pytest.mark.parametrize("path", _stage_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_stages_never_name_a_family(path: Path):
+    rel = str(path.relative_to(ROOT))
+    bad = [f"line {line}: {what}" for line, what in names_of_families(path) if rel not in ALLOWED]
+    assert not bad, (f"{rel} names a model family (ask the family instead: families.family_of, a Family field, "
+                     "Family.stage; see docs/DESIGN.md, 'Adding a model family'):\n" + "\n".join(bad))
+
+
+def test_the_allowlist_holds_only_what_is_still_there():
+    stale = [rel for rel in ALLOWED if not (ROOT / rel).is_file() or not names_of_families(ROOT / rel)]
+    assert not stale, f"remove these from ALLOWED (they no longer name a family): {stale}"
