@@ -33,9 +33,13 @@ def run_bench(args) -> None:
         from qwen_edit_core.bench.activations import run
         run(device=args.device)
     elif args.what == "memory":
-        from qwen_edit_core.bench.memory import report
-        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json,  # noqa: T201
-                     comfyui=args.comfyui, file_dtype=args.file_dtype))
+        if args.comfyui:
+            from qwen_edit_core.bench.memory_comfyui import report as comfyui_report
+            print(comfyui_report(args.variant, args.size, args.controls, args.budget_gb,  # noqa: T201
+                                 file_dtype=args.file_dtype, as_json=args.json))
+        else:
+            from qwen_edit_core.bench.memory import report
+            print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),

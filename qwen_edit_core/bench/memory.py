@@ -306,14 +306,12 @@ def table(results: list[Simulated]) -> str:
 
 
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
-           budget_gb: float | None = None, *, as_json: bool = False, comfyui: bool = False,
-           file_dtype: str = "fp8") -> str:
-    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`). `comfyui`: the
-    Train node's job on a card of `budget_gb` GiB (default 24) with the graph's model from a `file_dtype` file
-    (bench.memory_comfyui)."""
-    if comfyui:
-        from qwen_edit_core.bench.memory_comfyui import simulate_comfyui
-        results = [simulate_comfyui(variant, side, controls, budget_gb or 24.0, file_dtype=file_dtype)]
-    else:
-        results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+           budget_gb: float | None = None, *, as_json: bool = False) -> str:
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
+    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+    return render(results, as_json)
+
+
+def render(results: list[Simulated], as_json: bool) -> str:
+    """The table, or one JSON object per line (`as_json`)."""
     return "\n".join(r.to_json() for r in results) if as_json else table(results)

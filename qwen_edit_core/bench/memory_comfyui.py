@@ -22,6 +22,7 @@ import torch
 
 from qwen_edit_core.bench import fake_model as fm
 from qwen_edit_core.bench import memory
+from qwen_edit_core.model import variants
 
 #: the Train node's default LoRA targets (the first preset of its `targets` input)
 NODE_TARGETS = "attn"
@@ -35,21 +36,16 @@ def node_budget_gb(card_gib: float) -> float:
     return planner.free_memory_budget_gb(int(card_gib * memory.GIB) - planner.MARGIN_FIXED, 0)
 
 
-def simulate_comfyui(variant: str = "edit", side: int = 1024, controls: int | None = None, card_gib: float = 24.0,
+def simulate_comfyui(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, card_gib: float = 24.0,
                      *, file_dtype: str = "fp8", num_layers: int | None = None) -> memory.Simulated:
     """One steady-state training step of the Train node's job on a `card_gib` card (module doc)."""
     from qwen_edit_core import speed
-    from qwen_edit_core.model import variants
     from qwen_edit_core.train import loop
     from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     if file_dtype != "fp8":
         raise ValueError(f"bench memory --comfyui: --file-dtype {file_dtype!r} is not simulated (its parked bf16 "
                          "weights live in host memory, which the stand-in device cannot tell apart); use fp8")
-    from qwen_edit_core.families import QWEN_IMAGE
-    if variants.get(variant).family is not QWEN_IMAGE:
-        raise ValueError(f"bench memory --comfyui: {variant!r} has no ComfyUI training path simulated; use a 2025 "
-                         "variant")
     controls = fm.default_controls(variant) if controls is None else controls
     budget = node_budget_gb(card_gib)
     config, bucket, mode = memory._config(budget, NODE_TARGETS, False, variant), memory._bucket(side, controls), \
@@ -75,3 +71,10 @@ def simulate_comfyui(variant: str = "edit", side: int = 1024, controls: int | No
                           image_tokens(bucket), fm.text_tokens(variant, side, controls), card_gib,
                           plan.estimate.total / memory.GIB if plan else None, tracker, flops, model,
                           plan.checkpoint_blocks if plan else -1)
+
+
+def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, card_gib: float | None = None, *,
+           file_dtype: str = "fp8", as_json: bool = False) -> str:
+    """`qwen-edit bench memory --comfyui`'s output: the node's job on a `card_gib` card (default 24 GiB)."""
+    return memory.render([simulate_comfyui(variant, side, controls, card_gib or 24.0, file_dtype=file_dtype)],
+                         as_json)
