@@ -318,9 +318,12 @@ def check_edit(variant: str, side: int, controls: int | None) -> None:
 
 
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
-           budget_gb: float | None = None, *, as_json: bool = False, results: list[Simulated] | None = None) -> str:
-    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`), of `results` (by
-    default the command line's plans, simulated now)."""
-    if results is None:
-        results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+           budget_gb: float | None = None, *, as_json: bool = False) -> str:
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
+    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+    return render(results, as_json)
+
+
+def render(results: list[Simulated], as_json: bool) -> str:
+    """The table, or one JSON object per line (`as_json`)."""
     return "\n".join(r.to_json() for r in results) if as_json else table(results)

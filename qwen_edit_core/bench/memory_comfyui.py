@@ -74,3 +74,10 @@ def simulate_comfyui(variant: str = variants.DEFAULT, side: int = 1024, controls
                           image_tokens(bucket), fm.text_tokens(variant, side, controls), card_gib,
                           plan.estimate.total / memory.GIB if plan else None, tracker, flops, model,
                           plan.checkpoint_blocks if plan else -1)
+
+
+def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, card_gib: float | None = None, *,
+           file_dtype: str = "fp8", as_json: bool = False) -> str:
+    """`qwen-edit bench memory --comfyui`'s output: the node's job on a `card_gib` card (default 24 GiB)."""
+    return memory.render([simulate_comfyui(variant, side, controls, card_gib or 24.0, file_dtype=file_dtype)],
+                         as_json)
