@@ -15,11 +15,13 @@ training step and state change.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from urllib.parse import quote
 
 from qwen_edit_core import jobs, shutdown
+from qwen_edit_core.common.files import temporary_name, writing
 
 from . import comfy_runtime
 
@@ -32,8 +34,18 @@ EVENT = "qwen_edit.job"
 def deliver(lora_path: Path) -> Path:
     """Copy a finished run's LoRA into ComfyUI's loras folder (where stock LoRA loaders find it)."""
     target = comfy_runtime.loras_dir() / lora_path.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(lora_path, target)
+    with writing(target, "the LoRA delivered to ComfyUI's loras folder", f"The run's own LoRA is intact at "
+                 f"{str(lora_path)!r}; copy it there yourself once there is room."):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_name(target)
+        try:
+            with open(lora_path, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, target)  # ComfyUI never lists a partial LoRA under its name
+        finally:
+            tmp.unlink(missing_ok=True)
     log.info("LoRA delivered to %s", target)
     return target
 

@@ -19,7 +19,8 @@ from qwen_edit_core import preflight
 from qwen_edit_core.adapters import lora as lora_mod
 from qwen_edit_core.common.files import OutputLock
 from qwen_edit_core.config import Config
-from qwen_edit_core.model.components import Components, detect_variant, load_components, resolve_model_dir
+from qwen_edit_core.model.components import (Components, detect_variant, load_components, model_identity,
+                                             resolve_model_dir)
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_device
 from qwen_edit_core.model.templates import EMPTY_PROMPT
@@ -284,7 +285,8 @@ class QwenImageEditTrainer:
         if spec is None:
             raise RuntimeError("no LoRA to save: train one (fit) or load one (load_lora) first")
         path = Path(path)
-        lora_mod.save_lora(path, comps.transformer, spec, base_identity=str(comps.model_dir), steps=0)
+        lora_mod.save_lora(path, comps.transformer, spec, steps=0,
+                           base_identity=model_identity(comps.model_dir, comps.variant))
         return path
 
     def load_lora(self, path, scale: float = 1.0, adapter_name: str | None = None) -> str:

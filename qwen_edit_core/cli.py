@@ -32,7 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     can only have been raised once its module is loaded, and importing the rest here would pull in torch
     (seconds) just to report a config error."""
     found = tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
-    return (*found, FileNotFoundError, ValueError)
+    return (*found, FileNotFoundError, FileExistsError, ValueError)
 
 
 def cmd_tiny(args) -> None:
@@ -346,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", help="LoRA file, optionally PATH:STRENGTH (repeat for several)")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls for the base's block linears (Ada/Hopper)")
     p.add_argument("--compile", action="store_true", help="compile each transformer block (~30 s once)")
-    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math"],
-                   help="attention kernel tried first (cudnn: fastest on Hopper)")
+    p.add_argument("--attention", choices=["auto", "cudnn", "flash", "efficient", "math", "flash3"],
+                   help="attention kernel tried first (docs/MEMORY.md)")
     p.add_argument("--out", required=True, help="output image file (png)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="split the transformer's tokens over N processes started by `torchrun --nproc_per_node N`")
@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")
     p.add_argument("--processes", type=int, default=2, help="cache: processes to compare with one")
+    p.add_argument("--comfyui", action="store_true", help="memory: the Train node's job on a card of --budget-gb "
+                   "GiB (default 24), the graph's model from a ComfyUI file lent to it")
+    p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
+                   help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -19,6 +19,7 @@ import yaml
 from qwen_edit_core.common.names import file_name_problem, label_problem
 from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict, show  # noqa: F401 (re-exported)
 from qwen_edit_core.common.yaml_read import YamlTooLargeError, read_yaml
+from qwen_edit_core.model.geometry import MAX_PIXELS, MAX_STEPS
 from qwen_edit_core.model.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
@@ -331,12 +332,14 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     return config
 
 
+#: a pixel area: at least 64x64, at most the image limit (model/geometry.py), checked before any weight loads
+AREA_RULE = f"in [4096, {MAX_PIXELS}] (64x64 pixels to the image limit)"
 #: (dotted path, test, what it must be): every numeric field with a range, checked by `check_ranges`
 _RANGES = [
     ("model.lora.rank", lambda v: v >= 1, ">= 1"), ("model.lora.alpha", lambda v: v > 0, "> 0"),
     ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("optimizer.eps", lambda v: v > 0, "> 0"),
-    ("data.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
-    ("data.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("data.vae_area", lambda v: 64 * 64 <= v <= MAX_PIXELS, AREA_RULE),
+    ("data.vl_area", lambda v: 64 * 64 <= v <= MAX_PIXELS, AREA_RULE),
     ("data.caption_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.prompt_image_dropout_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
     # an empty folder would resolve to the current directory: the run's files would land wherever it started
@@ -347,7 +350,8 @@ _RANGES = [
     ("train.logit_std", lambda v: v > 0, "> 0"), ("train.fixed_shift", lambda v: v > 0, "> 0"),
     ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.keep_checkpoints", lambda v: v >= 0, ">= 0 (0: keep all)"),
-    ("train.validation_every", lambda v: v >= 0, ">= 0"), ("train.validation_steps", lambda v: v >= 1, ">= 1"),
+    ("train.validation_every", lambda v: v >= 0, ">= 0"),
+    ("train.validation_steps", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS}]"),
     ("train.checkpoint_blocks", lambda v: v >= -1, ">= -1 (-1: all)"),
     ("train.offload_blocks", lambda v: v >= 0, ">= 0"), ("train.memory_budget_gb", lambda v: v >= 0, ">= 0"),
     ("train.skip_nonfinite_steps", lambda v: v >= 0, ">= 0"), ("train.ema_decay", lambda v: 0 <= v < 1, "in [0, 1) (0: off)"),
@@ -356,9 +360,10 @@ _RANGES = [
     ("optimizer.betas", lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
      "two numbers in [0, 1)"),
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"), ("logging.every", lambda v: v >= 1, ">= 1"),
-    ("predict.num_inference_steps", lambda v: v >= 1, ">= 1"), ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
-    ("predict.vae_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
-    ("predict.vl_area", lambda v: v >= 64 * 64, ">= 4096 (64x64 pixels)"),
+    ("predict.num_inference_steps", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS}]"),
+    ("predict.true_cfg_scale", lambda v: v >= 0, ">= 0"),
+    ("predict.vae_area", lambda v: 64 * 64 <= v <= MAX_PIXELS, AREA_RULE),
+    ("predict.vl_area", lambda v: 64 * 64 <= v <= MAX_PIXELS, AREA_RULE),
     ("predict.context_parallel", lambda v: v >= 1, ">= 1 (1: off)"),
 ]
 

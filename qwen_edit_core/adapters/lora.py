@@ -169,9 +169,24 @@ def train_only(transformer, adapter_name: str = "default") -> None:
         param.requires_grad_(id(param) in trainable)
 
 
+def check_family(transformer, weights: LoraWeights) -> None:
+    """ValueError naming both families when the file was trained for another model family than `transformer`'s
+    (a Qwen-Image-2.1 LoRA on a 2509 model: some module names match, the effect would be noise)."""
+    from qwen_edit_core.families import FAMILIES, family_of
+    trained_for = FAMILIES.get(weights.metadata.get("architecture", ""))
+    if trained_for is None:  # another tool's file: its module names and shapes are checked instead
+        return
+    family = family_of(transformer)
+    if trained_for is not family:
+        raise ValueError(f"the LoRA was trained for {trained_for.title} and this model is {family.title}; apply it "
+                         f"to a {trained_for.title} model")
+
+
 def check_against(transformer, weights: LoraWeights) -> LoraWeights:
     """Resolve underscored names, then check every layer's module exists and its shapes fit. Returns the
-    resolved weights; raises ValueError naming the first mismatches and the expected shapes."""
+    resolved weights; raises ValueError naming the first mismatches and the expected shapes. A file that records
+    the model family it was trained for (our `architecture` metadata) must be for this model's family."""
+    check_family(transformer, weights)
     modules = adaptable_modules(transformer)
     # ComfyUI's fused 2.1 MLP names resolve too, then split onto gate_layer and proj
     weights = unfuse_mlp(map_to_modules(weights, list(modules) + fused_mlp_names(list(modules))))

@@ -156,6 +156,9 @@ def _layer_from(tensors: dict[str, torch.Tensor], keys: dict[str, str], module: 
         if not bool(torch.isfinite(tensors[key].float()).all()):
             raise ValueError(f"{source}: key {key!r} holds NaN or Inf values; the file is damaged or came "
                              "from a diverged training run, so it is refused (use an earlier checkpoint)")
+    if "alpha" in keys and tensors[keys["alpha"]].numel() != 1:
+        raise ValueError(f"{source}: key {keys['alpha']!r} holds {tensors[keys['alpha']].numel()} values; an alpha "
+                         "is one number (the file is damaged)")
     alpha = float(tensors[keys["alpha"]].float().reshape(-1)[0]) if "alpha" in keys else None
     lycoris = {k: v for k, v in keys.items() if k in LOKR_KEYS + LOHA_KEYS + CONV_ONLY_KEYS}
     if lycoris:

@@ -1,7 +1,9 @@
 """`qwen-edit bench batching`: one padded batch of 4 mixed sizes against the same 4 samples one by one.
 
 A LoRA training step (forward + backward) of the transformer with the batching adapter; prints samples/s of
-both, their ratio and the padding fraction. Tiny model on the CPU by default (128^2 to 256^2); `--real-size`
+both, their ratio and the padding fraction; the batch runs with a key mask over the padding and with
+variable-length attention over the valid tokens (the product's path), with the attention kernels each ran and
+the largest difference of their outputs (they must agree: the GPU check of `multires.packed_attention`). Tiny model on the CPU by default (128^2 to 256^2); `--real-size`
 runs the real transformer config with random bf16 weights on a GPU at 512^2 to 1024^2.
 """
 
@@ -29,17 +31,33 @@ def _inputs(sides, text_dim, device, dtype, text_tokens):
     return out
 
 
-def _step(model, samples, device, dtype):
+def _forward(model, samples, device, dtype, varlen: bool):
+    """(per-sample target predictions, the packed batch): the key-mask path or, `varlen`, the packed one."""
     packed = multires.pack_samples([s[0] for s in samples], [s[1] for s in samples], [s[3] for s in samples])
     text = encode.pad_embeddings([s[2] for s in samples])
+    kwargs = packed.packed_kwargs(text.lengths, text.embeds.shape[1]) if varlen else packed.attention_kwargs
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         out = model(hidden_states=packed.hidden, encoder_hidden_states=text.embeds,
                     encoder_hidden_states_mask=text.mask_or_none(), timestep=torch.full((len(samples),), 0.5,
                                                                                         device=device),
-                    img_shapes=packed.img_shapes, attention_kwargs=packed.attention_kwargs, return_dict=False)[0]
-    loss = sum(out[b, :n].float().square().mean() for b, n in enumerate(packed.n_target)) / len(samples)
+                    img_shapes=packed.img_shapes, attention_kwargs=kwargs, return_dict=False)[0]
+    return [out[b, :n] for b, n in enumerate(packed.n_target)], packed
+
+
+def _step(model, samples, device, dtype, varlen: bool = True):
+    out, packed = _forward(model, samples, device, dtype, varlen)
+    loss = sum(o.float().square().mean() for o in out) / len(samples)
     loss.backward()
     return packed.padding_fraction()
+
+
+def _agreement(model, samples, device, dtype) -> float:
+    """The largest |packed - masked| of the batch's predictions, relative to the largest |masked|."""
+    with torch.no_grad():
+        packed, _ = _forward(model, samples, device, dtype, varlen=True)
+        masked, _ = _forward(model, samples, device, dtype, varlen=False)
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(packed, masked))
+    return diff / max(float(b.float().abs().max()) for b in masked)
 
 
 def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
@@ -66,12 +84,19 @@ def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
     def timed(fn):
         return median_time(lambda: (fn(), model.zero_grad(set_to_none=True)), dev, repeats)
 
+    from qwen_edit_core import speed
     padding = _step(model, samples, dev, dtype)
-    t_batch = timed(lambda: _step(model, samples, dev, dtype))
     t_single = timed(lambda: [_step(model, [s], dev, dtype) for s in samples])
-    rows = [["one by one", f"{len(samples) / t_single:.2f}", "0.0%", "1.00"],
-            ["padded batch of 4", f"{len(samples) / t_batch:.2f}", f"{100 * padding:.1f}%",
-             f"{t_single / t_batch:.2f}"]]
+    rows = [["one by one", f"{len(samples) / t_single:.2f}", "0.0%", "1.00",
+             speed.kernels_text(speed.kernels_ran(lambda: _step(model, samples[:1], dev, dtype), dev))]]
+    for label, varlen in (("batch of 4, key mask", False), ("batch of 4, variable-length", True)):
+        t_batch = timed(lambda v=varlen: _step(model, samples, dev, dtype, v))
+        kernels = speed.kernels_ran(lambda v=varlen: _step(model, samples, dev, dtype, v), dev)
+        rows.append([label, f"{len(samples) / t_batch:.2f}", f"{100 * padding:.1f}%", f"{t_single / t_batch:.2f}",
+                     speed.kernels_text(kernels)])
+    model.zero_grad(set_to_none=True)
     sizes = ", ".join(f"{w}x{h}" for w, h in sides)
     return print_table(f"batching: LoRA step, {'real-size' if real_size else 'tiny'} transformer, sizes {sizes}, "
-                       f"{dev}, {dtype}", ["mode", "samples/s", "padding", "throughput vs one-by-one"], rows)
+                       f"{dev}, {dtype}; variable-length vs key mask: largest difference "
+                       f"{_agreement(model, samples, dev, dtype):.1e} of the largest output",
+                       ["mode", "samples/s", "padding", "throughput vs one-by-one", "attention kernels"], rows)

@@ -33,8 +33,15 @@ def run_bench(args) -> None:
         from qwen_edit_core.bench.activations import run
         run(device=args.device)
     elif args.what == "memory":
-        from qwen_edit_core.bench.memory import report
-        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+        from qwen_edit_core.bench.memory import check_edit, report
+        check_edit(args.variant, args.size, args.controls)
+        results = None
+        if args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24): bench/memory_comfyui.py
+            from qwen_edit_core.bench.memory_comfyui import simulate_comfyui
+            results = [simulate_comfyui(args.variant, args.size, args.controls, args.budget_gb or 24.0,
+                                        file_dtype=args.file_dtype)]
+        print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json,  # noqa: T201
+                     results=results))
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The real-size benchmarks of BENCHMARKS.md ("Real size: speed and memory levers") on a CUDA machine, one part
 # per run (about 5-8 minutes each on an H100 80 GB):
-#   bash qwen_edit_core/bench/device_run.sh targets | sample | levers1 | levers2   (in that order of priority: the
-#   first two measure the targets, the last two each lever alone)
-# or both targets in one run of about 9.5 minutes, each time-boxed (ALL_S seconds in all, default 570): the
-# training targets in 4 steps, then the sampler's levers and 20-step edits (s/step: a 50-step edit is 2.5x):
+#   bash qwen_edit_core/bench/device_run.sh targets | sample | varlen | levers1 | levers2   (in that order of
+#   priority: the first two measure the targets, varlen checks variable-length attention against the key mask
+#   on the GPU, the last two each lever alone)
+# or the targets and the check in one run of at most 9 minutes, each part time-boxed (ALL_S seconds in all,
+# default 530): the training targets in 4 steps at a real prompt's length (1,409 text tokens at 1024^2 Edit,
+# a multiple-of-64 row beside it), the sampler's levers and 20-step edits with where their seconds go (s/step:
+# a 50-step edit is 2.5x), then varlen. Every row prints the attention kernels it ran (profiler names), the
+# reserved and (training) pinned host GiB; device.txt lists the attention kernels this torch and GPU offer:
 #   bash qwen_edit_core/bench/device_run.sh all
 # Writes <part>.log and device.txt under $OUT (default /tmp/qwen-edit-bench).
 # Needs torch, transformers, peft, accelerate and pyyaml; if diffusers is missing, it installs the wheels in
@@ -12,7 +16,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
 set -euo pipefail
-part=${1:?usage: device_run.sh targets|sample|levers1|levers2|all}
+part=${1:?usage: device_run.sh targets|sample|varlen|levers1|levers2|all}
 out=${OUT:-/tmp/qwen-edit-bench}
 mkdir -p "$out"
 if ! python3 -c "import diffusers" 2>/dev/null; then
@@ -23,20 +27,24 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, diffusers, transformers, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  python3 -c "from qwen_edit_core import speed; print('attention kernels offered:', speed.offered_kernels('cuda:0'))"
 } > "$out/device.txt" 2>&1
 bench="python3 -m qwen_edit_core.cli bench"
 case $part in
     targets) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ fp8 backward,memory_budget_gb 16" ;;
     sample)  $bench sample --real-size --device cuda:0 --steps 50 --repeats 3 ;;
+    varlen)  $bench batching --real-size --device cuda:0 --repeats 3 ;;
     levers1) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "ours (checkpointing),+ compile,+ fp8 base" ;;
     levers2) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
-    all) total=${ALL_S:-570}
-         timeout $((total * 56 / 100)) $bench train --real-size --device cuda:0 --steps 4 \
+    all) total=${ALL_S:-530}
+         timeout $((total * 52 / 100)) $bench train --real-size --device cuda:0 --steps 4 \
              --variants "+ fp8 backward,memory_budget_gb 16" || echo "train part ended with $?"
-         timeout $((total - SECONDS - 10)) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
-from qwen_edit_core.bench.sample import _real; _real('cuda:0', steps=20, repeats=2)" || echo "sample part ended with $?" ;;
-    *) echo "unknown part $part: targets, sample, levers1, levers2 or all" >&2; exit 2 ;;
+         timeout $((total * 88 / 100 - SECONDS)) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+from qwen_edit_core.bench.sample import _real; _real('cuda:0', steps=20, repeats=2)" || echo "sample part ended with $?"
+         timeout $((total - SECONDS)) $bench batching --real-size --device cuda:0 --repeats 2 \
+             || echo "varlen part ended with $?" ;;
+    *) echo "unknown part $part: targets, sample, varlen, levers1, levers2 or all" >&2; exit 2 ;;
 esac 2>&1 | tee "$out/$part.log"

@@ -60,6 +60,9 @@ class Simulated:
     #: bytes of offloaded blocks' weights still on the device after the step (should be 0)
     offloaded_resident_after_gib: float = 0.0
     levers: str = ""
+    #: what the card must reserve: the peak with the margin. Offloaded blocks are copied into the offloader's fixed
+    #: device buffers (allocated once, tracked), so no in-flight copy waits outside the tracked bytes
+    reserved_gib: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -201,7 +204,8 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
-                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB, levers=_levers_text(model, checkpointed))
+                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB, levers=_levers_text(model, checkpointed),
+                     reserved_gib=(total + margin_bytes(categories)) / GIB)
 
 
 def _prompt(n_tokens: int, mode):
@@ -301,8 +305,22 @@ def table(results: list[Simulated]) -> str:
     return "\n".join(lines)
 
 
+def check_edit(variant: str, side: int, controls: int | None) -> None:
+    """ValueError naming `--size` or `--controls` when the simulated edit is outside what the model takes: a side
+    from 64 px (a multiple of 16 once rounded) to the image limit, 1 control image up to the variant's most."""
+    from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
+    if not MIN_SIDE <= side <= int(MAX_PIXELS ** 0.5):
+        raise ValueError(f"--size {side}: the edit's side must be in [{MIN_SIDE}, {int(MAX_PIXELS ** 0.5)}] px")
+    most = variants.get(variant).max_controls
+    if controls is not None and (controls < 1 or most is not None and controls > most):
+        raise ValueError(f"--controls {controls}: variant {variant!r} takes 1 to {most or 'any number of'} control "
+                         "images")
+
+
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
-           budget_gb: float | None = None, *, as_json: bool = False) -> str:
-    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
-    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+           budget_gb: float | None = None, *, as_json: bool = False, results: list[Simulated] | None = None) -> str:
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`), of `results` (by
+    default the command line's plans, simulated now)."""
+    if results is None:
+        results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
     return "\n".join(r.to_json() for r in results) if as_json else table(results)

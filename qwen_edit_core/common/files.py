@@ -63,6 +63,14 @@ def write_bytes(path, data: bytes) -> Path:
     return path
 
 
+def save_png(image, path) -> Path:
+    """Write a PIL image as a PNG file atomically (`write_bytes`): never a partial picture under its name."""
+    import io
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return write_bytes(path, buffer.getvalue())
+
+
 class OutputWriteError(OSError):
     """Writing an output failed for a reason the user can fix (disk full, read-only, permission); the message
     names the path, what was being written and what survived."""
@@ -108,10 +116,10 @@ def free_bytes(path) -> int | None:
 
 
 @contextlib.contextmanager
-def writing(path, what: str, survived: str = "", key: str = ""):
+def writing(path, what: str, survived="", key: str = ""):
     """Turn a disk-full, read-only or permission error inside the block into an OutputWriteError naming
-    `path`, the config `key` that chose it, `what` was being written and what `survived` (other errors pass
-    unchanged)."""
+    `path`, the config `key` that chose it, `what` was being written and what `survived` (a text, or a callable
+    giving it, asked only on an error; other errors pass unchanged)."""
     try:
         yield
     except OSError as err:
@@ -119,6 +127,7 @@ def writing(path, what: str, survived: str = "", key: str = ""):
         if reason is None or isinstance(err, OutputWriteError):
             raise
         where = f" ({key})" if key else ""
+        survived = survived() if callable(survived) else survived
         raise OutputWriteError(err.errno, f"could not write {what} to {str(path)!r}{where}: {reason}."
                                           + (f" {survived}" if survived else "")) from err
 
@@ -131,49 +140,58 @@ class OutputDirBusyError(RuntimeError):
 
 
 class OutputLock:
-    """One writer per output directory: an OS lock on `<dir>/.qwen-edit.lock` (flock on POSIX, msvcrt on
-    Windows). The kernel releases it when the holder exits or is killed (SIGKILL included), so a crashed run
-    never leaves a stale lock; the file keeps the holder's PID and start time for the refusal message."""
+    """One writer per output directory: an advisory lock the process holds on the directory itself (flock on
+    its descriptor on POSIX; on Windows, where only files lock, msvcrt on `<dir>/.qwen-edit.lock`). The kernel
+    releases it when the holder exits or is killed (SIGKILL included), so a crashed run never leaves a stale
+    lock, and deleting a file cannot defeat it. `<dir>/.qwen-edit.lock` only tells a refused run who holds the
+    folder (PID, host, start time); it is removed when the lock is released."""
 
     def __init__(self, directory, purpose: str = "training", key: str = "train.output_dir"):
         self.directory = Path(directory)
         self.key = key
         self.path = self.directory / LOCK_NAME
         self.purpose = purpose
-        self._fh = None
+        self._fd: int | None = None
 
     @property
     def held(self) -> bool:
-        return self._fh is not None
+        return self._fd is not None
 
     def acquire(self) -> "OutputLock":
         """Take the lock now or raise OutputDirBusyError naming the holder; never waits."""
         import datetime
         with writing(self.directory, "the run's lock file", key=self.key):
             self.directory.mkdir(parents=True, exist_ok=True)
-            fh = open(self.path, "a+", encoding="utf-8")
+            fd = _open_lockable(self.directory, self.path)
         try:
-            _try_lock(fh)
+            _try_lock(fd)
         except OSError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown holder"
-            fh.close()
+            os.close(fd)
+            try:
+                holder = self.path.read_text(encoding="utf-8").strip()
+            except OSError:
+                holder = ""
             raise OutputDirBusyError(
-                f"output directory {str(self.directory)!r} is in use by another run ({holder}); wait for it to "
-                "finish or stop it, or choose another output directory") from None
-        fh.seek(0)
-        fh.truncate()
+                f"output directory {str(self.directory)!r} is in use by another run ({holder or 'unknown holder'}); "
+                "wait for it to finish or stop it, or choose another output directory") from None
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        fh.write(f"PID {os.getpid()} on {_hostname()}, {self.purpose} started {started}\n")
-        fh.flush()
-        self._fh = fh
+        try:
+            with writing(self.directory, "the run's lock file", key=self.key):
+                _write_holder(self.path, fd, f"PID {os.getpid()} on {_hostname()}, {self.purpose} started {started}\n")
+        except BaseException:
+            _unlock(fd)
+            os.close(fd)
+            raise
+        self._fd = fd
         return self
 
     def release(self) -> None:
-        if self._fh is not None:
-            fh, self._fh = self._fh, None
-            _unlock(fh)
-            fh.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            if os.name != "nt":
+                self.path.unlink(missing_ok=True)  # while still held: no other holder's file is removed
+            _unlock(fd)
+            os.close(fd)
 
     def __enter__(self) -> "OutputLock":
         return self.acquire() if not self.held else self
@@ -182,27 +200,44 @@ class OutputLock:
         self.release()
 
 
+def _open_lockable(directory: Path, lock_file: Path) -> int:
+    """The descriptor to lock: the directory's own on POSIX, the lock file's on Windows."""
+    if os.name == "nt":
+        return os.open(lock_file, os.O_RDWR | os.O_CREAT)
+    return os.open(directory, os.O_RDONLY)
+
+
+def _write_holder(path: Path, fd: int, text: str) -> None:
+    """Who holds the lock, for a refused run's message (on Windows into the locked file itself)."""
+    if os.name == "nt":
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.truncate(fd, 0)
+        os.write(fd, text.encode("utf-8"))
+    else:
+        write_bytes(path, text.encode("utf-8"))
+
+
 def _hostname() -> str:
     import socket
     return socket.gethostname()
 
 
-def _try_lock(fh) -> None:
-    """An exclusive, non-blocking lock on the open file; OSError when another holder has it."""
+def _try_lock(fd: int) -> None:
+    """An exclusive, non-blocking lock on the open descriptor; OSError when another holder has it."""
     if os.name == "nt":
         import msvcrt
-        fh.seek(0)
-        msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
     else:
         import fcntl
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def _unlock(fh) -> None:
+def _unlock(fd: int) -> None:
     if os.name == "nt":
         import msvcrt
-        fh.seek(0)
-        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
     else:
         import fcntl
-        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qwen_edit_core.common.files import save_safetensors
+from qwen_edit_core.common.files import save_safetensors, writing
 from qwen_edit_core.data.cache_tensors import (  # noqa: F401 - re-exported: the entry's tensor contract
     CACHE_FORMAT_VERSION, CACHE_TENSORS, EMBEDDING_TENSORS, LOSS_MASK, check_tensors, control_names, float_dtype,
     prepare_tensors)
@@ -234,7 +234,10 @@ class EmbeddingCache:
         # Concurrent writers of one key write equal content; each uses its own temporary file and the last
         # rename wins, so the entry's name only ever points at a whole file.
         metadata = {**key.to_metadata(), CHECKSUM_FIELD: tensors_checksum(tensors)}
-        path = save_safetensors(tensors, self.path_for(key), metadata=metadata)
+        path = self.path_for(key)
+        # A failed write leaves no file under the entry's name (save_safetensors' temporary file is removed).
+        with writing(path, "an embedding cache entry", "The entries already written are kept.", key="cache.dir"):
+            save_safetensors(tensors, path, metadata=metadata)
         log.debug("cache: wrote %s", path)
         return path
 

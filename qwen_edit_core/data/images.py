@@ -11,6 +11,8 @@ from pathlib import Path
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from qwen_edit_core.model.geometry import open_bounded
+
 log = logging.getLogger(__name__)
 
 ACCEPTED_IMAGES = "png, jpg or webp"
@@ -139,6 +141,6 @@ def load_rgb(path, convert_modes: bool = False) -> Image.Image:
     Non-RGB images raise ValueError unless `convert_modes`: then transparency is composited on white and
     16-bit images are scaled to 8 bits.
     """
-    with Image.open(path) as img:
+    with open_bounded(path) as img:
         img = ImageOps.exif_transpose(img)  # a new, loaded image: the file can close
     return _to_rgb(img, path, convert_modes)

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import ImageOps
 
 from qwen_edit_core.data.images import _decode
+from qwen_edit_core.model.geometry import open_bounded
 
 MASKS_DIR = "masks"
 _MASK_STEM = re.compile(r"^(?P<base>.+)_mask$", re.IGNORECASE)
@@ -45,7 +46,7 @@ def split_mask_stems(images: dict[str, Path]) -> tuple[dict[str, Path], dict[str
 
 def _grey_array(path: Path) -> tuple[np.ndarray | None, str | None]:
     """The mask as float32 (H, W) in [0, 1] as displayed, or the problem with it."""
-    with Image.open(path) as img:
+    with open_bounded(path, "mask") as img:
         img = ImageOps.exif_transpose(img)
     if img.mode not in _GREY_MODES and not img.mode.startswith("I;16"):
         return None, (f"mask mode {img.mode} cannot be read as greyscale; save it as a black-and-white (greyscale) "

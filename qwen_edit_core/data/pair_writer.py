@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from qwen_edit_core.common.files import write_bytes
+from qwen_edit_core.common.files import write_bytes, writing
 from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.data.captions import caption_text_problem
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
@@ -173,8 +173,9 @@ def write_pair(folder: Path, pair: NewPair, name: str) -> WrittenPair:
         raise FileExistsError(f"pair {name!r}: {taken[0]} already exists; nothing was written")
     written: list[Path] = []
     try:
-        for path, data in contents:
-            written.append(write_bytes(path, data))
+        with writing(folder, f"pair {name!r}", "Nothing of that pair is kept; the folder's other pairs are unchanged."):
+            for path, data in contents:
+                written.append(write_bytes(path, data))
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)

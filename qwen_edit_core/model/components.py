@@ -60,6 +60,14 @@ def detect_variant(model_dir: Path) -> str:
         raise ModelNotFoundError(str(err)) from None
 
 
+def model_identity(model_dir: Path | None, variant: str = "") -> str:
+    """What a LoRA file records of the model it was trained on: the variant and the model folder's own name
+    (`edit-plus:Qwen-Image-Edit-2509`), never a path of this machine."""
+    if model_dir is None:
+        return variant or "unknown"
+    return f"{variant or detect_variant(Path(model_dir))}:{Path(model_dir).name}"
+
+
 def _quantization(mode: str, device: torch.device, component: str, library: str):
     """A bitsandbytes config for `mode`, or None; refuses where the backend cannot run."""
     if mode not in QUANTIZE_MODES:

@@ -15,7 +15,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from qwen_edit_core.model.geometry import calculate_dimensions
+from qwen_edit_core.model.geometry import calculate_dimensions, open_bounded
 from qwen_edit_core.model import variants
 from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
 
@@ -269,7 +269,7 @@ def open_image(path, keep_alpha: bool = False) -> Image.Image:
     if not path.is_file():
         raise EncodeError(f"image {str(path)!r} does not exist")
     try:
-        with Image.open(path) as img:
+        with open_bounded(path) as img:
             img.load()
             img = ImageOps.exif_transpose(img)
             alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info

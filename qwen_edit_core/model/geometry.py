@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import warnings
 
 log = logging.getLogger(__name__)
 
@@ -13,6 +15,40 @@ log = logging.getLogger(__name__)
 MIN_SIDE = 64
 MAX_PIXELS = 64_000_000
 SIZE_MULTIPLE = 16
+#: the longest side a size may have (an image of MIN_SIDE by this is MAX_PIXELS) and the most sampling steps
+MAX_SIDE = MAX_PIXELS // MIN_SIDE
+MAX_STEPS = 1000
+
+
+def size_problem(width: int | None, height: int | None) -> str | None:
+    """Why an output size typed by a user (either side may be left to the default) is over the image limits,
+    or None."""
+    for name, value in (("width", width), ("height", height)):
+        if value is not None and value > MAX_SIDE:
+            return f"{name}={value} is over {MAX_SIDE} px (the image limit is {MAX_PIXELS} pixels)"
+    if width is not None and height is not None and width * height > MAX_PIXELS:
+        return f"{width}x{height} is {width * height} pixels, over the {MAX_PIXELS} pixel limit"
+    return None
+
+
+@contextlib.contextmanager
+def open_bounded(path, what: str = "image"):
+    """PIL's lazy open of `path` with the image limit checked from its header, before any pixel is decoded: a
+    ValueError naming the file when it is over MAX_PIXELS (PIL's own decompression-bomb error included)."""
+    from PIL import Image
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our limit below is the lower one
+        try:
+            img = Image.open(path)
+        except Image.DecompressionBombError as err:
+            raise ValueError(f"{what} {str(path)!r} is refused before decoding: {err}; accepted: at most "
+                             f"{MAX_PIXELS} pixels") from None
+    with img:
+        w, h = img.size
+        if w * h > MAX_PIXELS:
+            raise ValueError(f"{what} {str(path)!r} is {w}x{h}, {w * h} pixels, refused before decoding "
+                             f"(decompression bomb guard); accepted: at most {MAX_PIXELS} pixels")
+        yield img
 
 
 def check_image_size(size_wh: tuple[int, int], what: str) -> None:

@@ -58,7 +58,10 @@ def _fp8_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     if n_rows < 16:
         rows = torch.cat([rows, rows.new_zeros(16 - n_rows, rows.shape[1])])
     x8, x_scale = quantize_rows(rows)
-    y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(), out_dtype=KERNEL_OUT)
+    # fast accumulation in the forward only (torchao's row-wise recipe: Float8LinearConfig "rowwise" keeps it for
+    # the output, not the gradients); the benchmarks' fixed-batch loss guards the prediction
+    y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t().contiguous(), out_dtype=KERNEL_OUT,
+                         use_fast_accum=True)
     return y[:n_rows]
 
 

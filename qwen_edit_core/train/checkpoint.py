@@ -96,7 +96,7 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
     training `device`'s generator. A full disk, read-only folder or denied permission raises OutputWriteError
     naming what survived."""
     final = root / f"step-{step:07d}"
-    with writing(final, f"checkpoint step {step}", _survivor(root)):
+    with writing(final, f"checkpoint step {step}", survivor(root)):
         root.mkdir(parents=True, exist_ok=True)
         _remove_partials(root)
         tmp = root / f".partial-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -127,8 +127,8 @@ def _torch_save(obj, path: Path) -> None:
         torch.save(obj, fh)
 
 
-def _survivor(root: Path) -> str:
-    """What a failed save leaves for resume: the newest complete checkpoint, if any."""
+def survivor(root: Path) -> str:
+    """What a failed write leaves for resume: the newest complete checkpoint under `root`, if any."""
     found = latest_checkpoint(root)
     if found is None:
         return "No earlier checkpoint exists; the run's other files are unchanged."

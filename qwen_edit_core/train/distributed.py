@@ -78,7 +78,10 @@ class Distributed:
         if self.accelerator is not None and not family_of(model).padded_batches:
             self.manual = True
             return model
-        return self.accelerator.prepare_model(model) if self.accelerator else model
+        if self.accelerator is None:
+            return model
+        ignore_frozen(model)
+        return self.accelerator.prepare_model(model)
 
     def no_sync(self, model, last_micro: bool):
         if self.accelerator is None or last_micro or self.manual:  # gradients averaged in `sync_gradients`
@@ -100,6 +103,18 @@ class Distributed:
     def barrier(self) -> None:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
+
+
+def ignore_frozen(model: torch.nn.Module) -> int:
+    """Leave every frozen parameter and every buffer of `model` out of DistributedDataParallel (torch's
+    `_set_params_and_buffers_to_ignore_for_model`, read when DDP wraps the model): DDP broadcasts from rank 0 at
+    wrap every parameter and buffer it is not told to ignore (`_sync_module_states`), which for the frozen base is
+    the whole transformer (38 GiB in bf16) that every process already loaded from the same files; frozen weights
+    have no gradients to average. Returns how many names are ignored."""
+    from torch.nn.parallel import DistributedDataParallel
+    names = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return len(names)
 
 
 def image_tokens(bucket_key) -> int:

@@ -24,7 +24,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from qwen_edit_core.common.files import save_png, save_safetensors, writing
 from qwen_edit_core.data.examples import EditExample
+from qwen_edit_core.model.geometry import open_bounded
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def mask_pixels(example: EditExample, width: int, height: int) -> np.ndarray | N
     if example.mask is None:
         return None
     from PIL import Image
-    with Image.open(example.mask) as mask:
+    with open_bounded(example.mask, "mask") as mask:
         return np.asarray(mask.convert("L").resize((width, height), Image.BILINEAR)) >= 128
 
 
@@ -112,10 +114,9 @@ class HeldOutMetrics:
         picture = (pixels.numpy() * 255).round().clip(0, 255).astype(np.uint8)
         if picture_path is not None:
             from PIL import Image
-            from safetensors.torch import save_file
-            picture_path.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(picture).save(picture_path)
-            save_file({"latents": latents.float().cpu().contiguous()}, picture_path.with_suffix(".safetensors"))
+            with writing(picture_path, "a held-out pair's picture", self._survivor, key="train.output_dir"):
+                save_png(Image.fromarray(picture), picture_path)
+                save_safetensors({"latents": latents.float()}, picture_path.with_suffix(".safetensors"))
         example = pair.example
         errors = pixel_errors(picture, target_pixels(example, cond.width, cond.height),
                               mask_pixels(example, cond.width, cond.height))
@@ -138,7 +139,15 @@ class HeldOutMetrics:
         log.info("held-out pairs at step %d: latent mse %.5f, pixel mse %.5f (in mask %.5f, outside %.5f)", *row)
         return row
 
+    def _survivor(self) -> str:
+        from qwen_edit_core.train.checkpoint import survivor
+        return survivor(self.out_dir.parent / "checkpoints")
+
     def _write(self, row: tuple) -> None:
+        with writing(self.csv, "the held-out metrics", self._survivor, key="train.output_dir"):
+            self._write_files(row)
+
+    def _write_files(self, row: tuple) -> None:
         from qwen_edit_core.train.log import plot_loss
         self.out_dir.mkdir(parents=True, exist_ok=True)
         new = not self.csv.is_file()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from qwen_edit_core.common.files import save_png, writing
+
 log = logging.getLogger(__name__)
 
 
@@ -27,11 +29,12 @@ class LossLog:
                 # Keep rows up to the resume step: a resumed run rewrites what came after.
                 self.history = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(fh)
                                 if int(r["step"]) <= start_step]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["step", "loss"])
-            writer.writerows(self.history)
+        with writing(self.path, "the loss log", key="train.output_dir"):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w", newline="") as fh:
+                writer = csv.writer(fh)
+                writer.writerow(["step", "loss"])
+                writer.writerows(self.history)
         self._tb = None
         if tensorboard:
             try:
@@ -42,7 +45,9 @@ class LossLog:
 
     def add(self, step: int, loss: float, lr: float) -> None:
         self.history.append((step, loss))
-        with open(self.path, "a", newline="") as fh:
+        from qwen_edit_core.train.checkpoint import survivor
+        with writing(self.path, f"the loss of step {step}", lambda: survivor(self.path.parent / "checkpoints"),
+                     key="train.output_dir"), open(self.path, "a", newline="") as fh:
             csv.writer(fh).writerow([step, f"{loss:.8g}"])
         if self._tb is not None:
             self._tb.add_scalar("loss", loss, step)
@@ -119,6 +124,6 @@ def plot_loss(history: list[tuple[int, float]], path: Path, size: tuple[int, int
             draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(30, 90, 200))
         draw.text((right - 6, top + 6), f"last {smooth(losses)[-1]:.4g} (smoothed)  raw: grey", fill=(30, 90, 200),
                   font=font, anchor="ra")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    with writing(path, "a loss plot", key="train.output_dir"):
+        save_png(image, path)
     return image

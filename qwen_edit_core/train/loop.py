@@ -337,7 +337,8 @@ def cancel_step(run: RunState) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     run.state = "cancelled"
     run.sampler.load_state_dict(run.position)
-    read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
+    if run.dist.world == 1:  # several processes stop only where they agreed, at a read: nothing is pending then
+        read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
     log.info("training stopped at step %d; saving a checkpoint", run.step)
 
 

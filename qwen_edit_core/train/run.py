@@ -275,8 +275,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     out_dir = Path(config.train.output_dir)
     examples, held = _split_heldout(config, list(load_examples(config).examples))
     model_dir, settings = _model(config)
-    resume_path = resolve_resume(out_dir, resume)
-    run_folder.check_free(out_dir, resume_path, overwrite)
+    resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, len(examples[0].controls))
@@ -327,7 +326,8 @@ def _with_validation(result, config: Config, comps: comp.Components, validator, 
 def _lora_writer(config: Config, transformer, spec: lora_mod.LoraSpec, model_dir: Path):
     """write_lora(path, step): the run's LoRA file at `step`, in `train.lora_format`'s layout."""
     def write_lora(path: Path, step: int) -> None:
-        lora_mod.save_lora(path, transformer, spec, base_identity=str(model_dir), steps=step,
+        lora_mod.save_lora(path, transformer, spec, base_identity=comp.model_identity(model_dir, config.model.variant),
+                           steps=step,
                            layout=config.train.lora_format)
     return write_lora
 

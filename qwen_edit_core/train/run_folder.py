@@ -52,23 +52,23 @@ def previous_run(out_dir: Path) -> str | None:
     return " and ".join(parts) or None
 
 
-def check_free(out_dir: Path, resume: Path | None, overwrite: bool) -> None:
+def check_free(out_dir: Path, resume: Path | None, overwrite: bool) -> Path | None:
     """Refuse (OutputDirTakenError) a run that would write over another run's files in `out_dir`: a new run
     when the folder holds a LoRA or checkpoints, a resumed one when its checkpoints are another run's. Writes
-    nothing; with `overwrite` nothing is refused (`claim` moves the old files aside)."""
+    nothing; with `overwrite` nothing is refused (`claim` moves the old files aside). Returns `resume`."""
     out_dir = Path(out_dir)
     if overwrite:
-        return
+        return resume
     if resume is not None:
         own = run_id_of(resume)
         others = {c.state.get("run_id") for c in ckpt.list_checkpoints(out_dir / "checkpoints")} - {own}
         if not others:
-            return
+            return resume
         what = f"checkpoints of another run (not the one {str(resume)!r} belongs to)"
     else:
         what = previous_run(out_dir)
         if what is None:
-            return
+            return None
     raise OutputDirTakenError(
         f"output directory {str(out_dir)!r} (train.output_dir) holds another run: {what}. Continue it with "
         "--resume, choose a new --output-dir, or pass --overwrite to move the old run aside first")

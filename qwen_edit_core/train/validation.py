@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qwen_edit_core.model import encode
 from qwen_edit_core.families import family_of, family_of_cache_name
@@ -26,6 +26,8 @@ from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.common.files import save_png, save_safetensors, writing
+from qwen_edit_core.train.checkpoint import survivor
 
 log = logging.getLogger(__name__)
 
@@ -232,13 +234,14 @@ class Validator:
             transformer.train()
         if not write:
             return None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step-{step:07d}.safetensors"
-        save_file(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews]),
-                                           "family": family.cache_name})
-        self.latent_files.append(path)
-        if self.components.vae is not None:
-            self.images.append(decode_file(self.components.vae, path))
+        with writing(path, f"the validation picture of step {step}",
+                     lambda: survivor(self.out_dir.parent / "checkpoints"), key="train.output_dir"):
+            save_safetensors(tensors, path, metadata={"labels": json.dumps([p.label for p in self.previews]),
+                                                      "family": family.cache_name})
+            self.latent_files.append(path)
+            if self.components.vae is not None:
+                self.images.append(decode_file(self.components.vae, path))
         log.info("validation at step %d (%s) -> %s", step, ", ".join(p.label for p in self.previews), path)
         return path
 
@@ -262,7 +265,9 @@ def decode_file(vae, path: Path) -> Path:
         pixels = encode.decode_latents(vae, unpack(data[f"latents_{i}"], width, height))
         images.append((encode.postprocess(pixels)[0, ..., :3].numpy() * 255).round().astype("uint8"))
     png = path.with_suffix(".png")
-    labelled_grid(images, labels).save(png)
+    with writing(png, "a validation picture", lambda: survivor(path.parent.parent / "checkpoints"),
+                 key="train.output_dir"):
+        save_png(labelled_grid(images, labels), png)
     return png
 
 

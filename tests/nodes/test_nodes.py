@@ -116,11 +116,8 @@ def test_templates_are_listed_once_with_a_thumbnail_each():
             assert image.format == "JPEG" and max(image.size) == 256, (path.name, image.format, image.size)
             assert max(ImageStat.Stat(image.convert("L")).stddev) > 10, f"{path.name}: blank thumbnail"
             pictures[path.name] = image.convert("RGB").tobytes()
-    # as shipped, sample-with-LoRA (no LoRA) and two-GPU CFG (CFG 1) sample the same picture the same way, and the
-    # cached and real-time templates train the same LoRA (equal losses in both modes), so their validation edits
-    # are the same picture
-    same = [{"qwen_edit_sample_with_lora.json", "qwen_edit_two_gpu_cfg.json"},
-            {"qwen_edit_train_cached.json", "qwen_edit_train_realtime.json"}]
+    # as shipped, sample-with-LoRA (no LoRA) and two-GPU CFG (CFG 1) sample the same picture the same way
+    same = [{"qwen_edit_sample_with_lora.json", "qwen_edit_two_gpu_cfg.json"}]
     assert all(len({pictures[n] for n in group}) == 1 for group in same)
     others = [picture for name, picture in pictures.items() if not any(name in group for group in same)]
     others += [pictures[min(group)] for group in same]

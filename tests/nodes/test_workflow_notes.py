@@ -12,6 +12,7 @@ import pytest
 
 from qwen_edit_core.config import load_config
 from qwen_edit_core.train.validation import parse_previews, previews_from_config
+from workflows.build_workflows import SECONDS, TIMED_BY
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
@@ -32,6 +33,14 @@ def test_note_says_each_thing_once_and_only_what_applies(path):
     assert len(sentences) == len(set(sentences)), f"{path.name}: a sentence is repeated"
     trains = any(n["type"] in TRAINS for n in graph["nodes"])
     assert trains == bool(re.search(r"\blearn", note)), f"{path.name}: says what the toy learns only if it trains"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_note_states_the_measured_time_and_its_command(path):
+    note = _note(json.loads(path.read_text()))
+    assert path.stem in SECONDS, f"{path.stem}: measure it with {TIMED_BY.format(name=path.stem)}"
+    assert re.search(r"took \d+ (s|min) on a 2-core CPU", note), f"{path.name}: no measured time"
+    assert TIMED_BY.format(name=path.stem) in note
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)

@@ -212,3 +212,28 @@ def test_21_with_ten_references_is_refused_24_gib_and_fits_its_plan():
     _checked_against_the_planner(result, 36)
     non_weight = result.peak_device_gib - result.categories_gib["Parameter"] - result.categories_gib["Buffer"]
     assert non_weight > 24, memory.table([result])
+
+
+def test_the_comfyui_path_runs_through_the_command(monkeypatch, capsys):
+    """`qwen-edit bench memory --comfyui --variant edit-plus --controls 2 --json`: the Train node's job on a 24 GiB
+    card with the fp8 file (here on one real-width block): one row, the graph's model lent, its fields there."""
+    import functools
+
+    from qwen_edit_core.bench import memory_comfyui
+    from qwen_edit_core.cli import main
+    monkeypatch.setattr(memory_comfyui, "simulate_comfyui", functools.partial(memory_comfyui.simulate_comfyui,
+                                                                              num_layers=1))
+    assert not main(["bench", "memory", "--comfyui", "--variant", "edit-plus", "--controls", "2", "--size", "512",
+                     "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert set(JSON_FIELDS) | {"reserved_gib"} <= set(row)
+    assert row["plan"] == "comfyui fp8 file, 24 GiB card" and row["budget_gib"] == 24
+    assert row["reserved_gib"] == row["peak_device_gib"] <= 24
+    assert row["levers"].startswith("fp8 on")
+
+
+def test_the_node_budget_is_90_percent_of_the_card_less_the_cuda_context():
+    from qwen_edit_core.bench.memory_comfyui import node_budget_gb
+    assert 20.8 < node_budget_gb(24) < 21.6

@@ -430,3 +430,18 @@ def test_the_auto_budget_is_off_on_the_cpu_and_checkpointing_stays_on():
     assert levers.checkpointed == (0, 1, 2, 3) and not levers.offloaded
     perf.release_training(model)
     assert not model.is_gradient_checkpointing
+
+
+def test_the_fp8_forward_matmul_asks_for_fast_accumulation(monkeypatch):
+    """The forward's scaled matmul asks for fast accumulation (as torchao's row-wise recipe); the kernel is
+    CUDA-only, so its arguments are recorded here (the prediction guard is the benchmarks' fixed-batch loss)."""
+    from qwen_edit_core.speed import fp8
+    calls = []
+
+    def scaled_mm(a, b, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=kwargs["out_dtype"])
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    weight = torch.randn(32, 64).to(fp8.FP8)
+    fp8._fp8_mm(torch.randn(20, 64), weight, torch.ones(32, 1))
+    assert calls and calls[0]["use_fast_accum"] is True

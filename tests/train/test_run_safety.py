@@ -226,3 +226,36 @@ def test_every_rank_waits_for_validation_at_a_barrier(tiny_edit_dir, pairs_dir, 
     after_step(run, torch.tensor(0.5), write_lora=None, progress=None,
                validate=lambda step: events.append("validate"))
     assert events == (["validate", "barrier"] if is_main else ["barrier"])
+
+
+def test_data_parallel_broadcasts_only_the_lora_at_wrap(tiny_edit_dir, monkeypatch):
+    """DDP broadcasts from rank 0, when it wraps the model, every parameter and buffer it is not told to ignore:
+    `ignore_frozen` leaves the frozen base out (every process loaded it from the same files), so only the LoRA
+    travels (a one-process gloo group here; the broadcast is the same call with more processes)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from qwen_edit_core.adapters import lora
+    from qwen_edit_core.model.components import load_transformer
+    from qwen_edit_core.train import distributed
+
+    model = load_transformer(tiny_edit_dir, device=torch.device("cpu"), dtype=torch.float32)
+    lora.inject_lora(model, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["attn"]))
+    sent = []
+    real = dist._broadcast_coalesced
+    monkeypatch.setattr(dist, "_broadcast_coalesced", lambda group, tensors, *a: sent.extend(tensors) or
+                        real(group, tensors, *a))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert distributed.ignore_frozen(model) > 0
+        DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
+    finally:
+        dist.destroy_process_group()
+    trainable = {p.data_ptr() for p in model.parameters() if p.requires_grad}  # DDP sends detached views
+    assert sent and {t.data_ptr() for t in sent} <= trainable, len(sent)
+    assert sum(t.numel() for t in sent) == sum(p.numel() for p in model.parameters() if p.requires_grad)
