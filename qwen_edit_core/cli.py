@@ -7,6 +7,7 @@ status 2; no traceback from inside diffusers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -99,6 +100,11 @@ def cmd_sample(args) -> None:
         overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
         context_parallel.init_process_group(args.context_parallel, plan["transformer"], cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
+    with _cpu_threads(args):
+        _sample(args, config)
+
+
+def _sample(args, config) -> None:
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.model.encode import open_image
     images = [open_image(p, keep_alpha=True) for p in args.image]  # the 2025 family drops alpha as before
@@ -132,12 +138,23 @@ def _lora_arg(spec: str) -> tuple[str, float]:
         raise ValueError(f"--lora {spec!r}: the strength after ':' must be a number") from None
 
 
+@contextlib.contextmanager
+def _cpu_threads(args):
+    """torch's CPU threads for the command's work (`--threads`; 0: 1 on a small or busy machine, else the free
+    cores: common/threads.py), set once the config is read (config errors are answered without torch)."""
+    from qwen_edit_core.common.threads import torch_threads
+    with torch_threads(args.threads) as count:
+        log.debug("torch uses %d CPU thread(s)", count)
+        yield
+
+
 def cmd_cache(args) -> None:
     from qwen_edit_core.config import load_config
     config = load_config(args.config)
     from qwen_edit_core.api import QwenImageEditTrainer
     trainer = QwenImageEditTrainer(config)
-    stats = trainer.cache(progress=_progress_bar("cache"))
+    with _cpu_threads(args):
+        stats = trainer.cache(progress=_progress_bar("cache"))
     log.info("cache: %(total)d entries, %(hits)d reused, %(computed)d computed", stats)
 
 
@@ -148,6 +165,11 @@ def cmd_train(args) -> None:
         from qwen_edit_core.train.validation import parse_previews
         overrides.setdefault("train", {})["validation_previews"] = parse_previews(args.preview)
     config = load_config(args.config, overrides=overrides)
+    with _cpu_threads(args):
+        _train(args, config)
+
+
+def _train(args, config) -> None:
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.common.progress import CancelToken, Interrupted, SignalStop
     trainer = QwenImageEditTrainer(config)
@@ -283,6 +305,12 @@ def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=help, formatter_class=_DefaultsHelp)
 
 
+def _threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's CPU threads; 0: 1 on a machine of at most 4 cores or a busy one (load >= cores - 1), "
+                        "else the cores the load leaves free")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-edit", description=__doc__.splitlines()[0],
                                      formatter_class=_DefaultsHelp)
@@ -307,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tiny)
 
     p = _command(sub, "sample", help="edit an image with true CFG")
+    _threads_option(p)
     p.add_argument("--model", required=True, help="diffusers-layout model directory")
     p.add_argument("--transformer-file", help="transformer as one safetensors file (ComfyUI diffusion_models)")
     p.add_argument("--transformer-fp8", choices=["auto", "keep", "upcast"],
@@ -356,10 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sample)
 
     p = _command(sub, "cache", help="precompute the embedding cache of a dataset")
+    _threads_option(p)
     p.add_argument("config", help="YAML config (model, data, cache sections)")
     p.set_defaults(func=cmd_cache)
 
     p = _command(sub, "train", help="train a LoRA (Ctrl-C or SIGTERM saves a checkpoint and exits)")
+    _threads_option(p)
     p.add_argument("config", help="YAML config")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the run's latest checkpoint, or from the checkpoint/output dir given")

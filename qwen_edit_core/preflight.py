@@ -287,7 +287,7 @@ def training_inputs(config: Config, model_dir: Path | None, n_examples: int, res
     check_weights(config, model_dir)
     if resume is not None:
         check_resume(config, model_dir, resume)
-    if config.train.validation_every and config.train.validation_image:
+    if config.train.validation_every and (config.train.validation_image or config.train.validation_previews):
         from qwen_edit_core.train.validation import previews_from_config
         previews_from_config(config)  # settings and LoRA files of every preview
     paths, keys = _config_loras(config)

@@ -86,8 +86,10 @@ class SampleSettings:
                              f"{', '.join(CONTROL_SIZES)}")
         if self.shift_mode not in SHIFT_MODES:
             raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
-        if not 1 <= self.num_inference_steps <= geometry.MAX_STEPS:
-            raise ValueError(f"num_inference_steps must be in [1, {geometry.MAX_STEPS}], got {self.num_inference_steps}")
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.num_inference_steps > geometry.MAX_STEPS:
+            raise ValueError(f"num_inference_steps must be at most {geometry.MAX_STEPS}, got {self.num_inference_steps}")
         too_large = geometry.size_problem(self.width, self.height)
         if too_large:
             raise ValueError(too_large)

@@ -187,12 +187,20 @@ class FitInputs:
     validation: dict | None
 
 
-def _validation_example(config: Config, n_controls: int):
+def _validation_example(config: Config, examples: Sequence, held: Sequence):
+    """The validation picture as an example: `train.validation_image`; without one but with previews asked for
+    (`train.validation_previews`), the first held-out (else training) pair, its caption unless
+    `train.validation_prompt` is set (logged); None when the run does not sample previews."""
     t = config.train
-    if not (t.validation_every and t.validation_image):
+    if not (t.validation_every and (t.validation_image or t.validation_previews)):
         return None
+    if not t.validation_image:
+        pair = (list(held) or list(examples))[0]
+        log.info("validation: train.validation_image is not set; the previews sample pair %s's control image(s) with "
+                 "%s", pair.name, "train.validation_prompt" if t.validation_prompt else "its caption")
+        return replace(pair, name="validation", caption=t.validation_prompt or pair.caption, mask=None)
     from qwen_edit_core.train.validation import validation_example
-    return validation_example(t.validation_image, t.validation_prompt, n_controls)
+    return validation_example(t.validation_image, t.validation_prompt, len(examples[0].controls))
 
 
 def _loaded(config: Config, plan: DevicePlan, model_dir: Path, which: tuple[str, ...],
@@ -278,7 +286,7 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
-    val_example = _validation_example(config, len(examples[0].controls))
+    val_example = _validation_example(config, examples, held)
     _checked(config, check, model_dir, examples, held)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
     if config.cache.enabled:

@@ -70,7 +70,6 @@ def _cfg(tmp_path, model, data, **train) -> Path:
 WRITERS = {  # writer -> (the marker of its paths, its settings, what the message names)
     # (the cache stage writes the first safetensors files of a run: its entries, under temporary names)
     "cache": (".safetensors.", {}, "could not write an embedding cache entry to '{tmp}/cache/"),
-    "dataset check": ("doctor-measures", {}, "could not write the dataset check's measures to '{tmp}/cache/"),
     "validation": ("/validation/", {"validation_every": 1, "validation_steps": 1, "validation_prompt": "x"},
                    "could not write the validation picture of step 1 to '{tmp}/o/validation/step-0000001"),
     "heldout": ("/heldout/", {"validation_every": 1, "validation_steps": 1, "validation_pairs": 1},

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from qwen_edit_core.common.files import write_bytes, writing
+from qwen_edit_core.common.files import write_bytes
 from qwen_edit_core.data.doctor import alignment, captions, duplicates, references, regions, sizes, swapped
 from qwen_edit_core.data.doctor.findings import DoctorReport, DoctorSettings, Finding, Measured
 from qwen_edit_core.data.doctor.measure import VERSION, Measures, measure
@@ -96,9 +96,12 @@ def measure_all(examples: Sequence[EditExample], cache_dir: Optional[Path] = Non
     fresh = {key: value for key, value in results if key not in cached}
     if cache_path is not None and fresh:
         cached.update(fresh)
-        with writing(cache_path, "the dataset check's measures", key="cache.dir"):
+        try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes(cache_path, json.dumps(cached).encode("utf-8"))
+        except OSError as err:  # only a cache: the run goes on, and the folder's own check names the problem
+            log.warning("doctor: could not keep the measures in %s (%s); they are measured again next time",
+                        cache_path, err.strerror or err)
     log.debug("doctor: %d pair(s) measured, %d from the cache", len(fresh), len(results) - len(fresh))
     return [Measures.from_dict(value) for _, value in results]
 
