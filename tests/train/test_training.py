@@ -153,9 +153,17 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous(tiny_edit_
     assert not list((out / "checkpoints").glob(".partial-*"))
 
 
-def _files(root) -> dict:
-    """Every file under `root` by relative path, with its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+def _entries(root) -> dict:
+    """Every file under `root` by relative path: a safetensors file as its metadata and each tensor's bytes (the
+    library writes the metadata's keys in a per-process hash order), a JSON file parsed, any other as its bytes."""
+    from safetensors import safe_open
+
+    def content(path: Path):
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt") as f:
+                return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
+        return json.loads(path.read_text()) if path.suffix == ".json" else path.read_bytes()
+    return {str(p.relative_to(root)): content(p) for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow  # accelerate launch: several processes
@@ -184,7 +192,7 @@ def test_accelerate_two_processes_equal_one_process(tiny_edit_dir, pairs_dir, tm
     single = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "one",
                                                cache_dir=tmp_path / "c1",
                                                train={"max_steps": 3, "fp8_base": True})).fit()
-    assert _files(tmp_path / "cache") == _files(tmp_path / "c1")
+    assert _entries(tmp_path / "cache") == _entries(tmp_path / "c1")
     # the processes' forwards (one pair each) and the gradient all-reduce round differently from one process's
     # batch of two: three steps' rounding and one more for the average, magnified by Adam (adam_trained_size)
     expected = _lora(single.lora_path)
