@@ -268,7 +268,7 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
             results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
             _free(dev)
     aligned, first = text_tokens // 64 * 64, results[1] if len(results) > 1 else None
-    if aligned != text_tokens and first is not None and "error" not in first[1]:
+    if 0 < aligned != text_tokens and first is not None and "error" not in first[1]:
         # the first lever again at a multiple of 64 text tokens: what an odd prompt length costs the kernels
         name = f"{first[0]} at {aligned} text tokens"
         try:
