@@ -240,10 +240,10 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     """`layers`/`side`/`text_tokens` shrink the run for a smoke test of the plumbing (any device); `text_tokens`
     None: a real prompt's length at `side` (model.prompt_length: the control's vision tokens plus a caption)."""
     from qwen_edit_core.bench.common import matmul_peaks
-    from qwen_edit_core.model import variants
+    from qwen_edit_core.model import variants as model_variants
     from qwen_edit_core.model.prompt_length import prompt_tokens
     if text_tokens is None:
-        text_tokens = prompt_tokens(variants.DEFAULT, [(side, side)])
+        text_tokens = prompt_tokens(model_variants.DEFAULT, [(side, side)])
     dev = resolve_device(device, component="bench device")
     if dev.type != "cuda" and layers is None:
         raise ValueError("--real-size needs a CUDA device: it measures the real-size transformer's GPU time "
@@ -268,7 +268,7 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
             results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
             _free(dev)
     aligned, first = text_tokens // 64 * 64, results[1] if len(results) > 1 else None
-    if aligned != text_tokens and first is not None and "error" not in first[1]:
+    if 0 < aligned != text_tokens and first is not None and "error" not in first[1]:
         # the first lever again at a multiple of 64 text tokens: what an odd prompt length costs the kernels
         name = f"{first[0]} at {aligned} text tokens"
         try:
