@@ -118,6 +118,23 @@ def assert_compiled_lora_close(got, expected, *, steps: int, ops: int, last_bloc
                       what=what)
 
 
+def random_lora_file(model_dir, path, targets: str, seed: int, presets=None):
+    """A LoRA file made with the project's own LoRA code on the model of `model_dir` (rank 4, alpha 8, random B
+    as after training) on `targets` (a preset of `presets`, default the 2025 family's)."""
+    from qwen_edit_core.adapters import lora
+    from qwen_edit_core.model.components import load_transformer
+    model = load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32)
+    resolved = lora.resolve_targets(targets) if presets is None else lora.resolve_targets(targets, presets)
+    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=resolved)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lora.inject_lora(model, spec)
+        with torch.no_grad():
+            for layer in lora.adapter_layers(model).values():
+                layer.lora_B["default"].weight.normal_(0, 0.05)
+    return lora.save_lora(path, model, spec, base_identity="tiny", steps=1)
+
+
 def scaled_fp8(state, new_format=False, fp8_bias=False):
     """ComfyUI-style scaled fp8 (comfy/ops.py): 2-D linear weights as e4m3fn with a 0-d float32 scale
     (`.scale_weight` + a `scaled_fp8` marker key, or the newer `.weight_scale` + `.comfy_quant`); embeddings,

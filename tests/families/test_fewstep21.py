@@ -19,6 +19,7 @@ from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, schedules
 
+from conftest import random_lora_file
 from tolerances import assert_close_fp32, tiny_sampler_roundings
 
 SIDE = 64
@@ -102,30 +103,16 @@ def test_an_unknown_schedule_names_the_21_ones(tiny_21_dir):
         sampler.sample(comps, "p", _refs(), sampler.SampleSettings(schedule="lightning", vae_area=SIDE * SIDE))
 
 
-def _lora_file(model_dir, path, targets: str, seed: int):
-    """A 2.1 LoRA made with the project's own LoRA code (random B, as after training)."""
-    from qwen_edit_core.adapters import lora
-    from qwen_edit_core.families import QWEN_IMAGE_21
-    from qwen_edit_core.model.components import load_transformer
-    model = load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32)
-    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=lora.resolve_targets(targets, QWEN_IMAGE_21.lora_targets))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        lora.inject_lora(model, spec)
-        with torch.no_grad():
-            for layer in lora.adapter_layers(model).values():
-                layer.lora_B["default"].weight.normal_(0, 0.05)
-    return lora.save_lora(path, model, spec, base_identity="tiny", steps=1)
-
-
 def test_a_few_step_adapter_stacked_with_a_users_lora_equals_diffusers_set_adapters(tiny_21_dir, tmp_path):
     """The 2.1 few-step recipe users run: a few-step LoRA at half strength under the user's LoRA, on the adapter's
     sigma list; diffusers' `load_lora_weights` + `set_adapters` with the same strengths is the reference."""
     from diffusers import QwenImage21Pipeline
 
     from qwen_edit_core.adapters import lora
-    fast = _lora_file(tiny_21_dir, tmp_path / "fast.safetensors", "all", 1)
-    mine = _lora_file(tiny_21_dir, tmp_path / "mine.safetensors", "attn", 2)
+    from qwen_edit_core.families import QWEN_IMAGE_21
+    presets = QWEN_IMAGE_21.lora_targets
+    fast = random_lora_file(tiny_21_dir, tmp_path / "fast.safetensors", "all", 1, presets)
+    mine = random_lora_file(tiny_21_dir, tmp_path / "mine.safetensors", "attn", 2, presets)
     strengths, sigmas = (0.5, 1.0), schedules.parse_sigmas("qwen21-dmd-6step")
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_dir)
     for path, name in zip((fast, mine), ("fast", "mine")):

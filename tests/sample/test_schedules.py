@@ -23,6 +23,7 @@ from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, schedules
 
+from conftest import random_lora_file
 from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32, tiny_sampler_roundings
 
 #: the Lightning LoRAs' published scheduler config (FlowMatchEulerDiscreteScheduler), written out literally
@@ -45,18 +46,10 @@ def _image(w: int, h: int, seed: int) -> Image.Image:
 
 
 def _lora_file(model_dir, path, targets: str, seed: int, comfy_prefix: bool):
-    """A LoRA made with the project's own LoRA code (random B, as after training); `comfy_prefix=False` writes
+    """A LoRA made with the project's own LoRA code (conftest.random_lora_file); `comfy_prefix=False` writes
     the Lightning files' layout (bare module paths, lora_down/lora_up, .alpha)."""
     from safetensors.torch import load_file, save_file
-    model = load_transformer(model_dir, device=torch.device("cpu"), dtype=torch.float32)
-    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=lora.resolve_targets(targets))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        lora.inject_lora(model, spec)
-        with torch.no_grad():
-            for layer in lora.adapter_layers(model).values():
-                layer.lora_B["default"].weight.normal_(0, 0.05)
-    lora.save_lora(path, model, spec, base_identity="tiny", steps=1)
+    random_lora_file(model_dir, path, targets, seed)
     if not comfy_prefix:
         save_file({k.removeprefix("diffusion_model."): v for k, v in load_file(path).items()}, path)
     return path
