@@ -10,7 +10,7 @@ bf16 autocast to hold what a GPU holds (the fp32 LoRA would otherwise save fp32 
 `cpu` tensors run the forward, the backward and `torch.autocast("cpu")` exactly as a GPU step is traced, and
 the product's levers treat the device as a plain one (the offloader copies synchronously, with no side
 stream: the same bytes). Host copies made by the offloader are therefore on the same fake device: they are
-created before the step is tracked and counted from the offloader itself (`offloaded_host_bytes`).
+created before the step is tracked and counted from the offloader itself (bench/memory.py `pinned_host_bytes`).
 
 peft cannot inject adapters under FakeTensorMode (`_apply(): Couldn't swap Linear.weight`), so the model is
 built on the `meta` device, the LoRA is injected there by the product's own `adapters.lora.inject_lora`, and
@@ -169,14 +169,6 @@ def _fake_tensor_attributes(module) -> None:
         elif isinstance(value, list) and value and all(isinstance(v, torch.Tensor) and v.device.type == "meta"
                                                        for v in value):
             setattr(module, name, [torch.empty_like(v, device=STAND_IN) for v in value])
-
-
-def offloaded_host_bytes(transformer) -> int:
-    """Bytes the block offloader keeps in (pinned) host memory for `transformer` (0 without offload)."""
-    offloader = getattr(transformer, "_qwen_edit_offloader", None)
-    if offloader is None:
-        return 0
-    return sum(host.numel() * host.element_size() for slots in offloader.slots.values() for *_, host in slots)
 
 
 def text_tokens(variant: str, side: int, controls: int) -> int:
