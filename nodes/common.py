@@ -104,12 +104,16 @@ def resolve_model(name: str, path: str = "") -> Path:
 #: the picture side of a real Qwen-Image model (about one megapixel), and what a side input of 0 ("auto") means
 #: for any model but the built-in toy ones
 REAL_SIDE = 1024
+#: what Train's steps and learning_rate of 0 ("auto") mean for a real model: a LoRA of an edit or style on 20-100
+#: pairs at rank 16
+REAL_STEPS, REAL_LEARNING_RATE = 1000, 1e-4
+#: the lowest CFG input, "auto": the schedule's or sigma preset's scale, else the model's (`auto_cfg`)
+AUTO_CFG = -1.0
 
 
-def native_side(handle) -> int:
-    """The picture side a loaded model is made for, what a side input of 0 ("auto") stands for: the built-in
-    pretrained toy models' training size (their weights' manifest, matched by the stamp `ensure_toy` leaves in
-    the model directory), else REAL_SIDE."""
+def toy_recipe(handle) -> dict | None:
+    """The recipe a built-in pretrained toy model was trained with (its weights' manifest, matched by the stamp
+    `ensure_toy` leaves in the model directory), or None for any other model."""
     from qwen_edit_core.toys import toy
     stamp = Path(handle.components.model_dir) / toy.MANIFEST
     if stamp.is_file():
@@ -117,13 +121,35 @@ def native_side(handle) -> int:
         for weights in (toy.WEIGHTS_DIR, toy.WEIGHTS_DIR_21):
             info = toy.manifest(weights)
             if info["sha256"] == built:
-                return int(info["recipe"]["size"])
-    return REAL_SIDE
+                return info["recipe"]
+    return None
+
+
+def native_side(handle) -> int:
+    """The picture side a loaded model is made for, what a side input of 0 ("auto") stands for: the built-in
+    pretrained toy models' training size, else REAL_SIDE."""
+    recipe = toy_recipe(handle)
+    return int(recipe["size"]) if recipe else REAL_SIDE
 
 
 def side_of(side: int, handle) -> int:
     """A side input's value in pixels: itself, or (0, "auto") the model's `native_side`."""
     return side if side > 0 else native_side(handle)
+
+
+def auto_cfg(handle) -> float:
+    """The true CFG scale a model samples at when the CFG input is "auto": 1 (off) for the built-in toy models,
+    which learned their edits without CFG, else its family's pipeline default (4 for Qwen-Image-Edit, 1 for
+    the CFG-distilled Qwen-Image-2.1)."""
+    from qwen_edit_core.model import variants
+    return 1.0 if toy_recipe(handle) else variants.get(handle.components.variant).family.pipeline_cfg
+
+
+def training_defaults(handle) -> tuple[int, float]:
+    """(steps, learning rate) that Train's inputs of 0 ("auto") stand for: the toy demo's (qwen_edit_core/demo.py)
+    on a built-in toy model, else REAL_STEPS and REAL_LEARNING_RATE."""
+    from qwen_edit_core import demo
+    return (demo.STEPS, demo.LEARNING_RATE) if toy_recipe(handle) else (REAL_STEPS, REAL_LEARNING_RATE)
 
 
 def image_to_pils(image: torch.Tensor) -> list:

@@ -18,8 +18,8 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.model import variants
 
 from . import comfy_runtime, loaded_models, sample21
-from .common import (CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils,
-                     side_of)
+from .common import (AUTO_CFG, CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, auto_cfg, device_choices,
+                     image_to_pils, side_of)
 
 SHIFT_MODES = ["dynamic", "fixed (ComfyUI mu 1.15)"]
 # Widget specs several nodes share (same names, defaults and ranges everywhere).
@@ -35,9 +35,11 @@ NEGATIVE = ("STRING", {"multiline": True, "default": "",
                                   "space, the reference pipeline's default"})
 STEPS = ("INT", {"default": 20, "min": 1, "max": 200,
                  "tooltip": "denoising steps: 20-50 for real models (the reference uses 50), 4-8 for the tiny one"})
-CFG = ("FLOAT", {"default": 4.0, "min": 0.0, "max": 20.0, "step": 0.1, "round": 0.01,
-                 "tooltip": "true CFG scale: 4.0 typical (3-5); <= 1 turns CFG off (one transformer call per "
-                            "step, twice as fast)"})
+CFG = ("FLOAT", {"default": AUTO_CFG, "min": AUTO_CFG, "max": 20.0, "step": 0.1, "round": 0.01,
+                 "tooltip": "true CFG scale: -1 (auto): the schedule's or sigma preset's (lightning: 1), else the "
+                            "model's: 4.0 for real Qwen-Image-Edit models (3-5 typical), 1 for Qwen-Image-2.1 "
+                            "(CFG-distilled) and the built-in toy ones; 0 to 1 turns CFG off (one transformer call "
+                            "per step, twice as fast)"})
 SEED = ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
                 "tooltip": "noise seed: the same seed and settings give the same image"})
 SHIFT = (SHIFT_MODES, {"tooltip": "timestep shift: dynamic by image size (diffusers' pipeline, mu from the "
@@ -103,6 +105,15 @@ def _settings(steps=20, cfg=4.0, seed=0, width=0, height=0, shift_mode="dynamic"
                                   shift_mode="fixed" if shift_mode.startswith("fixed") else "dynamic",
                                   vae_area=vae_area * vae_area, vl_area=vl_area * vl_area, schedule=schedule,
                                   shift=shift or None, control_size=control_size)
+
+
+def cfg_of(cfg: float, handle, schedule: str = "diffusers", sigmas: str = "") -> float:
+    """The CFG input's scale: itself, or (below 0, "auto") the sigma preset's, else the schedule's (lightning:
+    1), else the model's (`auto_cfg`)."""
+    if cfg >= 0:
+        return cfg
+    _, preset = schedules.resolve_sigmas(sigmas)
+    return preset if preset is not None else schedules.steps_and_cfg(schedule, 1, None, fallback_cfg=auto_cfg(handle))[1]
 
 
 #: previews per sampling run: each one copies the latents to the host (a device sync), so not every step
@@ -220,8 +231,9 @@ class QwenEditSampler:
         loaded_models.use(model)
         family = variants.get(model.components.variant).family
         with torch.inference_mode(False), torch.no_grad():
-            settings = _settings(steps, true_cfg_scale, seed, width, height, shift_mode, negative_prompt,
-                                 vae_area=side_of(vae_side, model), schedule=schedule, shift=shift,
+            settings = _settings(steps, cfg_of(true_cfg_scale, model, schedule, sigmas), seed, width, height,
+                                 shift_mode, negative_prompt, vae_area=side_of(vae_side, model), schedule=schedule,
+                                 shift=shift,
                                  control_size=control_size,
                                  sigmas=sigmas)
             if family.ordered_references:
@@ -296,8 +308,8 @@ class QwenEditSampleConditioning:
 
     def sample(self, model, conditioning, steps, true_cfg_scale, seed, shift_mode, uncond_device, unique_id=None,
                schedule="diffusers", shift=0.0, parallel=False, sigmas=""):
-        settings = _settings(steps, true_cfg_scale, seed, shift_mode=shift_mode, schedule=schedule, shift=shift,
-                             sigmas=sigmas)
+        settings = _settings(steps, cfg_of(true_cfg_scale, model, schedule, sigmas), seed, shift_mode=shift_mode,
+                             schedule=schedule, shift=shift, sigmas=sigmas)
         loaded_models.use(model)
         if conditioning.uncond is None and settings.do_cfg:
             settings = dataclasses.replace(settings, negative_prompt=None)

@@ -107,15 +107,16 @@ class QwenEditTrainLoRA:
                              "validation_every": full["validation_every"],
                              "validation_prompt": full["validation_prompt"],
                              "options": (TRAIN_OPTIONS, {"tooltip": "Train Options: the advanced settings; "
-                                                                    "unconnected, their defaults"})}}
+                                                                    "unconnected, their defaults"}),
+                             "overwrite": full["overwrite"]}}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, targets, batch_size, resolution,
               checkpoint_every, use_cache, resume, validation_image=None, validation_every=0,
-              validation_prompt="", options=None):
+              validation_prompt="", options=None, overwrite=False):
         opts = options or TrainOptions()
         advanced = {f.name: getattr(opts, f.name) for f in fields(TrainOptions)}
         return QwenEditTrain().start(model, dataset, lora_name=lora_name, steps=steps, learning_rate=learning_rate,
                                      rank=rank, targets=targets, batch_size=batch_size, resolution=resolution,
                                      checkpoint_every=checkpoint_every, use_cache=use_cache, resume=resume,
                                      validation_image=validation_image, validation_every=validation_every,
-                                     validation_prompt=validation_prompt, **advanced)
+                                     validation_prompt=validation_prompt, overwrite=overwrite, **advanced)

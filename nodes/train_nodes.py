@@ -18,15 +18,20 @@ from qwen_edit_core.adapters.lora import TARGET_PRESETS
 from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.train.heldout import heldout_text
+from qwen_edit_core.train.run_folder import OutputDirTakenError, previous_run
 from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 
 from . import comfy_runtime, loaded_models
 from .job_service import outcome
 from .common import (CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils,
-                     side_of)
+                     side_of, training_defaults)
 
 log = logging.getLogger(__name__)
 
+OVERWRITE = ("BOOLEAN", {"default": False, "tooltip": "a second run under a lora_name that was trained before: "
+                         "on, the old run's LoRA and checkpoints are moved aside (output/qwen_edit_runs/NAME."
+                         "replaced-<time>) and training starts anew; off, such a run is refused (turn resume on to "
+                         "continue the old run instead)"})
 RESOLUTION = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
                       "tooltip": "training side in pixels: images are resized to about this side squared; 0 (auto): "
                                  "the model's own size (1024 native for real models; 128 for the built-in toy "
@@ -199,11 +204,13 @@ class QwenEditTrain:
             "dataset": (DATASET, {"tooltip": TIPS["dataset"] + " (cached: Build Cache first)"}),
             "lora_name": ("STRING", {"default": "qwen_edit_lora", "tooltip": "file name of the LoRA in "
                                      "models/loras (.safetensors is added); also names the run folder"}),
-            "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000,
-                              "tooltip": "optimizer steps: 500-3000 for a style or edit on 20-100 pairs"}),
+            "steps": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
+                              "tooltip": "optimizer steps: 0 (auto): 250 for the built-in toy models, 1000 for a "
+                                         "real model; 500-3000 steps for a style or edit on 20-100 pairs"}),
             # the frontend keeps as many decimals as `step` has: step 1e-7 keeps 1e-6, 1.5e-6 and 5e-7
-            "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-7, "round": 1e-7,
-                                        "tooltip": "AdamW learning rate: 1e-4 typical for rank 16 (5e-5 to 2e-4); "
+            "learning_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 1e-7, "round": 1e-7,
+                                        "tooltip": "AdamW learning rate: 0 (auto): 1e-2 for the built-in toy models, "
+                                                   "1e-4 for a real model; 1e-4 typical for rank 16 (5e-5 to 2e-4), "
                                                    "down to 1e-6 for gentle fine-tuning"}),
             "rank": ("INT", {"default": 16, "min": 1, "max": 512,
                              "tooltip": "LoRA rank: 16 typical (8-64); the file's size and what it can learn "
@@ -292,6 +299,7 @@ class QwenEditTrain:
                 "keep the dataset's last N pairs (by name) out of training and sample them every validation_every "
                 "steps: their error to their targets is logged (validation/metrics.csv, metrics.png) and shown "
                 "in the live view; it rises again when the LoRA overfits. 0: off")}),
+            "overwrite": OVERWRITE,
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -300,9 +308,11 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0):
+              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0, overwrite=False):
         name = lora_name.strip().removesuffix(".safetensors")
         check_file_name(name, "lora_name")
+        auto_steps, auto_lr = training_defaults(model)
+        steps, learning_rate = steps or auto_steps, learning_rate or auto_lr  # 0: auto from the model
         out = comfy_runtime.output_dir() / "qwen_edit_runs" / name
         cache_dir = str(dataset.cache_dir) if dataset.cache_dir else ""
         validation = {}
@@ -338,8 +348,20 @@ class QwenEditTrain:
         comfy_runtime.free_device_memory(config.train.device, keep=loaded_models.modules_of(model),
                                          busy=loaded_models.busy)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
-        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
-                                    model=model.components),)
+        try:
+            return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
+                                        model=model.components, overwrite=overwrite),)
+        except OutputDirTakenError:
+            raise OutputDirTakenError(taken_words(name, out)) from None
+
+
+def taken_words(name: str, out: Path) -> str:
+    """The refusal of a new run under a LoRA name whose run folder holds another run, in the Train node's words
+    (the core's speaks of the command line's --resume, --output-dir and --overwrite)."""
+    what = previous_run(out) or "checkpoints of another run"
+    return (f"lora_name {name!r} was trained before: {out} holds {what}. Turn resume on to continue that run, "
+            "give another lora_name, or turn overwrite on to move the old run aside (into a sibling folder "
+            f"{out.name}.replaced-<time>) and train anew")
 
 
 def find_job(job, job_name: str) -> jobs.TrainingJob:

@@ -34,6 +34,8 @@ N_TRAIN, N_HELD_OUT = 24, 4
 #: dissolved the shapes into blocks: held-out edge similarity 0.27 after 300 steps; rank 64: 0.52, and 0.57
 #: with lr 1e-2 (docs/TOY_MODEL.md). A rank-64 step costs about 16% more, so the demo takes 250 steps.
 RANK = 64
+LEARNING_RATE = 1e-2
+STEPS = 250
 COLUMNS = ("control", "target", "before LoRA", "after LoRA")
 
 
@@ -51,7 +53,7 @@ def _config(model_dir: Path, data: Path, out_dir: Path, steps: int):
         "cache": {"dir": str(out_dir / "cache")},
         "train": {"output_dir": str(out_dir / "train"), "max_steps": steps, "seed": 0,
                   "checkpoint_every": steps, "lora_name": "demo_lora"},
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.0},
+        "optimizer": {"lr": LEARNING_RATE, "weight_decay": 0.0},
         "lr_scheduler": {"type": "cosine", "warmup_steps": 20},
         "predict": {"vae_area": SIZE * SIZE}})
 
@@ -136,7 +138,7 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def run_demo(out_dir: Path, steps: int = 250, variant: str = "edit") -> dict:
+def run_demo(out_dir: Path, steps: int = STEPS, variant: str = "edit") -> dict:
     """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` ("edit", or
     "image-2.1": the toy Qwen-Image-2.1, the control as reference 1); returns the metrics (also in
     metrics.json)."""

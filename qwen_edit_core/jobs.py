@@ -88,11 +88,15 @@ class TrainingJob:
     def __init__(self, config: Config, *, name: str | None = None, resume=None,
                  deliver: Callable[[Path], Path] | None = None, listeners: tuple[Listener, ...] = (),
                  on_finish: Callable[["TrainingJob"], None] | None = None, fit=fit_with_trainer,
-                 preflight=TRAINER_PREFLIGHT, model=None):
+                 preflight=TRAINER_PREFLIGHT, model=None, overwrite: bool = False):
         """`preflight`: a job_hooks.Preflight (a plain callable: its check alone); `model`: loaded components
         (model.components.Components) the job trains on instead of loading its own; while it runs, `uses` names
-        their modules (the ComfyUI sampler refuses to run on them)."""
+        their modules (the ComfyUI sampler refuses to run on them); `overwrite`: another run's files in the
+        output folder are moved aside instead of refusing the job (train.run_folder; job_hooks says how the
+        hooks are told)."""
         self.config = config
+        # only a job asked to overwrite passes the keyword, so hooks that never overwrite keep their signature
+        self._overwrite = {"overwrite": True} if overwrite else {}
         self.model = model
         self.name = name or config.train.lora_name
         self.device = config.train.device
@@ -116,7 +120,7 @@ class TrainingJob:
         before any weight loads and, but for the probe's, before any file is written; then train in the
         background thread."""
         from qwen_edit_core.common.files import OutputLock
-        self._preflight.check(self.config, self._resume)
+        self._preflight.check(self.config, self._resume, **self._overwrite)
         self._output_lock = OutputLock(self.config.train.output_dir, purpose="background training").acquire()
         try:
             if self._preflight.probe is not None:
@@ -157,7 +161,7 @@ class TrainingJob:
             # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
             with torch_threads(self.config.train.cpu_threads):
                 result = self._fit(self.config, resume=self._resume, progress=self._progress,
-                                   cancel=self._cancel, lock=self._output_lock, model=self.model)
+                                   cancel=self._cancel, lock=self._output_lock, model=self.model, **self._overwrite)
             delivered = self._deliver(result.lora_path) if self._deliver and result.lora_path else None
             with self._lock:
                 self._result, self._delivered = result, delivered
@@ -291,14 +295,17 @@ class JobRegistry:
             if listener not in self._listeners:
                 self._listeners.append(listener)
 
-    def start(self, config: Config, *, name: str | None = None, resume=None, model=None) -> TrainingJob:
+    def start(self, config: Config, *, name: str | None = None, resume=None, model=None,
+              overwrite: bool = False) -> TrainingJob:
         """Start a job named `name` (default: the LoRA name), or return the job of that name when it runs,
         or finished training, with this very config (re-queuing the graph that started it attaches). `model`:
-        loaded components the job trains on (TrainingJob)."""
+        loaded components the job trains on; `overwrite`: another run's files in the output folder are moved
+        aside first (TrainingJob), and only a running job of that name is attached to."""
         name = check_file_name(name or config.train.lora_name, "job name")  # it is part of the job's URL
         with self._lock:
             same = self._jobs.get(name)
-            if same is not None and same.config == config and same.status().state not in ("cancelled", "failed"):
+            attach = same is not None and not (overwrite and same.finished)  # overwrite: a finished run is redone
+            if attach and same.config == config and same.status().state not in ("cancelled", "failed"):
                 log.info("attaching to training job %r (%s)", name, same.status().state)
                 return same
             if same is not None and not same.finished:
@@ -315,7 +322,7 @@ class JobRegistry:
                                    "for it, or train on another device")
             job = TrainingJob(config, name=name, resume=resume, deliver=self._deliver,
                               listeners=tuple(self._listeners), fit=self._fit, preflight=self._preflight,
-                              model=model)
+                              model=model, overwrite=overwrite)
             self._jobs[name] = job
         try:
             return job.start()

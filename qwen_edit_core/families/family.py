@@ -88,6 +88,9 @@ class Family:
     padded_batches: bool = True
     #: the prefix of the keys of a ComfyUI LoRA file for this family's transformer (what ComfyUI's loader expects)
     lora_prefix: str = "diffusion_model."
+    #: the true CFG scale the family's pipelines sample at by default (docs/MODEL.md: the 2025 edit pipelines'
+    #: true_cfg_scale 4.0; Qwen-Image-2.1 is CFG-distilled, 1: off); what a node's CFG "auto" means
+    pipeline_cfg: float = 4.0
 
     @property
     def token_pixels(self) -> int:
@@ -155,7 +158,7 @@ QWEN_IMAGE_21 = Family(
     file_layout="qwen_edit_core.families.qwen_image_21.single_file", file_marker="txt_in.text_norm.weight",
     package="qwen_edit_core.families.qwen_image_21", file_title="Qwen-Image-2.1", cache_name="qwen-image-2.1",
     cache_tensors=("prompt_slots", "empty_prompt_slots"), vision_in_text=False, padded_batches=False,
-    lora_prefix="")
+    lora_prefix="", pipeline_cfg=1.0)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
 #: the family of whatever carries no other family's mark (files, directories and cache entries made before the

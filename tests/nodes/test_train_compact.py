@@ -20,14 +20,14 @@ def _default(value):
 
 
 def test_compact_node_has_the_essentials_and_options_the_rest():
-    """Together the two nodes offer every input of the full node, none twice; the compact one holds 12
+    """Together the two nodes offer every input of the full node, none twice; the compact one holds 13
     widgets at most (the full node's 31 did not fit a 1920x1080 screen at a readable zoom)."""
     compact, options, full = _spec(QwenEditTrainLoRA), _spec(QwenEditTrainOptions), _spec(QwenEditTrain)
     assert set(compact) - {"options"} | set(options) == set(full)
     assert not set(compact) & set(options)
     widgets = [n for n, v in compact.items() if isinstance(v[0], list) or v[0] in ("INT", "FLOAT", "STRING",
                                                                                     "BOOLEAN")]
-    assert len(widgets) <= 12, widgets
+    assert len(widgets) <= 13, widgets
     assert list(compact)[2:2 + len(ESSENTIAL)] == list(ESSENTIAL)
     for name, value in {**compact, **options}.items():
         assert value[1].get("tooltip"), name
@@ -65,7 +65,7 @@ def test_compact_node_starts_the_full_nodes_job(monkeypatch):
     assert QwenEditTrainLoRA().start("m", "d", **essentials, validation_image="img", validation_every=3,
                                      validation_prompt="p", options=opts) == ("job",)
     assert seen == {**essentials, **options, "validation_image": "img", "validation_every": 3,
-                    "validation_prompt": "p"}
+                    "validation_prompt": "p", "overwrite": False}
 
 
 def test_live_view_is_drawn_on_the_compact_node():
