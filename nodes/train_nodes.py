@@ -24,7 +24,7 @@ from qwen_edit_core.train.validation import parse_lora_lines, parse_previews
 from . import comfy_runtime, loaded_models
 from .job_service import outcome
 from .common import (CATEGORY, DATASET, JOB, MODEL, TIPS, DatasetHandle, files_to_image, image_to_pils,
-                     side_of, training_defaults)
+                     auto_cfg, side_of, training_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,9 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
             "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution},
             "cache": {"dir": cache_dir or str(comfy_runtime.default_model_root() / "cache"),
                       "text_encoder_device": str(te), "vae_encoder_device": str(vae)},
-            "train": {"output_dir": str(output_dir), "device": str(transformer.device)}}
+            "train": {"output_dir": str(output_dir), "device": str(transformer.device)},
+            # validation previews without a CFG of their own sample at the model's (1 on the toy models)
+            "predict": {"true_cfg_scale": auto_cfg(handle)}}
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return load_config(overrides=base)

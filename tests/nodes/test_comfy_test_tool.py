@@ -159,3 +159,15 @@ def test_a_run_leaves_no_folder_behind(tool, monkeypatch, tmp_path):
     assert run.main(["--comfyui-dir", str(tmp_path / "ComfyUI"), "--out", str(out)]) == 0
     assert seen["base"].parent == out.resolve() / "tmp" == Path(seen["tmpdir"])
     assert not seen["base"].exists() and sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_workflow_is_queued_with_its_id_as_the_frontend_queues_it(tool, tmp_path):
+    """The pack keys a loader's model by the workflow's id in extra_pnginfo: the job_models check queues two
+    workflows whose Load Model is node 1 each with its own id, as the frontend does."""
+    comfy = tool[0]
+    server = comfy.ComfyServer(tmp_path, "python", base=tmp_path)
+    sent = []
+    server.post = lambda path, body: sent.append((path, body)) or {"prompt_id": "p"}
+    assert server.queue({"1": {}}, workflow_id="w-1") == server.queue({"1": {}}) == "p"
+    assert sent[0][1]["extra_data"] == {"extra_pnginfo": {"workflow": {"id": "w-1"}}}
+    assert "extra_data" not in sent[1][1] and sent[0][0] == sent[1][0] == "/prompt"

@@ -72,3 +72,16 @@ def test_train_node_resolves_auto_from_the_model_and_keeps_stored_values(stored,
     assert job.wait(60).state == "done"
     (config,) = run.configs
     assert (config.train.max_steps, config.optimizer.lr) == expected
+    assert config.predict.true_cfg_scale == 4.0  # validation previews sample at the model's CFG
+
+
+def test_validation_previews_on_the_toy_sample_at_cfg_1(tmp_path, monkeypatch):
+    from nodes.train_nodes import _config
+    from qwen_edit_core.train.validation import previews_from_config
+    monkeypatch.setenv("QWEN_EDIT_HOME", str(tmp_path))
+    toy = _handle(TOY_MODEL, "edit")
+    toy = ModelHandle(Components(model_dir=toy.components.model_dir, variant="edit", scheduler_config={},
+                                 transformer=torch.nn.Linear(2, 2)))
+    data = type("Data", (), {"folder": tmp_path})
+    (preview,) = previews_from_config(_config(toy, data, output_dir=tmp_path / "run", resolution=0))
+    assert preview.settings.true_cfg_scale == 1.0 and preview.label.endswith("CFG 1"), preview.label

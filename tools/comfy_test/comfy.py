@@ -163,8 +163,10 @@ class ComfyServer:
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"POST {path}: {err.code} {err.read().decode()[:2000]}") from None
 
-    def queue(self, prompt: dict) -> str:
-        return self.post("/prompt", {"prompt": prompt, "client_id": "qwen-edit-comfy-test"})["prompt_id"]
+    def queue(self, prompt: dict, workflow_id: str | None = None) -> str:
+        """Queue `prompt`; with `workflow_id`, as the frontend queues a workflow (its id in extra_pnginfo)."""
+        extra = {"extra_data": {"extra_pnginfo": {"workflow": {"id": workflow_id}}}} if workflow_id else {}
+        return self.post("/prompt", {"prompt": prompt, "client_id": "qwen-edit-comfy-test", **extra})["prompt_id"]
 
     def wait(self, prompt_id: str, timeout: float = 900) -> dict:
         """The prompt's history entry once it ran; raises with ComfyUI's error when it failed."""
@@ -176,8 +178,8 @@ class ComfyServer:
             raise RuntimeError(f"prompt {prompt_id} failed: {json.dumps(detail)[:3000]}")
         return entry
 
-    def run(self, prompt: dict, timeout: float = 900) -> dict:
-        return self.wait(self.queue(prompt), timeout)
+    def run(self, prompt: dict, timeout: float = 900, workflow_id: str | None = None) -> dict:
+        return self.wait(self.queue(prompt, workflow_id), timeout)
 
     def jobs(self) -> dict:
         return {job["name"]: job for job in self.get("/qwen_edit/jobs")["jobs"]}

@@ -1,7 +1,8 @@
 """Real-ComfyUI checks of the pack (`make comfy-test COMFYUI_DIR=...`): every shipped workflow on a fresh
 base directory, the training-job lifecycle (attach, stop, restart with a checkpoint, LoRA delivered with
 nobody waiting), the live view in headless Chromium on ComfyUI's own frontend (with a screenshot), and our
-LoRA/LoKr/LoHa/DoRA files through stock LoraLoaderModelOnly (lora_check.py).
+LoRA/LoKr/LoHa/DoRA files through stock LoraLoaderModelOnly (lora_check.py), a job's model beside another
+workflow's Load Model of the same node id and ComfyUI's unload giving back our memory (job_models_check.py).
 
     python tools/comfy_test/run.py --comfyui-dir ~/ComfyUI [--python ~/ComfyUI/venv/bin/python]
                                    [--only workflows,lifecycle,browser] [--workflows NAME,...] [--out comfy_test_out]
@@ -163,12 +164,15 @@ def main(argv=None) -> int:
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
     parser.add_argument("--only", default="workflows,lifecycle,browser,layout,view,frontend,lora,parallel,free_memory,"
-                                          "model_memory",
+                                          "model_memory,job_models,unload_memory",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
                              "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
                              "parallel option on 2 CPU workers), free_memory (the Train node's request to "
                              "ComfyUI to free a GPU), model_memory (the pack's models in ComfyUI's memory "
-                             "manager; a loader run twice holds one transformer), view (each workflow opened at "
+                             "manager; a loader run twice holds one transformer), job_models (a real-time job "
+                             "trains on while another workflow whose Load Model is also node 1 samples), "
+                             "unload_memory (ComfyUI's Free model and node cache gives back a real-width model's "
+                             "resident memory), view (each workflow opened at "
                              "1920x1080 is readable), frontend (the live view inside a subgraph and with the Vue "
                              "node renderer; labelled text boxes); sizes re-measures workflows/frontend/node_sizes.json; "
                              "first_workflow saves the README's screenshot of the first workflow")
@@ -209,6 +213,7 @@ def _run_checks(args) -> int:
     from browser_check import check_browser
     from first_workflow_shot import first_workflow_shot
     from free_memory_check import check_free_memory
+    from job_models_check import check_job_models, check_unload_memory
     from frontend_check import check_frontend
     from model_memory_check import check_model_memory
     from layout_check import check_layout, measure_sizes
@@ -218,7 +223,8 @@ def _run_checks(args) -> int:
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
               "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel,
               "free_memory": check_free_memory, "model_memory": check_model_memory,
-              "first_workflow": first_workflow_shot, "view": check_view, "frontend": check_frontend}
+              "first_workflow": first_workflow_shot, "view": check_view, "frontend": check_frontend,
+              "job_models": check_job_models, "unload_memory": check_unload_memory}
     failed = []
     for name in args.only.split(","):
         try:

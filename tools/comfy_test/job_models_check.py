@@ -1,0 +1,107 @@
+"""A training job's model beside other workflows, and ComfyUI's unload, in a real ComfyUI server.
+
+`check_job_models`: two shipped workflows whose Load Model is node 1 (every shipped workflow's is), queued as the
+frontend queues them (each with its own workflow id): the real-time training one with Training Status `wait` off,
+then the sampling one while the job trains. The sample succeeds and the job keeps training on its own model (a
+real-time step runs its text encoder and VAE, which another workflow's load once moved to `meta`), then stops with
+a checkpoint and its LoRA delivered to models/loras.
+
+`check_unload_memory`: a real-width model (one block at the real widths, about 1.5 GB in float32) loaded by a
+graph, then ComfyUI's "Free model and node cache" (POST /free): the server's resident memory falls by most of the
+model's bytes, as it does for ComfyUI's own loaders, and the same graph then runs again (the loader loads it
+anew)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from comfy import PACK, ComfyServer, limit, poll
+from convert import set_inputs, to_api
+
+TEMPLATES = PACK / "example_workflows"
+#: the share of the model's weight bytes the server's resident memory must give back after POST /free
+RETURNED_SHARE = 0.6
+
+
+def _workflow(name: str, object_info: dict) -> dict:
+    return to_api(json.loads((TEMPLATES / f"{name}.json").read_text()), object_info)
+
+
+def check_job_models(args) -> list[str]:
+    name = "node_one_job"
+    with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
+        info = server.get("/object_info")
+        train = set_inputs(_workflow("qwen_edit_train_realtime", info), "QwenEditTrainLoRA", lora_name=name,
+                           steps=100_000, checkpoint_every=0, validation_every=0)
+        train = set_inputs(train, "QwenEditTrainStatus", wait=False)
+        sample = _workflow("qwen_edit_sample_with_lora", info)
+        assert train["1"]["class_type"] == sample["1"]["class_type"] == "QwenEditModelLoader", (train, sample)
+        server.run(train, workflow_id=str(uuid.uuid4()))
+        server.job_where(name, lambda j: j["step"] >= 1 or j["finished"], 900, "the first real-time step")
+        server.run(sample, workflow_id=str(uuid.uuid4()))
+        after = server.jobs()[name]
+        assert after["state"] == "training", f"the job did not survive the other workflow's load: {after}"
+        moved_on = server.job_where(name, lambda j: j["step"] >= after["step"] + 2 or j["finished"], 900,
+                                    "two more real-time steps after the sample")
+        assert moved_on["state"] == "training", f"the job failed after the other workflow's load: {moved_on}"
+        server.run({"1": {"class_type": "QwenEditStopTraining", "inputs": {"job_name": name}}})
+        stopped = server.jobs()[name]
+        lora = server.base / "models" / "loras" / f"{name}.safetensors"
+        assert stopped["state"] == "cancelled" and stopped["delivered"] == str(lora) and lora.is_file(), stopped
+    return [f"two workflows with Load Model as node 1: the sample ran while the real-time job trained (step "
+            f"{after['step']}), the job went on to step {moved_on['step']}, stopped at step {stopped['step']} and "
+            "delivered its LoRA to models/loras"]
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MB (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def _real_width_model(python: str, folder: Path) -> int:
+    """Build the real-width random model into `folder` in ComfyUI's Python; returns its weight files' bytes."""
+    script = (f"import sys; sys.path.insert(0, {str(PACK)!r})\n"
+              "from qwen_edit_core.model.tiny import build_tiny\n"
+              f"build_tiny({str(folder)!r}, size='real-width')\n")
+    subprocess.run([python, "-c", script], check=True, capture_output=True, text=True, timeout=limit(1200))
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def check_unload_memory(args) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return ["skipped: resident memory is read from /proc (Linux only)"]
+    with tempfile.TemporaryDirectory(prefix="qwen_edit_real_width_") as tmp:
+        folder = Path(tmp) / "real-width"
+        file_bytes = _real_width_model(args.python, folder)
+        loader = {"model": "qwen-edit-tiny (built-in, random weights)", "transformer_device": "cpu",
+                  "vae_device": "cpu", "text_encoder_device": "cpu", "dtype": "float32", "path": str(folder)}
+        prompt = {"1": {"class_type": "QwenEditModelLoader", "inputs": loader},
+                  "2": {"class_type": "QwenEditSyntheticDataset", "inputs": {"folder": "rss_pairs", "count": 2,
+                                                                             "seed": 0}},
+                  "3": {"class_type": "QwenEditEncodeImage", "inputs": {"model": ["1", 0], "image": ["2", 1],
+                                                                        "vae_side": 64}},
+                  "4": {"class_type": "QwenEditDecodeLatent", "inputs": {"model": ["1", 0], "latent": ["3", 0]}},
+                  "5": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}}}
+        with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
+            idle = _rss_mb(server.proc.pid)
+            server.run(prompt)
+            loaded = _rss_mb(server.proc.pid)
+            model_mb = file_bytes / 2**20  # float32 files loaded as float32
+            server.post("/free", {"unload_models": True, "free_memory": True})
+            try:
+                freed = poll(lambda: (lambda rss: rss if loaded - rss >= RETURNED_SHARE * model_mb else None)(
+                    _rss_mb(server.proc.pid)), 120, "the server's resident memory to fall after POST /free")
+            except TimeoutError:
+                raise AssertionError(f"after POST /free the server kept its memory: RSS {loaded:.0f} MB loaded, "
+                                     f"{_rss_mb(server.proc.pid):.0f} MB now, model {model_mb:.0f} MB") from None
+            server.run(prompt)  # the loader loads the model again
+    return [f"ComfyUI's Free model and node cache: server RSS {idle:.0f} MB idle, {loaded:.0f} MB with the "
+            f"{model_mb:.0f} MB real-width model, {freed:.0f} MB after POST /free; the graph ran again after it"]
