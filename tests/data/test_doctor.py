@@ -160,6 +160,23 @@ def test_an_unchanged_pair_whose_closest_control_is_not_the_edited_slot_is_a_cop
         ("copied", "duplicate", "replace control 2 (a copy of the target)"), ("single", "no-change", "drop the pair")]
 
 
+def test_a_hash_match_is_a_duplicate_only_when_the_pictures_levels_agree():
+    from types import SimpleNamespace
+
+    from qwen_edit_core.data.doctor import duplicates
+    from qwen_edit_core.data.doctor.findings import Measured
+    base = np.linspace(0.2, 0.8, 24)
+
+    def pair(name, offset):  # one hash for all: only the levels (shifted by `offset` 8-bit levels) tell them apart
+        features = tuple(base + offset / 255)
+        return Measured(name, None, SimpleNamespace(hashes=(7, 9), source=0, target_features=features,
+                                                    control_features=features))
+    found = duplicates.check([pair("a", 0), pair("b", 4), pair("c", 20)], [pair("h", 19)], SETTINGS).findings
+    assert [(f.pair, f.kind, f.fix) for f in found] == [
+        ("b", "duplicate", "drop the pair (it repeats a)"), ("h", "leak", "hold out another pair (this one is "
+                                                                          "trained on as c)")]
+
+
 def test_an_edit_without_a_common_direction_says_so_instead_of_guessing():
     from types import SimpleNamespace
 

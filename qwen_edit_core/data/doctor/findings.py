@@ -105,6 +105,8 @@ class DoctorSettings:
     max_upscale: float = 2.0
     #: two pairs whose target and control perceptual hashes differ in at most this many of 128 bits are duplicates
     duplicate_bits: int = 12
+    #: ... and whose pictures' levels (colour means, luma quantiles and grid) agree within this many 8-bit levels
+    duplicate_levels: float = 5.0
 
 
 @dataclass(frozen=True)

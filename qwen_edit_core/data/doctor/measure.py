@@ -67,6 +67,11 @@ _QUANTILES = np.array([0.05, 0.25, 0.5, 0.75, 0.95])
 _BIN_EDGES = np.arange(1, _LUMA_BINS, dtype=np.float32) / _LUMA_BINS
 
 
+#: the features that are levels of the picture (channel means, luma quantiles, sorted channels' means, the 2x2 luma
+#: grid), in [0, 1]: two encodes of one picture agree on them within a few 8-bit levels
+LEVEL_FEATURES = (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22)
+
+
 def features(rgb: np.ndarray, luma: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """A cheap description of a picture (24 numbers) the edit moves consistently: channel means, luma quantiles and
     histogram, the sorted channels' means (saturation), a 2x2 grid of luma and the gradient energy (`luma` is the
