@@ -394,7 +394,7 @@ def run_doctor(config: Config, examples: Sequence, held: Sequence):
         return None
     from qwen_edit_core.data.doctor import DoctorSettings, diagnose
     d = config.data
-    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.control_size == "target", batch_size=d.batch_size)
+    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.pixel_aligned_edit, batch_size=d.batch_size)
     cache_dir = open_cache(config).root if config.cache.enabled else None
     report = diagnose(examples, held, settings, cache_dir=cache_dir)
     if report.findings and d.doctor == "refuse":
