@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-from qwen_edit_core.model import variants
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families import variants
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 log = logging.getLogger("qwen_edit_core.cli")
 
@@ -39,17 +39,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def cmd_tiny(args) -> None:
     if args.pretrained:
         from qwen_edit_core.toys.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
-        from qwen_edit_core.toys.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
-        is_21 = args.variant == variants.IMAGE_21.name
-        if args.variant not in (variants.DEFAULT, variants.IMAGE_21.name) or args.size != "tiny":
-            raise ValueError(f"--pretrained builds the {variants.DEFAULT} or {variants.IMAGE_21.name} variant at "
+        from qwen_edit_core.toys.toy import build_toy, weights_of
+        if args.variant not in variants.toy_variants() or args.size != "tiny":
+            raise ValueError(f"--pretrained builds the {' or '.join(variants.toy_variants())} variant at "
                              "size tiny; drop --size or pick one of those --variant values")
-        if args.train_vae and is_21:
-            raise ValueError("--train-vae: the toy Qwen-Image-2.1's VAE is fitted with its transformer's build; "
+        family = variants.get(args.variant).family
+        if args.train_vae and not family.toy.vae_trains_alone:
+            raise ValueError(f"--train-vae: the toy {family.title}'s VAE is fitted with its transformer's build; "
                              "use --train")
-        weights = Path(args.weights_dir) if args.weights_dir else (WEIGHTS_DIR_21 if is_21 else WEIGHTS_DIR)
+        weights = Path(args.weights_dir) if args.weights_dir else weights_of(family)
         if args.train_vae:
-            pretrain_vae(weights, Recipe(seed=args.seed))
+            pretrain_vae(weights, Recipe(seed=args.seed, variant=args.variant))
         elif args.train or not (weights / "toy.json").is_file():
             pretrain(weights, recipe_for(args.variant, args.seed))
         out = build_toy(args.out_dir, weights)
@@ -285,7 +285,9 @@ def add_doctor_command(sub) -> None:
 
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
-    run_demo(Path(args.out), steps=args.steps, variant=args.variant)
+    cache_bar, train_bar = _progress_bar("cache"), _train_bar()
+    run_demo(Path(args.out), steps=args.steps, variant=args.variant,
+             progress=lambda event: cache_bar(event) if event.stage == "cache" else train_bar(event))
 
 
 def cmd_bench(args) -> None:
@@ -446,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
     p.add_argument("--steps", type=int, default=250, help="LoRA training steps")
-    p.add_argument("--variant", choices=[variants.DEFAULT, variants.IMAGE_21.name], default=variants.DEFAULT,
+    p.add_argument("--variant", choices=variants.toy_variants(), default=variants.DEFAULT,
                    help="which toy model learns the edit: the Qwen-Image-Edit one or the Qwen-Image-2.1 one")
     p.set_defaults(func=cmd_demo)
 

@@ -20,7 +20,8 @@ from qwen_edit_core.common.names import file_name_problem, label_problem
 from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict, show  # noqa: F401 (re-exported)
 from qwen_edit_core.common.yaml_read import YamlTooLargeError, read_yaml
 from qwen_edit_core.model.geometry import MAX_PIXELS, MAX_STEPS
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families import variants
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ LoraType = typing.Literal["lora", "lokr", "loha"]
 ContextParallelMode = typing.Literal["ulysses", "ring"]
 #: mirrors sample.schedules.SCHEDULES
 Schedule = typing.Literal["diffusers", "comfyui", "lightning"]
+#: a families/variants.py name, or "" (detected from the model)
+VariantName = typing.Literal[("", *variants.NAMES)]
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: a model/variants.py name ("edit", "edit-plus" = 2509, "edit-2511", "image-2.1"); empty = detected from the model
-    variant: typing.Literal["", "edit", "edit-plus", "edit-2511", "image-2.1"] = ""
+    #: a families/variants.py name (edit, edit-plus = 2509, edit-2511, image-2.1); empty = detected from the model
+    variant: VariantName = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer

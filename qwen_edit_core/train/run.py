@@ -19,7 +19,7 @@ from qwen_edit_core.data.cache import EmbeddingCache
 from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_cache, cache_key, encode_example,
                                                  encoder_identity, log_resizes)
 from qwen_edit_core.model import components as comp
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.model.weight_source import weight_source
 from qwen_edit_core.train import cache_share, run_folder, sharding
@@ -45,7 +45,7 @@ def model_files(config: Config) -> dict:
 
 
 def encode_settings(config: Config, variant: str) -> EncodeSettings:
-    """How examples are encoded (areas, dtype) for a model variant (model/variants.py name)."""
+    """How examples are encoded (areas, dtype) for a model variant (families/variants.py name)."""
     d = config.data
     return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
                           dtype=resolve_dtype(config.model.dtype, component="model.dtype"),
