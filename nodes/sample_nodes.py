@@ -11,11 +11,11 @@ from qwen_edit_core.adapters import lora
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.sample import sampler, schedules, workers
 from qwen_edit_core.model.components import replicate
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 from . import comfy_runtime, loaded_models, sample21
 from .common import (CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils,
@@ -395,7 +395,8 @@ class QwenEditSpeed:
                                                              "Speed fp8\"); the input model gets them back when a "
                                                              "node uses it, so host RAM must hold the block weights' "
                                                              "bf16 size. LoRAs stay bf16"}),
-            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once, on first "
+                                                                 "use (compile time: BENCHMARKS.md)"}),
             "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 from qwen_edit_core import cli
 from qwen_edit_core.data.dataset import load_dataset
 from qwen_edit_core.data.doctor import KINDS, DoctorSettings, diagnose, doctor_folder, runner
-from qwen_edit_core.data.doctor.faulty import PLANTED, write_faulty_dataset
+from qwen_edit_core.data.doctor.faulty import PLANTED, score, write_faulty_dataset
 from qwen_edit_core.data.doctor.measure import gradient, register
 from qwen_edit_core.data.doctor.pictures import full_rgb
 
@@ -53,6 +55,9 @@ def test_every_planted_fault_is_found_and_at_most_one_clean_pair_flagged(faulty,
     clean = [name for name in report.flagged if name not in faulty.faults]
     assert len(clean) <= 1, f"clean pairs flagged: {clean}\n{report.summary(50)}"
     assert len(faulty.faults) == len(PLANTED) + 1  # and the leak
+    recall, precision = score(report, faulty)
+    print(f"planted faults: recall {recall:.0%}, precision {precision:.0%} ({len(report.flagged)} pairs flagged)")
+    assert recall == 1.0 and precision >= 13 / 14
 
 
 def test_findings_name_the_pair_the_kind_the_figure_and_the_fix(fixed):
@@ -90,6 +95,18 @@ def test_fix_writes_a_new_folder_and_leaves_the_original(faulty, fixed):
     assert "pair001: swapped control and target" in run.fixes
 
 
+def test_the_html_report_beside_the_picture_shows_every_flagged_pair(fixed):
+    run, out, _ = fixed
+    assert run.page == out / "report" / "report.html" and run.picture.parent == run.page.parent
+    page = run.page.read_text(encoding="utf-8")
+    rows = re.findall(r'<tr id="([^"]+)">(.*?)</tr>', page, flags=re.S)
+    assert [name for name, _ in rows] == run.report.flagged  # worst first, every one (13 < the page's 50)
+    for name, row in rows:  # control, target and their difference, then each finding of the pair
+        assert row.count('<img src="data:image/png;base64,') == 3, name
+        assert all(f"<b>{f.kind}</b>" in row for f in run.report.findings if f.pair == name), name
+    assert "invert the mask" in dict(rows)["pair018"]
+
+
 def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tmp_path, monkeypatch):
     train, held = examples
     reads = []
@@ -103,9 +120,11 @@ def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tm
     assert second.findings == first.findings
 
 
-def test_cli_json_prints_one_object_per_finding(faulty, tmp_path, capsys):
-    code = cli.main(["doctor", str(faulty.train), "--held-out", str(faulty.heldout), "--json",
-                     "--out", str(tmp_path / "report")])
+def test_cli_json_prints_one_object_per_finding_and_names_the_report(faulty, tmp_path, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.cli"):
+        code = cli.main(["doctor", str(faulty.train), "--held-out", str(faulty.heldout), "--json",
+                         "--out", str(tmp_path / "report")])
+    assert f"report of the worst pairs: {tmp_path / 'report' / 'report.html'}" in caplog.text
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and lines
     found = [json.loads(line) for line in lines]
