@@ -2,12 +2,13 @@
 
 `check_job_models`: two shipped workflows whose Load Model is node 1 (every shipped workflow's is), queued as the
 frontend queues them (each with its own workflow id): the real-time training one with Training Status `wait` off,
-then the sampling one while the job trains. The sample succeeds and the job keeps training on its own model (a
-real-time step runs its text encoder and VAE, which another workflow's load once moved to `meta`), then stops with
-a checkpoint and its LoRA delivered to models/loras.
+then the sampling one while the job trains. With the same Load Model settings ComfyUI serves node 1's cached output,
+the job's model, and sampling on it is refused naming the job and Load Model's `instance`; with instance 1 the sample
+succeeds and the job keeps training on its own model (a real-time step runs its text encoder and VAE, which the
+second load once moved to `meta`), then stops with a checkpoint and its LoRA delivered to models/loras.
 
 `check_unload_memory`: a real-width model (one block at the real widths, about 1.5 GB in float32) loaded by a
-graph, then ComfyUI's "Free model and node cache" (POST /free): the server's resident memory falls by most of the
+graph that samples one step, then ComfyUI's "Free model and node cache" (POST /free): the server's resident memory falls by most of the
 model's bytes, as it does for ComfyUI's own loaders, and the same graph then runs again (the loader loads it
 anew)."""
 
@@ -41,9 +42,15 @@ def check_job_models(args) -> list[str]:
         train = set_inputs(train, "QwenEditTrainStatus", wait=False)
         sample = _workflow("qwen_edit_sample_with_lora", info)
         assert train["1"]["class_type"] == sample["1"]["class_type"] == "QwenEditModelLoader", (train, sample)
+        sample_id = str(uuid.uuid4())
         server.run(train, workflow_id=str(uuid.uuid4()))
         server.job_where(name, lambda j: j["step"] >= 1 or j["finished"], 900, "the first real-time step")
-        server.run(sample, workflow_id=str(uuid.uuid4()))
+        try:  # the same settings give back ComfyUI's cached output of node 1: the job's own model
+            server.run(sample, workflow_id=sample_id)
+            raise AssertionError("sampling on the running job's model was not refused")
+        except RuntimeError as refused:
+            assert name in str(refused) and "instance" in str(refused), refused
+        server.run(set_inputs(sample, "QwenEditModelLoader", instance=1), workflow_id=sample_id)
         after = server.jobs()[name]
         assert after["state"] == "training", f"the job did not survive the other workflow's load: {after}"
         moved_on = server.job_where(name, lambda j: j["step"] >= after["step"] + 2 or j["finished"], 900,
@@ -53,9 +60,10 @@ def check_job_models(args) -> list[str]:
         stopped = server.jobs()[name]
         lora = server.base / "models" / "loras" / f"{name}.safetensors"
         assert stopped["state"] == "cancelled" and stopped["delivered"] == str(lora) and lora.is_file(), stopped
-    return [f"two workflows with Load Model as node 1: the sample ran while the real-time job trained (step "
-            f"{after['step']}), the job went on to step {moved_on['step']}, stopped at step {stopped['step']} and "
-            "delivered its LoRA to models/loras"]
+    return [f"two workflows with Load Model as node 1: sampling on the job's model was refused naming the job and "
+            f"`instance`; with instance 1 the sample ran while the real-time job trained (step {after['step']}), the "
+            f"job went on to step {moved_on['step']}, stopped at step {stopped['step']} and delivered its LoRA to "
+            "models/loras"]
 
 
 def _rss_mb(pid: int) -> float:
@@ -86,10 +94,12 @@ def check_unload_memory(args) -> list[str]:
         prompt = {"1": {"class_type": "QwenEditModelLoader", "inputs": loader},
                   "2": {"class_type": "QwenEditSyntheticDataset", "inputs": {"folder": "rss_pairs", "count": 2,
                                                                              "seed": 0}},
-                  "3": {"class_type": "QwenEditEncodeImage", "inputs": {"model": ["1", 0], "image": ["2", 1],
-                                                                        "vae_side": 64}},
-                  "4": {"class_type": "QwenEditDecodeLatent", "inputs": {"model": ["1", 0], "latent": ["3", 0]}},
-                  "5": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}}}
+                  # one sampling step touches every weight (the loader's files are read lazily)
+                  "3": {"class_type": "QwenEditSampler", "inputs": {
+                      "model": ["1", 0], "image": ["2", 1], "prompt": "make it blue", "negative_prompt": "",
+                      "steps": 1, "true_cfg_scale": 1.0, "seed": 0, "width": 64, "height": 64,
+                      "shift_mode": "dynamic", "uncond_device": "same", "vae_side": 64}},
+                  "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}}}
         with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
             idle = _rss_mb(server.proc.pid)
             server.run(prompt)
