@@ -68,6 +68,14 @@ class Recipe:
     vae_lr: float = 5e-4
     #: the family's variant: "edit" (the 2025 toy) or "image-2.1" (families/qwen_image_21/pretrain.py's VAE and batches)
     variant: str = variants.EDIT.name
+    #: 2.1 only: the share of pairs with one or two more references after the edited picture
+    #: (families/qwen_image_21/pretrain.py `_distractors`)
+    extra_references: float = 0.0
+
+    def __post_init__(self):
+        if self.extra_references and not self.is_21:
+            raise ValueError(f"Recipe(extra_references={self.extra_references}) is for variant "
+                             f"{variants.IMAGE_21.name!r} (the 2025 toy takes one control), got variant {self.variant!r}")
 
     @property
     def is_21(self) -> bool:
