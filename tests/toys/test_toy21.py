@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.toys import toy
 
 
 def test_the_manifest_names_the_2_1_family():
-    assert toy.check_weights(toy.WEIGHTS_DIR_21)["variant"] == "image-2.1"
+    assert toy.check_weights(toy.weights_of(QWEN_IMAGE_21))["variant"] == "image-2.1"
 
 
 def test_constructed_encoder_gives_the_square_colours():
@@ -66,7 +67,7 @@ def test_the_sample_workflows_edit_keeps_reference_1s_shapes(tmp_path):
     from qwen_edit_core.sample import sampler
     from conftest import KEEPS_THE_SHAPES
 
-    model = toy.ensure_toy(tmp_path / "toy21", toy.WEIGHTS_DIR_21)
+    model = toy.ensure_toy(tmp_path / "toy21", toy.weights_of(QWEN_IMAGE_21))
     trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)}}))
     trainer.load_model()
     settings = sampler.SampleSettings(num_inference_steps=20, true_cfg_scale=1.0, negative_prompt=None, seed=0,
@@ -118,5 +119,6 @@ def test_extra_references_follow_the_edited_picture(tmp_path):
     batch = pretrain21.batch(more, 8, [sample_generator(0, 0, 0, i) for i in range(len(more))])
     loss, _ = flow_loss(transformer, batch, load_config(), scheduler)
     assert torch.isfinite(loss)
-    with pytest.raises(ValueError, match="image-2.1"):
-        Recipe(extra_references=0.5)
+    from qwen_edit_core.families.qwen_image import pretrain as pretrain25
+    with pytest.raises(ValueError, match="extra_references=0.5"):
+        pretrain25.edit_dataset(Recipe(extra_references=0.5), None, None, None, prompts, functions)
