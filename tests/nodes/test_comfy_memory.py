@@ -278,3 +278,40 @@ def test_a_job_measures_what_it_holds_beyond_its_weights_at_each_steps_end():
     cpu.started()
     cpu.step_ended()
     assert (cpu.steady, cpu.working) == (0, 0)
+
+
+def test_sampling_an_fp8_copy_whose_input_a_job_trains_on_is_refused_and_leaves_the_jobs_weights(
+        comfy, monkeypatch):
+    """The copy parks its input's block weights when a node uses it; while a job trains on the input (its lent
+    copy shares those tensors) the node is refused before anything is parked."""
+    import dataclasses
+
+    from qwen_edit_core import speed
+    from qwen_edit_core.speed import lending
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)  # the CPU stands for the device
+    handle, _ = _load()
+    transformer = handle.components.transformer
+    fast = speed.inference_copy(transformer, torch.device("cpu"), fp8=True, compile=False)
+    copy = dataclasses.replace(handle, components=dataclasses.replace(handle.components, transformer=fast))
+    loaded_models.use(handle)  # the training node uses the input: its weights come back
+    before = {name: t.clone() for name, t in transformer.state_dict().items()}
+    started, finish = threading.Event(), threading.Event()
+
+    def held(config, *, resume, progress, cancel, lock=None, model=None):
+        started.set()
+        finish.wait()
+        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
+                              model=handle.components)
+    assert started.wait(60)
+    try:
+        with pytest.raises(jobs.JobBusyError, match="training job 'lora' trains on this model"):
+            nodes.QwenEditSampleConditioning().sample(copy, types.SimpleNamespace(uncond=None), 1, 1.0, 0,
+                                                       "diffusers", "same")
+        assert all(torch.equal(t, before[k]) for k, t in transformer.state_dict().items())
+    finally:
+        finish.set()
+        job.wait()
