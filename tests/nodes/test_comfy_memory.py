@@ -315,3 +315,23 @@ def test_sampling_an_fp8_copy_whose_input_a_job_trains_on_is_refused_and_leaves_
     finally:
         finish.set()
         job.wait()
+
+
+def test_a_jobs_entry_leaves_comfyuis_list_when_a_node_uses_its_model_after_the_job(comfy, monkeypatch):
+    """Once the job is over, a node using its model lists the modules under their own entries again: the job's
+    stand-in entry leaves the list then (each byte counted once, and no later eviction of the stand-in moves
+    modules that ComfyUI counts under their own entries)."""
+    handle, _ = _load()
+    modules = loaded_models.modules_of(handle)
+    weights = sum(comfy_runtime._nbytes(m) for m in modules)
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(
+        fit=lambda config, **kwargs: TrainResult(state="done", step=0, lora_path=None, loss_plot=None),
+        preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
+                              model=handle.components)
+    assert comfy_runtime.count_job(job, modules, torch.device("cpu"))
+    job.wait()
+    loaded_models.use(handle)
+    assert sum(entry.model_memory() for entry in comfy.current_loaded_models) == weights
+    assert set(_ours(comfy)) == {id(m) for m in modules} and len(comfy.current_loaded_models) == len(modules)
