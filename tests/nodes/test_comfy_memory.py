@@ -335,3 +335,34 @@ def test_a_jobs_entry_leaves_comfyuis_list_when_a_node_uses_its_model_after_the_
     loaded_models.use(handle)
     assert sum(entry.model_memory() for entry in comfy.current_loaded_models) == weights
     assert set(_ours(comfy)) == {id(m) for m in modules} and len(comfy.current_loaded_models) == len(modules)
+
+
+def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(monkeypatch, tmp_path):
+    """fp8 parks the lender's bf16 linears (allocated drops below the start) and adds its own fp8 copies and the
+    LoRA: the job reports its weights as it started, less what it parked, plus what it added (stand-in CUDA
+    statistics; the CPU tensors stand for the device's)."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(16, 16, bias=False)  # 1024 bytes
+    other, parked, added = 200, 1024, 300  # another model's bytes, the parked linear's, fp8 copy and LoRA's
+    readings = iter([(1024 + other, 0), (1024 + other - parked + added, 1024 + other - parked + added)])
+    real = jobs.DeviceUse
+    monkeypatch.setattr(jobs, "DeviceUse", lambda device: real(
+        device, stats=lambda device: next(readings), reset=lambda device: None))
+    stepped, finish = threading.Event(), threading.Event()
+
+    def fp8(config, *, resume, progress, cancel, lock=None, model=None):
+        model.weight.data = torch.empty(0)  # parked
+        progress(jobs.Progress(stage="train", step=1, total=1))
+        stepped.set()
+        finish.wait()
+        return TrainResult(state="done", step=1, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=fp8, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}), model=model)
+    assert stepped.wait(60)
+    try:
+        assert job.device_bytes() == 1024 - parked + added
+    finally:
+        finish.set()
+        job.wait()
