@@ -21,7 +21,7 @@ RANKS = {"common": 0, "families": 0.5, "speed": 1, "model": 2, "adapters": 3, "d
 #: a family subpackage's module -> the stage (layer) it serves
 FAMILY_STAGES = {"__init__": "families", "encode": "model", "tiny": "model", "single_file": "model",
                  "vae_file": "model", "example_tensors": "data", "sampler": "sample", "prefix_cache": "sample", "batch": "train",
-                 "pretrain": "toys", "fake_model": "bench", "sample_bench": "bench", "planner": "speed"}
+                 "pretrain": "toys", "fake_model": "bench", "sample_bench": "bench", "sample_memory": "bench", "planner": "speed"}
 FORBIDDEN_ROOTS = {"comfy", "comfy_extras", "folder_paths", "server", "nodes", "execution"}
 
 
