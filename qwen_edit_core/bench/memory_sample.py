@@ -14,7 +14,7 @@ import logging
 
 from qwen_edit_core.bench import fake_model as fm
 from qwen_edit_core.bench import memory
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model import encode, geometry, variants
+from qwen_edit_core.model import encode, geometry
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.encode import PromptEmbeds
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import schedules
 from qwen_edit_core.sample.flow import mu_from_scheduler_config
 

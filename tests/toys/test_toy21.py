@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.toys import toy
 
 
 def test_the_manifest_names_the_2_1_family():
-    assert toy.check_weights(toy.WEIGHTS_DIR_21)["variant"] == "image-2.1"
+    assert toy.check_weights(toy.weights_of(QWEN_IMAGE_21))["variant"] == "image-2.1"
 
 
 def test_constructed_encoder_gives_the_square_colours():
@@ -65,7 +66,7 @@ def test_the_sample_workflows_edit_keeps_reference_1s_shapes(tmp_path):
     from qwen_edit_core.sample import sampler
     from conftest import KEEPS_THE_SHAPES
 
-    model = toy.ensure_toy(tmp_path / "toy21", toy.WEIGHTS_DIR_21)
+    model = toy.ensure_toy(tmp_path / "toy21", toy.weights_of(QWEN_IMAGE_21))
     trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)}}))
     trainer.load_model()
     settings = sampler.SampleSettings(num_inference_steps=20, true_cfg_scale=1.0, negative_prompt=None, seed=0,

@@ -134,10 +134,15 @@ def _stats_picture(rng: np.random.Generator, size: int):
     return edits[int(rng.integers(0, len(edits)))](synthetic.picture(rng, size))
 
 
+#: this toy's changes to `toys.pretrain.Recipe`'s defaults (`toys.pretrain.recipe_for` says why)
+RECIPE = dict(transformer_steps=3000, transformer_lr=3e-3, layers=3)
+
+
 @torch.no_grad()
-def make_vae(seed: int, size: int, pictures: int = 256):
+def make_vae(recipe, pictures: int = 256):
     """The constructed encoder with `latents_mean`/`latents_std` from its latents over 64 synthetic pictures
-    (seed + 1; the always-zero channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
+    (`recipe.seed` + 1; the always-zero channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
+    seed, size = recipe.seed, recipe.size
     vae = constructed_vae().eval()
     rng = np.random.default_rng(seed + 1)
     z = torch.cat([vae.encode(_pixels([_stats_picture(rng, size) for _ in range(8)])).latent_dist.mode()
