@@ -304,3 +304,16 @@ def test_bench_memory_announces_each_row_on_stderr_and_keeps_stdout_json(monkeyp
         assert not main(["bench", "memory", "--size", "512", "--budget-gb", "16", "--json"])
     out = capsys.readouterr().out.strip().splitlines()
     assert ran == [16.0] and len(out) == 1 and json.loads(out[0])["plan"] == "train 16 GiB"
+
+
+@pytest.mark.simulation  # 32 real-width blocks over up to 45,000 tokens: 5 to 15 minutes of CPU a row
+@pytest.mark.parametrize("references,card", [(1, 24), (3, 24), (3, 48), (10, 24), (10, 48)])
+def test_21_sampling_fits_its_card_with_the_prefix_cache_planned(references, card):
+    """Qwen-Image-2.1 sampling with 1, 3 and 10 1024^2 references: the step fits the card, the cache plan's peak is
+    within 10% of the simulated one, and a cache kept in host memory fits a 64 GB machine's share for it."""
+    from qwen_edit_core.bench import memory_sample
+    from qwen_edit_core.families.qwen_image_21 import prefix_cache, sample_memory
+    row = memory_sample.simulate_cached_sample("image-2.1", 1024, references, card)
+    assert row.peak_device_gib <= card, memory.table([row])
+    assert abs(row.planner_estimate_gib - row.peak_device_gib) <= 0.1 * row.peak_device_gib, memory.table([row])
+    assert row.peak_host_gib * 2**30 <= prefix_cache.HOST_HEADROOM * sample_memory.HOST_BYTES, memory.table([row])
