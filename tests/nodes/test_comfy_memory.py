@@ -278,3 +278,25 @@ def test_a_job_measures_what_it_holds_beyond_its_weights_at_each_steps_end():
     cpu.started()
     cpu.step_ended()
     assert (cpu.steady, cpu.working) == (0, 0)
+
+
+def test_the_loaders_fp8_choice_streams_the_block_linears_into_fp8_without_loading_the_whole_model(
+        comfy, monkeypatch):
+    """Load Model and Load Transformer with `transformer_fp8`: the planned loader puts each block linear on the
+    device in e4m3 as it is read (its device bytes: tests/model/test_planned_load.py); the whole-model loader,
+    which would place every weight in the model's dtype first, is never called."""
+    from qwen_edit_core import speed
+    from qwen_edit_core.model import components as comp
+    whole = comp.load_transformer
+    monkeypatch.setattr(comp, "load_transformer", lambda *a, **k: pytest.fail("loaded whole before fp8"))
+    handle, _ = _load(transformer_fp8=True, dtype="bfloat16")
+    transformer = handle.components.transformer
+    assert speed.has_fp8(transformer) and speed.loaded_plan(transformer) is None  # a sampling-style plan
+    assert all(type(m) is not torch.nn.Linear for m in transformer.transformer_blocks.modules())
+    with torch.inference_mode():
+        ((_, alone, _),) = nodes.QwenEditTransformerLoader().load_tracked(
+            unique_id="7", model=TINY_MODEL, device="cpu", dtype="bfloat16", quantize="none", transformer_fp8=True)
+    assert speed.has_fp8(alone)
+    monkeypatch.setattr(comp, "load_transformer", whole)
+    with pytest.raises(ValueError, match="transformer_fp8 and quantize 'int8'"):
+        nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "bfloat16", "int8", transformer_fp8=True)
