@@ -59,7 +59,8 @@ def freed(module: torch.nn.Module) -> bool:
 def use(model) -> None:
     """Before a node runs `model`'s components: refuse freed ones with what to do; the weights a Sampling Speed
     fp8 copy parked come back for its input, or are parked again for the copy (never those of a module a
-    running job uses); then ComfyUI's memory manager puts them on their devices (it may have offloaded them for another model) and counts them as loaded."""
+    running job uses); then ComfyUI's memory manager puts them on their devices (it may have offloaded them for
+    another model) and counts them as loaded."""
     modules = modules_of(model)
     if any(freed(m) for m in modules):
         raise RuntimeError("this model was unloaded: its loader node has since loaded another model (each loader "
