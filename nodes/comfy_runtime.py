@@ -327,10 +327,12 @@ def load_models(modules, busy) -> list:
     """Make our modules known to ComfyUI's memory manager and put them on their devices (ComfyUI may have
     offloaded them to the CPU for another model): `comfy.model_management.load_models_gpu`, which first frees
     room by offloading ComfyUI's least needed models. A running job's modules are left out: its entry
-    (`count_job`) counts them. Returns the patchers (none outside ComfyUI)."""
+    (`count_job`) counts them; the entry of a job that is over leaves the list once any of its modules is listed
+    again under its own (`drop_finished_jobs`). Returns the patchers (none outside ComfyUI)."""
     patchers = [p for p in (managed_patcher(m, busy) for m in modules if not busy(m)) if p is not None]
     if patchers:
         import comfy.model_management
+        drop_finished_jobs([p.module for p in patchers])
         comfy.model_management.load_models_gpu(patchers)
     return patchers
 
@@ -353,7 +355,8 @@ def forget_models(modules) -> None:
 # entry (`count_job`) stands for all it holds on its device, as the job measures it (`device_bytes`: weights,
 # optimizer state, offload buffers, a step's activations); its `model_unload` declines (returns False: ComfyUI
 # keeps it listed and looks for room elsewhere). The job's modules leave the list while it counts them; when the
-# job is over the entry unloads like theirs would (moves the modules to the CPU) and ComfyUI drops it.
+# job is over the entry unloads like theirs would (moves the modules to the CPU) and ComfyUI drops it, unless a
+# node lists those modules again first (`drop_finished_jobs` then takes the entry out).
 
 #: the stand-in patcher of each running job ComfyUI counts (an entry holds its patcher weakly)
 _JOB_PATCHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -457,6 +460,24 @@ def _job_classes():
 
 
 _job_types = None
+
+
+def drop_finished_jobs(modules) -> None:
+    """Take out of ComfyUI's list the stand-in entries of jobs that are over and trained on any of `modules`,
+    which are about to be listed under their own entries: counted twice otherwise, and ComfyUI evicting the
+    stand-in later would move them to the CPU under an entry it still counts as loaded. Call from ComfyUI's
+    worker thread (the list is ComfyUI's)."""
+    import comfy.model_management
+    ids = {id(m) for m in modules}
+    loaded = comfy.model_management.current_loaded_models
+    stale = [entry for entry in loaded if isinstance(entry.model, JobPatcherMethods) and not entry.model.running()
+             and any(id(m) in ids for m in entry.model.model.modules())]
+    for entry in stale:
+        log.info("training job %r is over: its models are counted under their own entries again",
+                 entry.model.model.job.name)
+        entry.model_finalizer.detach()
+        _JOB_PATCHERS.pop(entry.model.model.job, None)
+    loaded[:] = [entry for entry in loaded if all(entry is not s for s in stale)]
 
 
 def count_job(job, modules, device) -> bool:

@@ -473,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "GiB (default 24), the graph's model from a ComfyUI file lent to it")
     p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
                    help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
+    p.add_argument("--sample", action="store_true", help="memory: sampling on a card of --budget-gb GiB (default 24 "
+                   "and 48); image-2.1: with its prefix K/V cache planned, --controls references")
     p.set_defaults(func=cmd_bench)
     return parser
 

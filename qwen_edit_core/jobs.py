@@ -94,19 +94,26 @@ class DeviceUse:
         self._stats = stats or (_cuda_stats if cuda else lambda device: (0, 0))
         self._reset = reset or (torch.cuda.reset_peak_memory_stats if cuda else lambda device: None)
         self._baseline: int | None = None
-        self.steady = self.working = 0
+        self.weights = self.steady = self.working = 0
 
-    def started(self) -> None:
-        """The job starts (its model's weights are on the device already): the baseline of `steady`."""
+    def started(self, weights: int = 0) -> None:
+        """The job starts (its model's `weights` bytes are on the device already): the baseline of `steady`."""
+        self.weights = weights
         self._baseline = self._stats(self.device)[0]
         self._reset(self.device)
+
+    def held(self) -> int:
+        """Bytes the job holds on its device: its model's weights as it started plus `steady` (negative when the
+        job parks or offloads more of the lender's weights than it adds) plus `working`."""
+        return max(0, self.weights + self.steady + self.working)
 
     def step_ended(self) -> None:
         """A step ended: measure `steady` now and the step's `working` peak (the largest seen so far)."""
         if self._baseline is None:
             return
         allocated, peak = self._stats(self.device)
-        self.steady = max(0, allocated - self._baseline)
+        # signed: fp8 and offload park the lender's weights (freed here) while adding their own buffers
+        self.steady = allocated - self._baseline
         self.working = max(self.working, peak - allocated)
         self._reset(self.device)
 
@@ -220,7 +227,7 @@ class TrainingJob:
         try:
             # pinned in this thread: two threads per operation on a small or busy machine ran each step several
             # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
-            self.memory.started()
+            self.memory.started(module_bytes_on(self.model, self.device) if self.model is not None else 0)
             with torch_threads(self.config.train.cpu_threads):
                 result = self._fit(self.config, resume=self._resume, progress=self._progress,
                                    cancel=self._cancel, lock=self._output_lock, model=self.model, **self._overwrite)
@@ -266,13 +273,14 @@ class TrainingJob:
         return not weight_keys(module).isdisjoint(weight_keys(shared))
 
     def device_bytes(self) -> int:
-        """Bytes this job holds on its device while it runs: its model's weights there, counted tensor by tensor,
-        plus what it measured of its own (`memory`: optimizer state, offload buffers, a step's activations); 0
-        once it finished."""
+        """Bytes this job holds on its device while it runs: its model's weights there as it started, counted
+        tensor by tensor, plus what it measured since (`memory`: optimizer state, fp8 and offload buffers less the
+        lender's weights they parked, a step's activations); 0 once it finished."""
         shared = self.model
         if shared is None or self.finished:
             return 0
-        return module_bytes_on(shared, self.device) + self.memory.steady + self.memory.working
+        # the weights as the job started: those it parked since are in `steady`'s drop (counted once)
+        return self.memory.held()
 
     @property
     def history(self) -> list[tuple[int, float]]:

@@ -35,7 +35,10 @@ def run_bench(args) -> None:
     elif args.what == "memory":
         from qwen_edit_core.bench.memory import check_edit
         check_edit(args.variant, args.size, args.controls)
-        if args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24)
+        if args.sample:  # sampling on a card of --budget-gb GiB (default 24 and 48)
+            from qwen_edit_core.bench.memory_sample import report as sample_report
+            print(sample_report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+        elif args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24)
             from qwen_edit_core.bench.memory_comfyui import report as comfyui_report
             print(comfyui_report(args.variant, args.size, args.controls, args.budget_gb,  # noqa: T201
                                  file_dtype=args.file_dtype, as_json=args.json))

@@ -10,13 +10,16 @@
 # a 50-step edit is 2.5x), then varlen. Every row prints the attention kernels it ran (profiler names), the
 # reserved and (training) pinned host GiB; device.txt lists the attention kernels this torch and GPU offer:
 #   bash qwen_edit_core/bench/device_run.sh all
+# The ComfyUI Train node's job on a 24 GiB card (the fp8 file, lent; the device capped to 24 GiB), its reserved
+# peak and pinned host bytes beside the simulated row's (about 8 minutes, half of it the simulation on the CPU):
+#   bash qwen_edit_core/bench/device_run.sh comfyui24
 # Writes <part>.log and device.txt under $OUT (default /tmp/qwen-edit-bench).
 # Needs torch, transformers, peft, accelerate and pyyaml; if diffusers is missing, it installs the wheels in
 # .whl/ (git-ignored), which a machine with internet access downloads with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
 set -euo pipefail
-part=${1:?usage: device_run.sh targets|sample|varlen|levers1|levers2|all}
+part=${1:?usage: device_run.sh targets|sample|varlen|levers1|levers2|comfyui24|all}
 out=${OUT:-/tmp/qwen-edit-bench}
 mkdir -p "$out"
 if ! python3 -c "import diffusers" 2>/dev/null; then
@@ -37,6 +40,8 @@ case $part in
     varlen)  $bench batching --real-size --device cuda:0 --repeats 3 ;;
     levers1) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "ours (checkpointing),+ compile,+ fp8 base" ;;
+    comfyui24) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+from qwen_edit_core.bench.train_comfyui import run; run('cuda:0', steps=4)" ;;
     levers2) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
     all) total=${ALL_S:-530}
@@ -46,5 +51,5 @@ case $part in
 from qwen_edit_core.bench.sample import _real; _real('cuda:0', steps=20, repeats=2)" || echo "sample part ended with $?"
          timeout $((total - SECONDS)) $bench batching --real-size --device cuda:0 --repeats 2 \
              || echo "varlen part ended with $?" ;;
-    *) echo "unknown part $part: targets, sample, varlen, levers1, levers2 or all" >&2; exit 2 ;;
+    *) echo "unknown part $part: targets, sample, varlen, levers1, levers2, comfyui24 or all" >&2; exit 2 ;;
 esac 2>&1 | tee "$out/$part.log"

@@ -57,6 +57,25 @@ class Tracker(MemTracker):
                         param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)))
         return out
 
+    def keep_off_device(self, tensors) -> None:
+        """Count nothing stored in `tensors`' storages: host memory (a host-kept cache's region) that the stand-in
+        device, being the CPU, cannot tell apart; copying into it would otherwise register it as the device's."""
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        self._host_storages = getattr(self, "_host_storages", [])
+        self._host_storages += [st for t in tensors for st in get_untyped_storages(t)]
+
+    def _on_host(self, t: torch.Tensor) -> bool:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        host = getattr(self, "_host_storages", ())
+        return bool(host) and any(st is h for st in get_untyped_storages(t) for h in host)
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+        return set() if self._on_host(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def _track(self, reftype, t: torch.Tensor) -> None:  # every operator's outputs
+        if not self._on_host(t):
+            super()._track(reftype, t)
+
     def _grad_seen(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 

@@ -131,6 +131,14 @@ def pinned_host_bytes(transformer) -> int:
     return sum(host_memory.pack([host.nbytes for slots in offloader.slots.values() for *_, host in slots])[0])
 
 
+def host_bytes(transformer) -> int:
+    """Host memory the run holds for the device's weights: the offloaded blocks' pinned region
+    (`pinned_host_bytes`) and, on a lent model, the lender's weights parked in pageable memory (speed.lending)."""
+    from qwen_edit_core.speed.lending import loan_of
+    loan = loan_of(transformer)
+    return pinned_host_bytes(transformer) + (loan.parked_bytes if loan is not None else 0)
+
+
 def _levers_text(transformer, checkpointed: int | None) -> str:
     """The levers in effect: fp8 base, checkpointed and offloaded blocks (`checkpointed` -1: all)."""
     from qwen_edit_core import speed
@@ -148,7 +156,7 @@ def _planned(config, transformer, bucket, budget_gb: float):
         return None
     tokens = sequence_tokens([bucket], config.model.variant, config.data.vl_area)  # as train.loop.setup plans
     return speed.plan_for_budget(budget_gb, prefer_fp8=config.train.fp8_base, tokens=tokens,
-                                 **speed.model_sizes(transformer))
+                                 already_fp8=speed.has_fp8(transformer), **speed.model_sizes(transformer))
 
 
 def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
@@ -200,7 +208,7 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
     return Simulated(plan=plan, kind=kind, variant=variant, size=side, controls=controls, image_tokens=n_image,
                      text_tokens=n_text, budget_gib=budget, planner_estimate_gib=estimate,
                      peak_device_gib=(total + margin_bytes(categories)) / GIB, tracked_device_gib=total / GIB,
-                     peak_host_gib=pinned_host_bytes(model) / GIB,
+                     peak_host_gib=host_bytes(model) / GIB,
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
@@ -241,8 +249,8 @@ def simulate_sample(variant: str = variants.DEFAULT, side: int = 1024, controls:
     if lever not in SAMPLE_LEVERS:
         raise ValueError(f"sampling lever {lever!r} is not accepted; accepted: {', '.join(SAMPLE_LEVERS)}")
     if not fm.simulates_sampling(variant):
-        raise ValueError(f"bench memory: sampling is simulated for the 2025 variants; {variant!r} simulates "
-                         "training (simulate_train)")
+        raise ValueError(f"bench memory: the sampling levers are simulated for the 2025 variants; {variant!r} "
+                         "samples with its prefix cache planned (`bench memory --sample`, bench/memory_sample.py)")
     controls = fm.default_controls(variant) if controls is None else controls
     mode = fm.fake_mode()
     model = fm.fake_transformer(variant, mode, lora=lora_spec("attn", variant), num_layers=num_layers)
@@ -271,13 +279,23 @@ def run(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None 
     """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
     the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, BENCHMARKS.md, "Reference timings"), and
     one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
-    budget's plan only (its measured reference and sampling levers are the 2025 family's)."""
-    results = [simulate_train(variant, side, controls, budget) for budget in budgets]
-    if not fm.simulates_sampling(variant):
-        return results
-    if reference:
-        results.append(simulate_train(variant, side, controls, 0.0, targets="attn-img"))
-    results += [simulate_sample(variant, side, controls, lever) for lever in sample_levers]
+    budget's plan only (its sampling: bench/memory_sample.py). Each row is announced in the log (stderr) before its
+    minutes of CPU."""
+    rows = [("train", b) for b in budgets]
+    if fm.simulates_sampling(variant):
+        rows += [("reference", None)] * reference + [("sample", lever) for lever in sample_levers]
+    results = []
+    for i, (kind, what) in enumerate(rows, 1):
+        log.info("bench memory: row %d/%d: %s %d px x%s, %s", i, len(rows), variant, side,
+                 controls if controls is not None else fm.default_controls(variant),
+                 f"train, budget {what:g} GiB" if kind == "train" else "train, the reference's setting"
+                 if kind == "reference" else f"sampling lever {what}")
+        if kind == "train":
+            results.append(simulate_train(variant, side, controls, what))
+        elif kind == "reference":
+            results.append(simulate_train(variant, side, controls, 0.0, targets="attn-img"))
+        else:
+            results.append(simulate_sample(variant, side, controls, what))
     return results
 
 
@@ -294,7 +312,7 @@ def _time_row(r: Simulated) -> str:
 def table(results: list[Simulated]) -> str:
     """The Markdown table BENCHMARKS.md and docs/MEMORY.md show."""
     lines = ["| plan | levers | tokens (image + text) | planner estimate | simulated peak (tracked + margin) | "
-             "host (pinned) | offloaded weights left on the device | TFLOP/step | H100 roofline | MFU of the "
+             "host | offloaded weights left on the device | TFLOP/step | H100 roofline | MFU of the "
              "measured reference | MFU of the target |", "|" + " --- |" * 11]
     for r in results:
         estimate = "-" if r.planner_estimate_gib is None else f"{r.planner_estimate_gib:.1f} GiB"
@@ -319,8 +337,10 @@ def check_edit(variant: str, side: int, controls: int | None) -> None:
 
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
            budget_gb: float | None = None, *, as_json: bool = False) -> str:
-    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`)."""
-    results = run(variant, side, controls, BUDGETS if budget_gb is None else (budget_gb,))
+    """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`). `budget_gb`: that
+    budget's training row only."""
+    results = run(variant, side, controls, BUDGETS) if budget_gb is None else \
+        run(variant, side, controls, (budget_gb,), reference=False, sample_levers=())
     return render(results, as_json)
 
 

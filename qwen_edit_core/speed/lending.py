@@ -87,7 +87,10 @@ class _Loan:
             return 0
         replaced, self.replaced = self.replaced, []
         for tensor in replaced:
-            self.park(tensor)
+            if tensor.data.numel() == 0:  # another sampling copy of the same input holds it parked: kept for later
+                self.replaced.append(tensor)
+            else:
+                self.park(tensor)
         return self.parked_bytes
 
     def restore(self) -> None:
@@ -116,9 +119,10 @@ def lend(transformer: nn.Module) -> nn.Module:
     return fresh
 
 
-#: models whose weights a sampling copy parked (`lend_for_sampling`): the loan holds their host copies, so it
-#: lives as long as the model does, whatever becomes of the copy
-_PARKED: "weakref.WeakKeyDictionary[nn.Module, _Loan]" = weakref.WeakKeyDictionary()
+#: models whose weights sampling copies park (`lend_for_sampling`), with each copy (weakly) and its loan: a loan
+#: holds the host copies, so it lives as long as the model does while it holds any, whatever becomes of the copy;
+#: one input may have several copies (each parks what it replaced, or waits for another copy to give it back)
+_PARKED: "weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, _Loan]]]" = weakref.WeakKeyDictionary()
 
 
 def lend_for_sampling(transformer: nn.Module) -> nn.Module:
@@ -126,19 +130,22 @@ def lend_for_sampling(transformer: nn.Module) -> nn.Module:
     layer by layer as it replaces them, so the device never holds both forms of the model. The lender's
     weights come back when it is used again (`unpark`); the copy parks them again when it is (`repark`)."""
     fresh = lend(transformer)
-    _PARKED[transformer] = loan = loan_of(fresh)
+    loan = loan_of(fresh)
     loan.sampling = True
+    _PARKED.setdefault(transformer, []).append((weakref.ref(fresh), loan))
     return fresh
 
 
 def unpark(model: nn.Module) -> int:
     """Put back on their device the weights of `model` that a sampling copy parked (before `model` runs);
     returns the bytes moved (0 when nothing was parked)."""
-    loan = _PARKED.get(model)
-    moved = loan.parked_bytes if loan is not None else 0
+    loans = _PARKED.get(model, [])
+    moved = sum(loan.parked_bytes for _, loan in loans)
     if moved:
-        log.info("%.2f GiB of weights a sampling copy parked go back to their device", moved / 2**30)
+        log.info("%.2f GiB of weights sampling copies parked go back to their device", moved / 2**30)
+    for _, loan in loans:
         loan.restore()
+    loans[:] = [(copy, loan) for copy, loan in loans if copy() is not None]  # a dropped copy parks nothing again
     return moved
 
 

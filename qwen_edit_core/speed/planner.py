@@ -112,11 +112,15 @@ def _working_units(working_factor: dict, activation_factor: float, fp8: bool, n_
     return max(plain, working_factor[(fp8, True)] - n_plain * activation_factor)
 
 
-def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, **model) -> SpeedPlan:
+def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, *, already_fp8: bool = False,
+                    **model) -> SpeedPlan:
     """The fastest settings whose estimate fits `budget_gb` less `ESTIMATE_HEADROOM`, trying in order of cost: the fewest checkpointed
     blocks with a bf16 base (skipped when `prefer_fp8`), then with an fp8 base, then fp8 with every block
     checkpointed and the fewest offloaded blocks. An fp8 base is faster but changes the numbers slightly, so
     it is taken only when asked for (`train.fp8_base`) or when bf16 does not fit.
+
+    `already_fp8`: the base's block linears are fp8 already (a scaled-fp8 file kept in fp8): they take one byte a
+    weight and the fp8 working set whatever the plan says, so only fp8 settings are estimated.
 
     `shards` > 1 (FSDP2 over that many processes): each process's share of the frozen weights; only
     checkpointing is planned (an fp8 base and offloading are refused under FSDP2: train.sharding).
@@ -133,7 +137,7 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
         raise ValueError(f"train.memory_budget_gb {budget_gb} is too small for FSDP over {shards} processes: "
                          f"with every block checkpointed each needs about {est.total / 2**30:.1f} GiB (an fp8 base "
                          "and offloading are not available under FSDP); add processes or raise the budget")
-    for fp8 in ((True,) if prefer_fp8 else (False, True)):
+    for fp8 in ((True,) if prefer_fp8 or already_fp8 else (False, True)):
         for n_ckpt in range(0, n + 1):
             est = estimate_memory(fp8=fp8, n_checkpointed=n_ckpt, n_offloaded=0, **model)
             if est.total <= budget:

@@ -67,7 +67,7 @@ def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, 
         budget = free_memory_budget_gb(available, 0)
     if budget > 0:
         chosen = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards,
-                                 **compiled_sizes(sizes, train.compile))
+                                 already_fp8=already_fp8, **compiled_sizes(sizes, train.compile))
         fp8, ckpt, n_off = chosen.fp8, chosen.checkpoint_blocks, chosen.offload_blocks
         log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,

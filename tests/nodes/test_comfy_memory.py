@@ -278,3 +278,142 @@ def test_a_job_measures_what_it_holds_beyond_its_weights_at_each_steps_end():
     cpu.started()
     cpu.step_ended()
     assert (cpu.steady, cpu.working) == (0, 0)
+
+
+def test_the_loaders_fp8_choice_streams_the_block_linears_into_fp8_without_loading_the_whole_model(
+        comfy, monkeypatch):
+    """Load Model and Load Transformer with `transformer_fp8`: the planned loader puts each block linear on the
+    device in e4m3 as it is read (its device bytes: tests/model/test_planned_load.py); the whole-model loader,
+    which would place every weight in the model's dtype first, is never called."""
+    from qwen_edit_core import speed
+    from qwen_edit_core.model import components as comp
+    whole = comp.load_transformer
+    monkeypatch.setattr(comp, "load_transformer", lambda *a, **k: pytest.fail("loaded whole before fp8"))
+    handle, _ = _load(transformer_fp8=True, dtype="bfloat16")
+    transformer = handle.components.transformer
+    assert speed.has_fp8(transformer) and speed.loaded_plan(transformer) is None  # a sampling-style plan
+    assert all(type(m) is not torch.nn.Linear for m in transformer.transformer_blocks.modules())
+    with torch.inference_mode():
+        ((_, alone, _),) = nodes.QwenEditTransformerLoader().load_tracked(
+            unique_id="7", model=TINY_MODEL, device="cpu", dtype="bfloat16", quantize="none", transformer_fp8=True)
+    assert speed.has_fp8(alone)
+    monkeypatch.setattr(comp, "load_transformer", whole)
+    with pytest.raises(ValueError, match="transformer_fp8 and quantize 'int8'"):
+        nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "bfloat16", "int8", transformer_fp8=True)
+
+
+def test_load_transformer_with_fp8_places_about_half_the_bf16_model_on_the_device(comfy, monkeypatch):
+    """Load Transformer with `transformer_fp8`, "meta" standing in for the GPU (every byte placed there counted,
+    tests/model/test_planned_load.py): the peak stays within the loaded model's own bytes plus one layer in
+    flight (read in the file's dtype and converted: at most 3x the largest block linear's bf16 bytes), below the
+    whole bf16 transformer, which loading first and converting afterwards would place there (the tiny model's
+    embedders and output projection, which stay bf16, weigh more beside its blocks than the real model's)."""
+    from tests.model.test_planned_load import DeviceBytes
+    from qwen_edit_core.model import components as comp
+    from nodes import model_nodes
+    from nodes.common import resolve_model
+    monkeypatch.setattr(model_nodes, "_resolve", lambda name, component: torch.device("meta"))
+    directory = comp.resolve_model_dir(resolve_model(TINY_MODEL, ""))
+    whole = comp.load_transformer(directory, device=torch.device("cpu"), dtype=torch.bfloat16)
+    bf16 = sum(t.nbytes for t in whole.state_dict().values())
+    largest = max(m.weight.nbytes for m in whole.transformer_blocks.modules() if type(m) is torch.nn.Linear)
+    from qwen_edit_core.model import planned_load
+    from qwen_edit_core.model.weight_source import weight_source
+    skeleton = planned_load.build_skeleton(weight_source(directory, None, "auto"), fp8=True)
+    # built outside the count: a skeleton's meta tensors are shapes, which hold nothing on a real device
+    monkeypatch.setattr(planned_load, "build_skeleton", lambda source, fp8: skeleton)
+    with DeviceBytes("meta") as placed:
+        ((_, module, _),) = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "meta", "bfloat16", "none",
+                                                                   transformer_fp8=True)
+    resident = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (*module.parameters(),
+                                                                             *module.buffers())}.values())
+    assert 0 < placed.peak <= resident + 3 * largest, (placed.peak, resident, largest)
+    assert placed.peak < 0.85 * bf16, (placed.peak, bf16)
+
+
+def test_sampling_an_fp8_copy_whose_input_a_job_trains_on_is_refused_and_leaves_the_jobs_weights(
+        comfy, monkeypatch):
+    """The copy parks its input's block weights when a node uses it; while a job trains on the input (its lent
+    copy shares those tensors) the node is refused before anything is parked."""
+    import dataclasses
+
+    from qwen_edit_core import speed
+    from qwen_edit_core.speed import lending
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)  # the CPU stands for the device
+    handle, _ = _load()
+    transformer = handle.components.transformer
+    fast = speed.inference_copy(transformer, torch.device("cpu"), fp8=True, compile=False)
+    copy = dataclasses.replace(handle, components=dataclasses.replace(handle.components, transformer=fast))
+    loaded_models.use(handle)  # the training node uses the input: its weights come back
+    before = {name: t.clone() for name, t in transformer.state_dict().items()}
+    started, finish = threading.Event(), threading.Event()
+
+    def held(config, *, resume, progress, cancel, lock=None, model=None):
+        started.set()
+        finish.wait()
+        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
+                              model=handle.components)
+    assert started.wait(60)
+    try:
+        with pytest.raises(jobs.JobBusyError, match="training job 'lora' trains on this model"):
+            nodes.QwenEditSampleConditioning().sample(copy, types.SimpleNamespace(uncond=None), 1, 1.0, 0,
+                                                       "diffusers", "same")
+        assert all(torch.equal(t, before[k]) for k, t in transformer.state_dict().items())
+    finally:
+        finish.set()
+        job.wait()
+
+
+def test_a_jobs_entry_leaves_comfyuis_list_when_a_node_uses_its_model_after_the_job(comfy, monkeypatch):
+    """Once the job is over, a node using its model lists the modules under their own entries again: the job's
+    stand-in entry leaves the list then (each byte counted once, and no later eviction of the stand-in moves
+    modules that ComfyUI counts under their own entries)."""
+    handle, _ = _load()
+    modules = loaded_models.modules_of(handle)
+    weights = sum(comfy_runtime._nbytes(m) for m in modules)
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(
+        fit=lambda config, **kwargs: TrainResult(state="done", step=0, lora_path=None, loss_plot=None),
+        preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
+                              model=handle.components)
+    assert comfy_runtime.count_job(job, modules, torch.device("cpu"))
+    job.wait()
+    loaded_models.use(handle)
+    assert sum(entry.model_memory() for entry in comfy.current_loaded_models) == weights
+    assert set(_ours(comfy)) == {id(m) for m in modules} and len(comfy.current_loaded_models) == len(modules)
+
+
+def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(monkeypatch, tmp_path):
+    """fp8 parks the lender's bf16 linears (allocated drops below the start) and adds its own fp8 copies and the
+    LoRA: the job reports its weights as it started, less what it parked, plus what it added (stand-in CUDA
+    statistics; the CPU tensors stand for the device's)."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(16, 16, bias=False)  # 1024 bytes
+    other, parked, added = 200, 1024, 300  # another model's bytes, the parked linear's, fp8 copy and LoRA's
+    readings = iter([(1024 + other, 0), (1024 + other - parked + added, 1024 + other - parked + added)])
+    real = jobs.DeviceUse
+    monkeypatch.setattr(jobs, "DeviceUse", lambda device: real(
+        device, stats=lambda device: next(readings), reset=lambda device: None))
+    stepped, finish = threading.Event(), threading.Event()
+
+    def fp8(config, *, resume, progress, cancel, lock=None, model=None):
+        model.weight.data = torch.empty(0)  # parked
+        progress(jobs.Progress(stage="train", step=1, total=1))
+        stepped.set()
+        finish.wait()
+        return TrainResult(state="done", step=1, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=fp8, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}), model=model)
+    assert stepped.wait(60)
+    try:
+        assert job.device_bytes() == 1024 - parked + added
+    finally:
+        finish.set()
+        job.wait()

@@ -159,3 +159,28 @@ def test_the_input_of_an_fp8_sampling_copy_gets_its_weights_back_when_used_and_t
     assert moved > 0 and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
     assert speed.repark(fast) == moved and {n for n, p in model.named_parameters() if p.numel() == 0} == emptied
     assert speed.unpark(model) == moved and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+
+
+def test_two_fp8_sampling_copies_of_one_input_each_park_its_weights_when_used(monkeypatch):
+    """Two Sampling Speed copies of one input, used in turns with the input: whichever copy runs, the input's
+    bf16 block linears are off the (stand-in) device; when the input runs they all come back, bit for bit."""
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)  # the CPU stands for the device
+
+    def use(module):  # what a node does first (nodes.loaded_models.use)
+        speed.unpark(module)
+        speed.repark(module)
+
+    model = _model()
+    before = _state(model)
+    first = speed.inference_copy(model, torch.device("cpu"), fp8=True, compile=False)
+    emptied = {name for name, p in model.named_parameters() if p.numel() == 0}
+    use(model)
+    second = speed.inference_copy(model, torch.device("cpu"), fp8=True, compile=False)
+    both = _held_bytes(model, first, second)  # the input's parked linears on no device, each copy's fp8 ones
+    for module in (first, model, first, second, model, second, first):
+        use(module)
+        if module is model:
+            assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+        else:
+            assert {n for n, p in model.named_parameters() if p.numel() == 0} == emptied
+            assert _held_bytes(model, first, second) == both

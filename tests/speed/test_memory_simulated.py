@@ -97,8 +97,8 @@ def test_the_21_prompt_layout_is_the_encoders():
 
 
 def test_21_sampling_is_refused_naming_what_is_simulated():
-    with pytest.raises(ValueError, match="sampling is simulated for the 2025 variants; 'image-2.1' simulates "
-                                         "training"):
+    with pytest.raises(ValueError, match="the sampling levers are simulated for the 2025 variants; 'image-2.1' "
+                                         "samples with its prefix cache planned"):
         memory.simulate_sample("image-2.1", 1024, 1)
 
 
@@ -237,3 +237,92 @@ def test_the_comfyui_path_runs_through_the_command(monkeypatch, capsys):
 def test_the_node_budget_is_90_percent_of_the_card_less_the_cuda_context():
     from qwen_edit_core.bench.memory_comfyui import node_budget_gb
     assert 20.8 < node_budget_gb(24) < 21.6
+
+
+@pytest.mark.simulation  # a training step of two real-width blocks: over a minute of CPU on a loaded machine
+def test_the_comfyui_bf16_file_parks_the_lenders_linears_in_host_memory():
+    """`--file-dtype bf16` (two real-width blocks, 512^2, a 3.5 GiB card, where the node's budget takes an fp8
+    plan): the copy's fp8 layers replace the lender's bf16 linears, which are parked in host memory, so the
+    device holds fp8 weights only and the row's host memory is the parked bf16 bytes."""
+    from qwen_edit_core.bench import memory_comfyui
+    row = memory_comfyui.simulate_comfyui("edit", 512, 1, 3.5, file_dtype="bf16", num_layers=2)
+    assert row.levers.startswith("fp8 on") and row.plan == "comfyui bf16 file, 3.5 GiB card"
+    linears = 2 * 339_000_000 * 2  # two blocks' linears in bf16, about all of a block's weights
+    assert 0.9 * linears < row.peak_host_gib * 2**30 < 1.05 * linears
+    assert row.categories_gib["Parameter"] * 2**30 < 0.6 * linears + 0.25 * 2**30  # fp8 blocks + embeddings, LoRA
+    assert row.peak_device_gib <= row.budget_gib
+    with pytest.raises(ValueError, match="--file-dtype 'fp16' is not accepted; accepted: fp8, bf16"):
+        memory_comfyui.simulate_comfyui("edit", 512, 1, 3.5, file_dtype="fp16", num_layers=1)
+
+
+def test_21_sampling_runs_through_the_command_with_its_prefix_cache_planned(monkeypatch, capsys, caplog):
+    """`qwen-edit bench memory --sample --variant image-2.1 --controls 1 --budget-gb 24 --json` (here one real-width
+    block, real token counts): one JSON row on stdout, announced on stderr before it runs, with the cache on the
+    device, the planner's step peak within 10% of the simulated one and both within the card."""
+    import functools
+    import logging
+
+    from qwen_edit_core.bench import memory_sample
+    from qwen_edit_core.cli import main
+    monkeypatch.setattr(memory_sample, "simulate_cached_sample",
+                        functools.partial(memory_sample.simulate_cached_sample, num_layers=1))
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.bench.memory_sample"):
+        assert not main(["bench", "memory", "--sample", "--variant", "image-2.1", "--controls", "1", "--budget-gb",
+                         "24", "--json"])
+    assert "row 1/1: image-2.1 1024 px, 1 references, 24 GiB card" in caplog.text
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert set(JSON_FIELDS) | {"reserved_gib"} <= set(row)
+    assert row["kind"] == "sample" and row["budget_gib"] == 24 and row["levers"].startswith("prefix cache device")
+    assert abs(row["planner_estimate_gib"] - row["peak_device_gib"]) <= 0.1 * row["peak_device_gib"]
+    assert row["reserved_gib"] == row["peak_device_gib"] <= 24 and row["peak_host_gib"] == 0
+
+
+def test_bench_memory_announces_each_row_on_stderr_and_keeps_stdout_json(monkeypatch, capsys, caplog):
+    """Minutes of CPU per row: each row is announced in the log (stderr) before it runs; stdout stays one JSON
+    object per row."""
+    import logging
+
+    from qwen_edit_core.cli import main
+    ran = []
+
+    def fake_train(variant, side, controls, budget_gb=0.0, **kwargs):
+        ran.append(budget_gb)
+        assert f"row {len(ran)}/" in caplog.text  # announced before the row's work
+        return memory.Simulated(plan=f"train {budget_gb:g} GiB", kind="train", variant=variant, size=side,
+                                controls=1, image_tokens=1, text_tokens=1, budget_gib=budget_gb,
+                                planner_estimate_gib=1.0, peak_device_gib=1.0, tracked_device_gib=1.0,
+                                peak_host_gib=0.0, flops_per_step=1.0, roofline_s=1.0)
+    monkeypatch.setattr(memory, "simulate_train", fake_train)
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.bench.memory"):
+        lines = memory.run("edit", 512, 1, (16, 24), reference=False, sample_levers=())
+        assert [r.budget_gib for r in lines] == [16, 24]
+        assert "row 2/2: edit 512 px x1, train, budget 24 GiB" in caplog.text
+        ran.clear()
+        caplog.clear()
+        assert not main(["bench", "memory", "--size", "512", "--budget-gb", "16", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert ran == [16.0] and len(out) == 1 and json.loads(out[0])["plan"] == "train 16 GiB"
+
+
+@pytest.mark.simulation  # 32 real-width blocks over up to 45,000 tokens: 5 to 15 minutes of CPU a row
+@pytest.mark.parametrize("references,card", [(1, 24), (3, 24), (3, 48), (10, 48)])
+def test_21_sampling_fits_its_card_with_the_prefix_cache_planned(references, card):
+    """Qwen-Image-2.1 sampling with 1, 3 and 10 1024^2 references: the step fits the card, the cache plan's peak is
+    within 10% of the simulated one, and a cache kept in host memory fits a 64 GB machine's share for it."""
+    from qwen_edit_core.bench import memory_sample
+    from qwen_edit_core.families.qwen_image_21 import prefix_cache, sample_memory
+    row = memory_sample.simulate_cached_sample("image-2.1", 1024, references, card)
+    assert row.peak_device_gib <= card, memory.table([row])
+    assert abs(row.planner_estimate_gib - row.peak_device_gib) <= 0.1 * row.peak_device_gib, memory.table([row])
+    assert row.peak_host_gib * 2**30 <= prefix_cache.HOST_HEADROOM * sample_memory.HOST_BYTES, memory.table([row])
+
+
+@pytest.mark.simulation
+def test_21_sampling_with_ten_references_is_refused_a_24_gib_card_naming_the_size():
+    """Ten 1024^2 references in bf16 (45,164 tokens): even without the cache a step needs more than the sampler's
+    20.8 GiB on a 24 GiB card, which it says before any step runs."""
+    from qwen_edit_core.bench import memory_sample
+    with pytest.raises(ValueError, match=r"does not fit 20.8 GiB.*needs about 21.\d GiB.*cache itself would be 40.\d"):
+        memory_sample.simulate_cached_sample("image-2.1", 1024, 10, 24)

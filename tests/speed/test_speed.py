@@ -215,6 +215,23 @@ def test_a_compiled_run_is_planned_with_the_compiled_blocks_activations():
     assert plan.checkpoint_blocks == 0  # the training loop's own path plans with it
 
 
+def test_a_model_already_in_fp8_is_planned_with_its_fp8_weights():
+    """A scaled-fp8 file kept in fp8 holds one byte a weight whatever the plan: planned as bf16, a 48 GiB budget
+    took a bf16 plan estimated with twice the weights (and the bf16 working set), checkpointing blocks it had room
+    to keep. Told, the planner estimates only fp8 settings, as the training loop's own path does."""
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.speed.weight_plan import plan_training
+    blind = perf.plan_for_budget(48, **REAL)
+    told = perf.plan_for_budget(48, already_fp8=True, **REAL)
+    assert not blind.fp8 and told.fp8 and told.checkpoint_blocks < blind.checkpoint_blocks
+    assert told.estimate == perf.estimate_memory(fp8=True, n_checkpointed=told.checkpoint_blocks, n_offloaded=0,
+                                                 **REAL)
+    sizes = {k: v for k, v in REAL.items() if k != "tokens"}
+    train = load_config(overrides={"train": {"output_dir": "unused", "memory_budget_gb": 48}}).train
+    plan = plan_training(train, torch.device("cpu"), torch.bfloat16, sizes, REAL["tokens"], already_fp8=True)
+    assert plan.checkpoint_blocks == told.checkpoint_blocks
+
+
 def test_memory_planner_counts_one_shard_of_the_frozen_weights_per_fsdp_process():
     """Under FSDP2 over N processes each holds 1/N of the frozen weights plus the two blocks and the root's own
     weights gathered in flight; only checkpointing is planned (fp8 and offload are refused under FSDP)."""

@@ -30,11 +30,10 @@ INT8_MAX_ERROR = 0.02
 #: the share of the host's available memory the host-kept cache may take
 HOST_HEADROOM = 0.8
 #: what one no-grad forward holds beside the weights and the cache, in units of its tokens x dim values of the
-#: transformer's dtype (the block's inputs, q/k/v, the attention output and the SwiGLU MLP's products at once),
-#: measured with `qwen-edit bench memory --sample --variant image-2.1` (BENCHMARKS.md, "Memory, simulated")
-FORWARD_FACTOR = 12.0
-#: the fixed part: CUDA context and cuBLAS workspaces (speed.planner.MARGIN_FIXED)
-FIXED_BYTES = 800 * 2**20 + 2 * 32 * 2**20
+#: transformer's dtype (the joint sequence, its per-token modulation, q/k/v, the attention output and the SwiGLU
+#: MLP's products at once): 18.1 and 18.25 measured by the memory simulator on two real-width blocks with one and
+#: three 1024^2 references (8,246 and 16,450 tokens; bench/memory_sample.py, `num_layers=2`)
+FORWARD_FACTOR = 18.3
 #: latent tokens per vision slot of the prompt (2x2)
 TOKENS_PER_SLOT = 4
 
@@ -109,17 +108,19 @@ def peak_bytes(place: str, *, weights: int, shape: CacheShape, tokens: tuple[int
     """A sampling step's device peak with the cache in `place`: the larger of the first step (the whole joint
     sequence's forward beside the caches stored so far) and a cached step (the target's forward, every cache, and
     per block the prefix's keys and values joined to the target's; host and int8 also hold one block's keys and
-    values in the dtype while it runs)."""
+    values in the dtype while it runs), with the training planner's margin (speed.planner: the CUDA context and
+    cuBLAS workspaces, and a fragmentation allowance on what is not weights)."""
+    from qwen_edit_core.speed import planner
     longest = max(tokens)
     full = forward_bytes(longest + target_tokens, dim, shape.dtype)
     if place == "off":
-        return weights + full + FIXED_BYTES
+        return weights + int((1 + planner.MARGIN_FRAGMENTATION) * full) + planner.MARGIN_FIXED
     stored = {"device": shape.bytes(sum(tokens)), "int8": shape.int8_bytes(sum(tokens)), "host": 0}[place]
     one_block = 0 if place == "device" else shape.layer_bytes(longest)
     first = full + stored + one_block
     cached = forward_bytes(target_tokens, dim, shape.dtype) + stored + one_block + \
         shape.layer_bytes(longest + target_tokens)
-    return weights + max(first, cached) + FIXED_BYTES
+    return weights + int((1 + planner.MARGIN_FRAGMENTATION) * max(first, cached)) + planner.MARGIN_FIXED
 
 
 def host_region_bytes(shape: CacheShape, tokens: tuple[int, ...], pin: bool) -> int:
@@ -173,7 +174,10 @@ class _HostLayer:
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is None:
             raise RuntimeError("KV cache has not been populated yet.")
-        return self.k.to(self.device, non_blocking=True), self.v.to(self.device, non_blocking=True)
+        # copy=True: a new tensor on the device even where the device is the host (the CPU, the simulator's
+        # stand-in device), so that the block's copy is counted where it lands
+        return (self.k.to(self.device, non_blocking=True, copy=True),
+                self.v.to(self.device, non_blocking=True, copy=True))
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,6 +154,9 @@ class Branch:
         self.cache = None if place == "off" else prefix_cache.PlacedCache(place, shape, tokens,
                                                                           prompt.embeds.device)
         self.filled = False
+        #: run the int8 cache's guard on the first step (the memory simulator, whose tensors hold no numbers,
+        #: turns it off)
+        self.check = True
 
     def _run(self, hidden, t, cond: Conditioning21, mode: str | None) -> torch.Tensor:
         return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=self.prompt.embeds,
@@ -168,7 +171,7 @@ class Branch:
             return self._run(hidden, t, cond, "cached")[:, -n_target:]
         out = self._run(hidden, t, cond, "extract")[:, -n_target:]
         self.filled = True
-        if self.place == "int8":
+        if self.place == "int8" and self.check:
             self._check_int8(hidden, t, cond, n_target, out)
         return out
 
@@ -247,18 +250,26 @@ def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn 
     log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
              cond.width, cond.height, settings.schedule, len(timesteps),
              settings.true_cfg_scale if settings.do_cfg else 1.0, mu, plan.place if plan else "off", seed)
-    cfg_branches = branches(transformer, cond, settings, plan)
-    with speed.attention_kernel(settings.attention):
-        for i, t in enumerate(timesteps):
-            if cancel is not None:
-                cancel.check()
-            hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
-            timestep = t.expand(1).to(dtype) / 1000
-            preds = [branch(hidden, i, timestep, cond, n) for branch in cfg_branches]
-            velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
-            latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-            if progress is not None:
-                progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+    cfg_branches, preds = branches(transformer, cond, settings, plan), []
+    try:
+        with speed.attention_kernel(settings.attention):
+            for i, t in enumerate(timesteps):
+                if cancel is not None:
+                    cancel.check()
+                hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
+                timestep = t.expand(1).to(dtype) / 1000
+                preds = [branch(hidden, i, timestep, cond, n) for branch in cfg_branches]
+                velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
+                latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+                if progress is not None:
+                    progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+    finally:
+        if plan is not None and plan.place == "host":
+            # the caches' pinned regions go first, then torch's host allocator hands its cached pinned blocks
+            # back (a long-lived process such as ComfyUI would otherwise keep them page-locked)
+            from qwen_edit_core.speed import host_memory
+            del cfg_branches, preds
+            host_memory.release_cache()
     return latents
 
 
