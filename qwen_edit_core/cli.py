@@ -255,7 +255,7 @@ def cmd_doctor(args) -> None:
         if run.report.findings:
             print(run.report.json_lines())  # noqa: T201  (the command's output)
     else:
-        log.info("%s", run.report.summary(limit=len(run.report.findings)))
+        log.info("%s", "\n".join([run.report.summary(limit=len(run.report.findings)), *run.report.statistics()]))
     if run.picture:
         log.info("report of the worst pairs: %s (picture: %s)", run.page, run.picture)
     for line in run.fixes:

@@ -101,6 +101,7 @@ def _page(report: DoctorReport, rows) -> str:
         escaped = html.escape(name)
         lines.append(f'<tr id="{escaped}"><td>{escaped}</td>{pictures}<td><ul>{findings}</ul></td></tr>')
     head = [line for line in report.summary(limit=0).splitlines() if not line.startswith("  ...")]
+    head += report.statistics()
     return _PAGE.format(head=html.escape("\n".join(head)), gain=DIFFERENCE_GAIN, rows="\n".join(lines))
 
 
@@ -109,7 +110,8 @@ def write_report(report: DoctorReport, folder, limit: int = 12, page_limit: int 
     `report.html` beside it (the `page_limit` worst, with their findings in full) into `folder`; returns the
     picture's path (None when nothing is flagged: then only the summary is written)."""
     folder = Path(folder)
-    write_bytes(folder / "report.txt", (report.summary(limit=len(report.findings)) + "\n").encode("utf-8"))
+    text = "\n".join([report.summary(limit=len(report.findings)), *report.statistics()]) + "\n"
+    write_bytes(folder / "report.txt", text.encode("utf-8"))
     rows = _rows(report, max(limit, page_limit))
     if not rows:
         return None
