@@ -35,6 +35,15 @@ def tiny_21_dir(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("tiny") / "image-2.1", variant="image-2.1", seed=2)
 
 
+@pytest.fixture(scope="session")
+def one_block_dir(tmp_path_factory):
+    """A tiny Edit model with one transformer block: compiled training compiles one block graph (a second block
+    adds one more, for blocks whose inputs need gradients), which halves a CPU test's compile time."""
+    from qwen_edit_core.model.tiny import build_tiny
+    return build_tiny(tmp_path_factory.mktemp("tiny") / "edit-1", variant="edit", seed=0,
+                      transformer_overrides={"num_layers": 1})
+
+
 def make_pairs(folder, n=4, size=(64, 64), seed=0, caption="invert the colors"):
     """A flat-layout dataset of `n` pairs: target = inverted control."""
     import numpy as np

@@ -27,15 +27,6 @@ pytestmark = pytest.mark.slow  # inductor compilation (minutes with a cold cache
 COMPILE_LOG = "qwen_edit_core.speed.compile"
 
 
-@pytest.fixture(scope="module")
-def one_block_dir(tmp_path_factory):
-    """A tiny Edit model with one transformer block: training compiles one graph (a second block would add
-    one more, for blocks whose inputs need gradients), which keeps this CPU test's compile time down."""
-    from qwen_edit_core.model.tiny import build_tiny
-    return build_tiny(tmp_path_factory.mktemp("tiny") / "edit-1", variant="edit", seed=0,
-                      transformer_overrides={"num_layers": 1})
-
-
 def _compiled_graph_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == COMPILE_LOG and "compiled transformer block graph"
             in r.getMessage()]

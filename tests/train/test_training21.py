@@ -364,15 +364,19 @@ def test_fp8_base_over_21_blocks_trains_close_to_the_full_precision_base(tiny_21
 
 
 @pytest.mark.slow  # inductor compiles the 2.1 block
-def test_compiled_21_blocks_train_the_same(tiny_21_dir, refs_dir, tmp_path):
+def test_compiled_21_blocks_train_the_same(tiny_21_dir, tmp_path):
+    """One pair with three references of their own sizes: both blocks' graphs (the first block's inputs need no
+    gradient, the second's do) compile once and serve both steps. One pair, not `refs_dir`'s three: each other
+    reference count is another list of attention segments, so both graphs again (minutes of CPU compiling)."""
     from qwen_edit_core import speed
-    plain = _run(tiny_21_dir, refs_dir, tmp_path / "plain")
-    config = train_config(tiny_21_dir, refs_dir, tmp_path / "compiled", cache_dir=tmp_path / "cache",
+    data = make_ref_pairs(tmp_path / "three", counts=(3,))
+    plain = _run(tiny_21_dir, data, tmp_path / "plain")
+    config = train_config(tiny_21_dir, data, tmp_path / "compiled", cache_dir=tmp_path / "cache",
                           train={"max_steps": 2, "compile": True}, logging={"plot": False})
     trainer = QwenImageEditTrainer(config)
     compiled = trainer.fit()
     stats = speed.compile_stats(trainer.components.transformer)
-    assert stats is not None and stats.fallback is None and stats.blocks == 2
+    assert stats is not None and stats.fallback is None and stats.blocks == 2 and stats.graphs == 2, stats
     # inductor fuses and reorders each step's forward and backward; the rounding of a step's gradients moves the
     # weights the next step starts from, so step k's loss carries the rounding of k steps
     for step, ((_, a), (_, b)) in enumerate(zip(compiled.history, plain.history), 1):
