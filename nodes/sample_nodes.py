@@ -392,7 +392,8 @@ class QwenEditSpeed:
                                                              "top of the input model's bf16 weights, which it keeps: "
                                                              "1.5x the block weights while both are loaded. LoRAs "
                                                              "stay bf16"}),
-            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once, on first "
+                                                                 "use (compile time: BENCHMARKS.md)"}),
             "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 

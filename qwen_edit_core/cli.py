@@ -283,7 +283,9 @@ def add_doctor_command(sub) -> None:
 
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
-    run_demo(Path(args.out), steps=args.steps, variant=args.variant)
+    cache_bar, train_bar = _progress_bar("cache"), _train_bar()
+    run_demo(Path(args.out), steps=args.steps, variant=args.variant,
+             progress=lambda event: cache_bar(event) if event.stage == "cache" else train_bar(event))
 
 
 def cmd_bench(args) -> None:

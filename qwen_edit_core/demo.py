@@ -134,15 +134,16 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def run_demo(out_dir: Path, steps: int = 250, variant: str = variants.DEFAULT) -> dict:
+def run_demo(out_dir: Path, steps: int = 250, variant: str = variants.DEFAULT, progress=None) -> dict:
     """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` ("edit", or
     "image-2.1": the toy Qwen-Image-2.1, the control as reference 1); returns the metrics (also in
-    metrics.json)."""
+    metrics.json). Each phase is logged as it starts; `progress` (a common.progress.ProgressFn) receives the
+    cache and training stages' step events, as for `QwenImageEditTrainer.cache` and `.fit`."""
     with one_thread():
-        return _run(Path(out_dir), steps, variant)
+        return _run(Path(out_dir), steps, variant, progress)
 
 
-def _run(out_dir: Path, steps: int, variant: str) -> dict:
+def _run(out_dir: Path, steps: int, variant: str, progress=None) -> dict:
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.toys import toy
 
@@ -154,13 +155,19 @@ def _run(out_dir: Path, steps: int, variant: str) -> dict:
     model_dir = toy.ensure_toy(out_dir / family.toy.demo_folder, toy.weights_of(family))
     write_dataset(out_dir / "dataset", N_TRAIN, seed=0)
     held_out = write_dataset(out_dir / "held_out", N_HELD_OUT, seed=1)
+    log.info("demo: toy model in %s, %d training and %d held-out pairs in %s", model_dir, N_TRAIN, N_HELD_OUT,
+             out_dir)
     trainer = QwenImageEditTrainer(_config(model_dir, out_dir / "dataset", out_dir, steps))
     trainer.load_model()
+    log.info("demo: sampling the held-out pairs before training")
     before = _evaluate(trainer, held_out)
     few_before = _evaluate(trainer, held_out, sigmas=few_steps) if few_steps else None
-    trainer.cache()
-    result = trainer.fit()
+    log.info("demo: encoding the training pairs into the embedding cache")
+    trainer.cache(progress=progress)
+    log.info("demo: training the LoRA for %d steps", steps)
+    result = trainer.fit(progress=progress)
     trainer.load_model(which=("vae", "text_encoder"), keep_transformer=True)
+    log.info("demo: sampling the held-out pairs with the LoRA")
     after = _evaluate(trainer, held_out)
     few_after = _evaluate(trainer, held_out, sigmas=few_steps) if few_steps else None
 

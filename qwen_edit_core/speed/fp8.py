@@ -3,8 +3,8 @@
 Why our own layer rather than torchao's float8 (torchao is not a dependency):
 - torchao's float8 training (`torchao.float8.convert_to_float8_training`, `Float8Linear`) keeps the weight in
   high precision and casts weight and input to float8 inside every forward: it trains that weight faster
-  but stores it in bf16. Our base is frozen, so `Fp8Linear` stores it in e4m3 once (half the memory: 19.1
-  instead of 38.0 GiB for the real transformer, docs/MODEL.md) and only the activations are quantized per call.
+  but stores it in bf16. Our base is frozen, so `Fp8Linear` stores it in e4m3 once (half the memory of bf16:
+  docs/MODEL.md, "The real model's sizes") and only the activations are quantized per call.
 - torchao's inference path (`quantize_` with a float8 config) turns weights into tensor subclasses; peft's
   torchao LoRA layer (`peft/tuners/lora/torchao.py`, peft 0.21) can merge only into int8 subclasses it can
   re-quantize. `Fp8Linear` is a plain module peft wraps like a Linear (`_register_custom_module`), so LoRAs

@@ -24,8 +24,8 @@ COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def ddp_kwargs() -> list:
-    """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, ~19 GiB
-    that every rank already holds; DDP would send them from rank 0 before every synced forward), unused
+    """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, half the
+    transformer, that every rank already holds; DDP would send them from rank 0 before every synced forward), unused
     parameters allowed (the last block's text-stream outputs, `to_add_out` and `txt_mlp`, feed nothing: a LoRA
     there gets no gradient, and DDP otherwise stops at the second step) and the collective timeout above."""
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -109,7 +109,7 @@ def ignore_frozen(model: torch.nn.Module) -> int:
     """Leave every frozen parameter and every buffer of `model` out of DistributedDataParallel (torch's
     `_set_params_and_buffers_to_ignore_for_model`, read when DDP wraps the model): DDP broadcasts from rank 0 at
     wrap every parameter and buffer it is not told to ignore (`_sync_module_states`), which for the frozen base is
-    the whole transformer (38 GiB in bf16) that every process already loaded from the same files; frozen weights
+    the whole transformer (docs/MODEL.md, "The real model's sizes") that every process already loaded from the same files; frozen weights
     have no gradients to average. Returns how many names are ignored."""
     from torch.nn.parallel import DistributedDataParallel
     names = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
