@@ -16,6 +16,7 @@ pipeline_qwenimage21.py and transformer_qwenimage21.py:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -27,8 +28,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from qwen_edit_core import speed
-from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.common.progress import CancelToken, ProgressFn
 from qwen_edit_core.model import encode
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.sample import schedules
@@ -46,7 +46,8 @@ SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_sh
 
 @dataclass(frozen=True)
 class Conditioning21:
-    """Everything the 2.1 loop needs, on the transformer's device."""
+    """Everything the 2.1 loop needs, on the transformer's device; its `branch`, `to` and `guide` are this family's
+    hooks of the shared Euler/CFG driver (sample/sampler.py `euler`)."""
 
     cond: PromptWithSlots
     uncond: PromptWithSlots | None
@@ -57,6 +58,24 @@ class Conditioning21:
     width: int
     height: int
 
+    def branch(self, transformer, which: str, settings) -> "_Branch":
+        """The "cond" or "uncond" prompt's `predict(latents, t)`, with its own prefix K/V cache where
+        `settings.kv_cache`."""
+        if which not in ("cond", "uncond"):
+            raise ValueError(f"Qwen-Image-2.1 runs its CFG branches one by one, not {which!r} (cfg_mode batched)")
+        return _Branch(transformer, getattr(self, which), self, settings.kv_cache)
+
+    def to(self, device) -> "Conditioning21":
+        """This conditioning on `device` (the uncond replica's, cfg_mode split)."""
+        def move(prompt: PromptWithSlots | None) -> PromptWithSlots | None:
+            return None if prompt is None else PromptWithSlots(prompt.embeds.to(device), prompt.slots.to(device))
+        refs = None if self.reference_tokens is None else self.reference_tokens.to(device)
+        return dataclasses.replace(self, cond=move(self.cond), uncond=move(self.uncond), reference_tokens=refs)
+
+    def guide(self, cond_pred: torch.Tensor, uncond_pred: torch.Tensor, settings) -> torch.Tensor:
+        """The 2.1 pipeline's plain true CFG, `neg + s * (cond - neg)` (no norm rescale)."""
+        return uncond_pred + settings.true_cfg_scale * (cond_pred - uncond_pred)
+
 
 def check_settings(settings) -> None:
     """Refuse what the 2.1 loop does not do, naming what to use instead."""
@@ -64,10 +83,10 @@ def check_settings(settings) -> None:
         raise ValueError(f"schedule {settings.schedule!r} is not available for Qwen-Image-2.1; accepted: "
                          f"{', '.join(SCHEDULES)} (few-step adapters: schedule 'diffusers' with their sigma list, "
                          "e.g. sigmas 'qwen21-turbo-8step')")
-    if settings.do_cfg and settings.cfg_mode != "sequential":
-        raise ValueError(f"cfg_mode {settings.cfg_mode!r} is not available for Qwen-Image-2.1: its transformer reads "
-                         "one token layout per batch, and cond and uncond prompts differ in length; use "
-                         "cfg_mode 'sequential'")
+    if settings.do_cfg and settings.cfg_mode == "batched":
+        raise ValueError("cfg_mode 'batched' is not available for Qwen-Image-2.1: its transformer reads one token "
+                         "layout per batch, and cond and uncond prompts differ in length; use cfg_mode 'sequential' "
+                         "or 'split' (the uncond branch on a second device)")
     if settings.control_size != "pipeline":
         raise ValueError("control_size 'target' is not available for Qwen-Image-2.1 yet; use 'pipeline'")
 
@@ -144,26 +163,36 @@ def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps
 
 
 class _Branch:
-    """One CFG branch (cond or uncond): its prompt, its vision-slot mask and its prefix K/V cache."""
+    """One CFG branch (cond or uncond): its prompt, its vision-slot mask and its prefix K/V cache, which its first
+    call fills ("extract") and later calls read ("cached")."""
 
-    def __init__(self, transformer, prompt: PromptWithSlots, cache: bool):
+    def __init__(self, transformer, prompt: PromptWithSlots, cond: Conditioning21, cache: bool):
         from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-        self.transformer, self.prompt = transformer, prompt
+        self.transformer, self.prompt, self.cond = transformer, prompt, cond
         on = cache and bool(getattr(transformer.config, "causal_condition", False))
         self.cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if on else None
+        self.filled = False
 
-    def __call__(self, hidden, step: int, t, cond: Conditioning21, n_target: int) -> torch.Tensor:
-        mode = None if self.cache is None else ("extract" if step == 0 else "cached")
-        out = self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=self.prompt.embeds,
+    def __call__(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        cond, n_target = self.cond, latents.shape[1]
+        hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
+        timestep = t.expand(1).to(self.prompt.embeds.dtype) / 1000
+        mode = None if self.cache is None else ("cached" if self.filled else "extract")
+        out = self.transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=self.prompt.embeds,
                                encoder_hidden_states_mask=None, img_shapes=[cond.img_shapes], img_mask=self.prompt.slots,
                                kv_cache=self.cache, kv_cache_mode=mode, return_dict=False)[0]
+        self.filled = True
         return out[:, -n_target:]
 
 
 @torch.no_grad()
-def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn | None = None,
-            cancel: CancelToken | None = None) -> torch.Tensor:
-    """The Euler loop; returns the target's unpatched latent tokens (1, h*w, 64) on the transformer's device."""
+def denoise(components, cond: Conditioning21, settings, *, uncond_transformer=None, cfg_split=None,
+            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """This family's noise and schedule through the shared Euler/CFG driver (sample/sampler.py `euler`); returns
+    the target's unpatched latent tokens (1, h*w, 64) on the transformer's device. `uncond_transformer` (cfg_mode
+    split: the uncond branch on a second device) and `cfg_split` (context parallelism) as for the 2025 family."""
+    from qwen_edit_core.sample.sampler import euler
+
     transformer = components.transformer
     device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
@@ -177,22 +206,8 @@ def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn 
     log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
              cond.width, cond.height, settings.schedule, len(timesteps),
              settings.true_cfg_scale if settings.do_cfg else 1.0, mu, "on" if settings.kv_cache else "off", seed)
-    branches = [_Branch(transformer, cond.cond, settings.kv_cache)]
-    if settings.do_cfg:
-        branches.append(_Branch(transformer, cond.uncond, settings.kv_cache))
-    n = latents.shape[1]
-    with speed.attention_kernel(settings.attention):
-        for i, t in enumerate(timesteps):
-            if cancel is not None:
-                cancel.check()
-            hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
-            timestep = t.expand(1).to(dtype) / 1000
-            preds = [branch(hidden, i, timestep, cond, n) for branch in branches]
-            velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
-            latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-            if progress is not None:
-                progress(Progress("sample", i + 1, len(timesteps), preview=latents))
-    return latents
+    return euler(transformer, cond, settings, latents, scheduler, timesteps, uncond_transformer=uncond_transformer,
+                 cfg_split=cfg_split, progress=progress, cancel=cancel)
 
 
 def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -206,11 +221,10 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
 def sample(components, prompt: str, images: Sequence, settings, *, uncond_transformer=None, cfg_split=None,
            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
     """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1].
-    Both CFG passes run here, on the transformer's device: `uncond_transformer` and `cfg_split` (the 2025
-    driver's second-device CFG) are accepted, as every family's `sample` takes them, and not used."""
-    del uncond_transformer, cfg_split
+    `uncond_transformer` and `cfg_split` as `denoise` takes them."""
     cond = build_conditioning(components, prompt, images, settings)
-    latents = denoise(components, cond, settings, progress=progress, cancel=cancel)
+    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
+                      progress=progress, cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
 
 
