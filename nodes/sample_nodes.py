@@ -388,10 +388,13 @@ class QwenEditSpeed:
         return {"required": {
             "model": MODEL_IN,
             "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 block weights, fp8 matmuls (Ada/Hopper): "
-                                                             "faster linears (BENCHMARKS.md). The fp8 copies come on "
-                                                             "top of the input model's bf16 weights, which it keeps: "
-                                                             "1.5x the block weights while both are loaded. LoRAs "
-                                                             "stay bf16"}),
+                                                             "faster linears (BENCHMARKS.md). Converting never holds "
+                                                             "both forms on the GPU: each bf16 block weight goes to "
+                                                             "host RAM as its fp8 copy is made (peak about the bf16 "
+                                                             "model's size, then about half: BENCHMARKS.md, \"Sampling "
+                                                             "Speed fp8\"); the input model gets them back when a "
+                                                             "node uses it, so host RAM must hold the block weights' "
+                                                             "bf16 size. LoRAs stay bf16"}),
             "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once, on first "
                                                                  "use (compile time: BENCHMARKS.md)"}),
             "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),

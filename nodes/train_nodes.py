@@ -339,8 +339,10 @@ class QwenEditTrain:
         comfy_runtime.free_device_memory(config.train.device, keep=loaded_models.modules_of(model),
                                          busy=loaded_models.busy)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
-        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
-                                    model=model.components),)
+        job = jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg, model=model.components)
+        # ComfyUI keeps counting what the job holds and cannot unload it (comfy_runtime.count_job)
+        comfy_runtime.count_job(job, loaded_models.modules_of(model), torch.device(jobs.device_key(job.device)))
+        return (job,)
 
 
 def find_job(job, job_name: str) -> jobs.TrainingJob:

@@ -192,6 +192,7 @@ TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "ma
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
+               ("pixel_aligned", "data", "pixel_aligned"),
                ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"),
                ("lora_format", "train", "lora_format"))
 
@@ -254,9 +255,9 @@ def cmd_doctor(args) -> None:
         if run.report.findings:
             print(run.report.json_lines())  # noqa: T201  (the command's output)
     else:
-        log.info("%s", run.report.summary(limit=len(run.report.findings)))
+        log.info("%s", "\n".join([run.report.summary(limit=len(run.report.findings)), *run.report.statistics()]))
     if run.picture:
-        log.info("report of the worst pairs: %s", run.picture)
+        log.info("report of the worst pairs: %s (picture: %s)", run.page, run.picture)
     for line in run.fixes:
         log.info("fixed %s", line)
 
@@ -270,10 +271,11 @@ def add_doctor_command(sub) -> None:
                                                        "fix, why")
     p.add_argument("--fix", metavar="OUT", help="write a fixed copy of the dataset to this new folder (the original "
                                                 "is never changed)")
-    p.add_argument("--out", default="doctor_out", help="folder for report.txt and report.png (the worst pairs)")
+    p.add_argument("--out", default="doctor_out", help="folder for report.txt, report.html and report.png "
+                   "(the worst pairs side by side: control, target, difference, finding)")
     p.add_argument("--held-out", help="held-out pairs as train.validation_pairs: N (the last N pairs) or a folder")
     p.add_argument("--pixel-aligned", action="store_true", help="the edit keeps every pixel in place "
-                   "(data.control_size: target): --fix realigns shifted and zoomed targets")
+                   "(data.pixel_aligned): --fix realigns shifted and zoomed targets")
     p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
     p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
     p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
@@ -421,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "[shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], e.g. 'lightning steps=4 lora=l.safetensors'")
     p.add_argument("--control-size", choices=["pipeline", "target"],
                    help="data.control_size: target resizes every control to its target's size (pixel-aligned pairs)")
+    p.add_argument("--pixel-aligned", action="store_true", default=None,
+                   help="data.pixel_aligned: the edit keeps every pixel in place (the dataset doctor's fixes "
+                   "realign shifted or zoomed targets)")
     p.add_argument("--lora-type", choices=["lora", "lokr", "loha"],
                    help="model.lora.type: the adapter to train (LoKr: Kronecker factors, LoHa: Hadamard product)")
     p.add_argument("--dora", action="store_true", default=None,

@@ -126,9 +126,17 @@ class DataConfig:
     #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
     #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
     control_size: ControlSize = "pipeline"
+    #: the edit keeps every pixel in place (a recolouring, a restyle): the dataset doctor's fixes realign targets
+    #: shifted or zoomed against their control only then (`pixel_aligned_edit`; control_size "target" implies it)
+    pixel_aligned: bool = False
     #: the dataset doctor before the first step (data/doctor/): "warn" logs its summary, "refuse" stops the run
     #: when it flags a pair, "off" skips it
     doctor: typing.Literal["warn", "refuse", "off"] = "warn"
+
+    @property
+    def pixel_aligned_edit(self) -> bool:
+        """Whether the pairs are meant pixel-aligned: `pixel_aligned`, or every control resized to its target's size."""
+        return self.pixel_aligned or self.control_size == "target"
 
 
 @dataclass(frozen=True)

@@ -70,10 +70,12 @@ class OutputSize:
         return self.checkpoint * self.checkpoints + self.final
 
 
-def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...]] | None:
+def trained_tensors(config: Config, model_dir: Path, *, left_out: set | None = None
+                    ) -> dict[str, tuple[int, ...]] | None:
     """{name: shape} of the adapter `model.lora` trains, injected by peft into a meta-device transformer (the
     real tensors' shapes for every adapter kind: LoRA, DoRA, LoKr, LoHa; no weights, no memory); None when the
-    model directory has no transformer config."""
+    model directory has no transformer config. `left_out`, when given, receives the module paths the injection
+    leaves out because their output reaches no loss (`adapters.lora.unreached_modules`)."""
     import torch
 
     from qwen_edit_core.adapters import lora
@@ -85,6 +87,8 @@ def trained_tensors(config: Config, model_dir: Path) -> dict[str, tuple[int, ...
         if meta is None:
             return None
         lora.inject_lora(meta, lora_spec(config, family_of_model(meta)))
+    if left_out is not None:
+        left_out.update(lora.unreached_modules(meta))
     return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}
 
 
@@ -255,12 +259,20 @@ def check_resume(config: Config, model_dir: Path | None, path: Path) -> None:
         old = read_state(path).get("config", {})
         new = to_dict(config)
         problems = [line for key in RESUME_KEYS for line in _changed(old, new, key)]
-        expected = trained_tensors(config, model_dir)
+        left_out: set[str] = set()
+        expected = trained_tensors(config, model_dir, left_out=left_out)
+        # a checkpoint written while the LoRA also sat on modules whose output reaches no loss resumes without them
+        shapes = {k: v for k, v in shapes.items() if k in (expected or {}) or _module_of(k) not in left_out}
         if expected is not None and shapes != expected:
             problems.append(_tensor_difference(shapes, expected))
     if problems:
         raise ResumeMismatchError(f"--resume {str(path)!r} cannot continue this run: {'; '.join(problems)}. "
                                   "Resume with the checkpoint's settings, or start a new run")
+
+
+def _module_of(name: str) -> str:
+    from qwen_edit_core.adapters.lora import split_parameter_name
+    return split_parameter_name(name)[0]
 
 
 def _tensor_difference(saved: dict, expected: dict) -> str:

@@ -98,24 +98,17 @@ def train_config(model_dir, data_dir, out_dir, cache_dir=None, **sections):
     return load_config(overrides=base)
 
 
-def assert_compiled_lora_close(got, expected, *, steps: int, ops: int, last_block: int, lr: float,
-                               weight_decay: float, what: str):
-    """A LoRA trained with compiled blocks (`got`) against one trained eagerly, both by `steps` AdamW steps.
-    The last block's text-stream output (its attention's to_add_out and its txt_mlp) is discarded, so no loss
-    reaches their LoRA: eager autograd gives it no gradient and AdamW leaves it, while a compiled block hands
-    back zeros, so AdamW's weight decay shrinks it by lr x weight_decay a step (no picture changes). Those
-    weights are compared with that decay (a product a step); every other key within `ops` float32 roundings of
-    an Adam-trained LoRA's size."""
+def assert_compiled_lora_close(got, expected, *, ops: int, last_block: int, lr: float, what: str):
+    """A LoRA trained with compiled blocks (`got`) against one trained eagerly, by the same AdamW steps: the same
+    keys, none on the last block's text-stream output (its attention's to_add_out and its txt_mlp, which reach no
+    loss: `inject_lora` leaves them out, so no zero gradient from a compiled block meets AdamW's weight decay),
+    and every tensor within `ops` float32 roundings of an Adam-trained LoRA's size."""
     from tolerances import adam_trained_size, assert_close_fp32
     block = f".transformer_blocks.{last_block}."
-    unreached = {k for k in expected if block in k and k.endswith(".weight")
-                 and (".attn.to_add_out." in k or ".txt_mlp." in k)}
-    assert unreached, f"{what}: no LoRA on block {last_block}'s text output"
-    decayed = {k: expected[k] * (1 - lr * weight_decay) ** steps for k in unreached}
-    assert_close_fp32({k: got[k] for k in unreached}, decayed, ops=2 * steps, what=f"{what}, unreached, decayed")
-    reached = {k: v for k, v in expected.items() if k not in unreached}
-    assert_close_fp32({k: got[k] for k in reached}, reached, ops=ops, size=adam_trained_size(reached, lr=lr),
-                      what=what)
+    unreached = [k for k in expected if block in k and (".attn.to_add_out." in k or ".txt_mlp." in k)]
+    assert not unreached, f"{what}: a LoRA on block {last_block}'s discarded text output: {unreached[:2]}"
+    assert set(got) == set(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected))[:4]}"
+    assert_close_fp32(got, expected, ops=ops, size=adam_trained_size(expected, lr=lr), what=what)
 
 
 def random_lora_file(model_dir, path, targets: str, seed: int, presets=None):

@@ -4,6 +4,7 @@ that counts them over a whole training run, step by step."""
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -107,9 +108,9 @@ def count_training_reads(config, monkeypatch) -> dict:
     steps = {"n": 0}
     real_setup, real_micro = loop.setup, loop.micro_step
 
-    def micro_step(run, micro, load_item):
+    def micro_step(run, micro):
         steps["n"] = run.step + 1
-        return _tagged(mode, f"step {run.step + 1}", real_micro)(run, micro, load_item)
+        return _tagged(mode, f"step {run.step + 1}", real_micro)(run, micro)
 
     monkeypatch.setattr(loop, "setup", _tagged(mode, "setup", real_setup))
     monkeypatch.setattr(loop, "micro_step", micro_step)
@@ -122,8 +123,12 @@ def count_training_reads(config, monkeypatch) -> dict:
 
     def train(config, transformer, load_item, *args, **kwargs):
         mode.counting, mode.tag = True, "loop"
+        uncounted, loop_thread = _tagged(mode, None, load_item, count=False), threading.current_thread()
+
+        def load(i):  # a read-ahead thread has no mode (a thread-local stack): it must not switch the loop's
+            return uncounted(i) if threading.current_thread() is loop_thread else load_item(i)
         try:
-            return real_train(config, transformer, _tagged(mode, None, load_item, count=False), *args, **kwargs)
+            return real_train(config, transformer, load, *args, **kwargs)
         finally:
             mode.counting = False
 

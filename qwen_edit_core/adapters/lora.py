@@ -23,6 +23,7 @@ in and out when speed matters (peft's merge; unmerge subtracts the same delta, e
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ def adaptable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return out
 
 
+def split_parameter_name(name: str) -> tuple[str, str]:
+    """(module path, adapter suffix) of an adapter parameter's name: "blocks.0.attn.to_q.lora_A.default.weight"
+    -> ("blocks.0.attn.to_q", "lora_A.default.weight")."""
+    parts = name.split(".")
+    at = next((i for i, part in enumerate(parts) if part in _PEFT_PARTS), len(parts))
+    return ".".join(parts[:at]), ".".join(parts[at:])
+
+
 def _matching_modules(model: torch.nn.Module, targets: Sequence[str]) -> list[str]:
     """Full paths of the Linear modules whose path equals a target or ends with "." + target."""
     names = list(adaptable_modules(model))
@@ -130,6 +139,19 @@ def _matching_modules(model: torch.nn.Module, targets: Sequence[str]) -> list[st
                          f"{', '.join(TARGET_PRESETS)}; examples of module names: {', '.join(names[:6])}")
     wanted = {n for found in hits.values() for n in found}
     return [n for n in names if n in wanted]
+
+
+def unreached_modules(transformer: torch.nn.Module) -> frozenset[str]:
+    """Full paths of the Linear modules whose output reaches no loss: the family's `unreached_in_last_block`
+    suffixes inside the transformer's last block (found from its block list, so any depth). A LoRA there would
+    get no gradient: `inject_lora` leaves them out."""
+    from qwen_edit_core.families import family_of
+    family = family_of(transformer)
+    blocks = getattr(transformer, family.blocks, None)
+    if not family.unreached_in_last_block or not blocks:
+        return frozenset()
+    last = f"{family.blocks}.{len(blocks) - 1}."
+    return frozenset(last + suffix for suffix in family.unreached_in_last_block)
 
 
 def _refuse_inference_tensors(model: torch.nn.Module) -> None:
@@ -146,8 +168,16 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     Targets are matched against full module paths (`to_out.0` hits `attn.to_out.0` only), and the adapter is
     created on exactly those paths.
 
+    Modules whose output reaches no loss (`unreached_modules`: the last block's text stream in the 2025 family)
+    are left out, so every trained parameter gets a gradient.
+
     The initial factors are drawn from torch's global RNG: seed it for reproducible runs."""
-    modules = _matching_modules(transformer, spec.targets)
+    matched = _matching_modules(transformer, spec.targets)
+    unreached = unreached_modules(transformer)
+    modules = [m for m in matched if m not in unreached]
+    if not modules:
+        raise ValueError(f"LoRA targets {list(spec.targets)} match only {matched[:4]}, whose output reaches no "
+                         "loss (the last block's text stream is discarded); target other modules")
     _refuse_inference_tensors(transformer)
     refuse_fp8(transformer, modules, spec.type, spec.dora)
     config = peft_config(spec.type, r=spec.rank, alpha=spec.alpha, targets=modules, dora=spec.dora,
@@ -155,8 +185,10 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     add_adapter(transformer, config, adapter_name)
     use_adapters(transformer, [adapter_name], [1.0])  # on, even where a removed adapter left the layers off
     train_only(transformer, adapter_name)
-    log.info("%s adapter %r: rank %d, alpha %g on %d modules", f"{spec.type}{' + DoRA' if spec.dora else ''}",
-             adapter_name, spec.rank, spec.alpha, len(modules))
+    log.info("%s adapter %r: rank %d, alpha %g on %d modules%s", f"{spec.type}{' + DoRA' if spec.dora else ''}",
+             adapter_name, spec.rank, spec.alpha, len(modules),
+             f" ({len(matched) - len(modules)} left out: their output reaches no loss)" if len(matched) > len(modules)
+             else "")
 
 
 def train_only(transformer, adapter_name: str = "default") -> None:
@@ -241,6 +273,13 @@ def load_lora_into(transformer, weights: LoraWeights, adapter_name: str = "defau
     weights = check_against(transformer, weights)
     unmerge_lora(transformer)  # weights change below: a merged delta would go stale
     if adapter_name in _adapter_names(transformer):
+        # a file trained before such modules were left out: their delta changes no output, so dropping it is exact
+        unreached = unreached_modules(transformer).intersection(weights.layers)
+        if unreached:
+            log.info("adapter %r: %d layer(s) of the file whose output reaches no loss are left out: %s",
+                     adapter_name, len(unreached), ", ".join(sorted(unreached)))
+            weights = dataclasses.replace(weights, layers={k: v for k, v in weights.layers.items()
+                                                           if k not in unreached})
         into_existing(transformer, weights, adapter_name, strength)
         return
     previous = _active_adapters(transformer)

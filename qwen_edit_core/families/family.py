@@ -86,6 +86,10 @@ class Family:
     blocks: str
     #: LoRA target presets: preset name -> module-name suffixes inside the blocks
     lora_targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: module-name suffixes inside the last block whose output reaches no loss (the transformer discards that
+    #: block's text stream): no LoRA is trained there (`adapters.lora.unreached_modules`), so every trained
+    #: parameter gets a gradient (DDP without `find_unused_parameters`; compiled and eager blocks agree)
+    unreached_in_last_block: tuple[str, ...] = ()
     #: the weights' licence, for the docs and the load log line
     licence: str = ""
     #: the module (dotted path) that reads this family's transformer as one ComfyUI file: its
@@ -161,6 +165,9 @@ QWEN_IMAGE = Family(
         "attn-img": ("to_q", "to_k", "to_v", "to_out.0"),
         "all": _ATTN_2025 + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
     }),
+    # the last block's text stream after attention: diffusers' QwenImageTransformer2DModel.forward keeps only
+    # the image stream (`hidden_states`) of its last block; tests/adapters/test_lora.py derives this by autograd
+    unreached_in_last_block=("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
     licence="Apache-2.0", file_title="Qwen-Image-Edit (2025)",
     toy=Toy(variant="edit", label="qwen-edit", vae_trains_alone=True, demo_folder="toy-model"))
 

@@ -182,6 +182,42 @@ def read_checkpoint(path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor], di
     return Checkpoint(path, int(state["step"]), state), adapter, optimizer, rng
 
 
+def saved_order(module_order: list[str], saved: list[str], live: list[str], split) -> list[str]:
+    """The names `saved` (a checkpoint's adapter parameters, in any order) in the order the optimizer saw them:
+    the model's registration order, rebuilt from `module_order` (the model's module paths in order, which still
+    lists modules that carry no LoRA now) and, inside one module, the order of the parameter suffixes in `live`
+    (this run's parameter names, in order). `split(name)` gives (module path, suffix)."""
+    position = {m: i for i, m in enumerate(module_order)}
+    suffixes: list[str] = []
+    for name in live:
+        suffix = split(name)[1]
+        if suffix not in suffixes:
+            suffixes.append(suffix)
+
+    def key(name: str) -> tuple[int, int]:
+        module, suffix = split(name)
+        if module not in position or suffix not in suffixes:
+            raise ValueError(f"checkpoint parameter {name!r}: no such module or adapter tensor in this model; "
+                             "resume with the same model and model.lora settings")
+        return position[module], suffixes.index(suffix)
+    return sorted(saved, key=key)
+
+
+def narrow_optimizer_state(state: dict, saved: list[str], kept: list[str]) -> dict:
+    """An optimizer state dict over the parameters `saved` (in the optimizer's order, one parameter group)
+    restricted to `kept`, a subsequence of `saved`, and renumbered: a checkpoint written while the LoRA held
+    parameters this version leaves out (`adapters.lora.unreached_modules`) loads into the smaller optimizer."""
+    groups = state["param_groups"]
+    if len(groups) != 1 or len(groups[0]["params"]) != len(saved):
+        raise ValueError(f"the checkpoint's optimizer holds {sum(len(g['params']) for g in groups)} parameters in "
+                         f"{len(groups)} group(s) and its adapter {len(saved)}: resume with the same model.lora "
+                         "settings")
+    index = {name: i for i, name in enumerate(saved)}
+    old = [groups[0]["params"][index[name]] for name in kept]
+    return {"state": {new: state["state"][i] for new, i in enumerate(old) if i in state["state"]},
+            "param_groups": [{**groups[0], "params": list(range(len(kept)))}]}
+
+
 #: the files every complete checkpoint holds (ema.safetensors only with train.ema_decay)
 REQUIRED_FILES = ("adapter.safetensors", "lora.safetensors", "optimizer.pt", "rng.pt", STATE_FILE)
 

@@ -25,11 +25,11 @@ COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 def ddp_kwargs() -> list:
     """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, half the
-    transformer, that every rank already holds; DDP would send them from rank 0 before every synced forward), unused
-    parameters allowed (the last block's text-stream outputs, `to_add_out` and `txt_mlp`, feed nothing: a LoRA
-    there gets no gradient, and DDP otherwise stops at the second step) and the collective timeout above."""
+    transformer, that every rank already holds; DDP would send them from rank 0 before every synced forward), every
+    trained parameter used (no `find_unused_parameters` graph walk per backward: `adapters.lora.inject_lora` leaves
+    out the modules whose output reaches no loss) and the collective timeout above."""
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-    return [DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=True),
+    return [DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=False),
             InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)]
 
 

@@ -20,7 +20,7 @@ import torch
 from diffusers.training_utils import cast_training_params
 
 from qwen_edit_core import speed
-from qwen_edit_core.adapters import multires
+from qwen_edit_core.adapters import lora as lora_mod, multires
 from qwen_edit_core.common.files import writing
 from qwen_edit_core.common.progress import Cancelled, CancelToken, Progress, ProgressFn
 from qwen_edit_core.config import Config, to_dict
@@ -33,6 +33,7 @@ from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_ge
 from qwen_edit_core.train.distributed import (Distributed, PaddingMeter, image_tokens, local_device,  # noqa: F401
                                               sequence_tokens)
 from qwen_edit_core.train.log import LossLog, plot_loss
+from qwen_edit_core.train.prefetch import Prefetcher
 from qwen_edit_core.train.optim import SCHEDULES, make_lr_scheduler, make_optimizer, trainable_parameters  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class RunState:
     scheduler_config: dict  # the noise schedule's config (mu for the timestep shift)
     padding: PaddingMeter = field(default_factory=PaddingMeter)
     losslog: LossLog | None = None
-    batches: object = None
+    batches: Prefetcher | None = None  # the batch order, items read ahead (`batches`); its position is the run's
     step: int = 0
     position: dict = field(default_factory=dict)  # the data position before this step's batches
     last_saved: int = -1
@@ -162,21 +163,29 @@ def setup(config: Config, transformer, bucket_keys: Sequence, out_dir: Path, res
         log.info("resumed from %s at step %d", resume, run.step)
     if dist.is_main:
         run.losslog = LossLog(out_dir, tensorboard=config.logging.tensorboard, start_step=run.step)
-    run.batches = iter(run.sampler)
     run.position = run.sampler.state_dict()
     return run
 
 
-def micro_step(run: RunState, micro: int, load_item: Callable[[int], dict]) -> torch.Tensor:
+def batches(run: RunState, load_item: Callable[[int], dict], ahead: int) -> Prefetcher:
+    """The run's batches, each with this process's share of its items (`load_item`), read `ahead` batches
+    ahead in a background thread (0: when taken); the data position stays the last batch taken."""
+    dist = run.dist
+    return Prefetcher(run.sampler, lambda indices: [load_item(i) for j, i in enumerate(indices)
+                                                    if j % dist.world == dist.rank], ahead=ahead)
+
+
+def micro_step(run: RunState, micro: int) -> torch.Tensor:
     """Forward and backward of this process's share of one micro-batch; returns its share of the step's loss
     as a detached device tensor (read on the host only when logged: `after_step`)."""
     config, dist = run.config, run.dist
     accum = config.train.gradient_accumulation_steps
-    indices = next(run.batches)
+    drawn = next(run.batches)
+    indices = drawn.indices
     run.drawn.extend(indices)
     mine = [(j, i) for j, i in enumerate(indices) if j % dist.world == dist.rank]
-    items = [load_item(i) for _, i in mine]
-    run.padding.add([run.bucket_keys[i] for i in indices], run.sampler.epoch)
+    items = drawn.items.result()  # this process's share, read while the step before ran (`batches`)
+    run.padding.add([run.bucket_keys[i] for i in indices], drawn.epoch)
     gens = [sample_generator(config.train.seed, run.step, micro, j) for j, _ in mine]
     batch = collate(items, gens, caption_dropout=config.data.caption_dropout_rate,
                     control_dropout=config.data.prompt_image_dropout_rate, device=run.device, dtype=run.base_dtype,
@@ -319,7 +328,7 @@ def save_checkpoint(run: RunState, write_lora: Callable[[Path, int], None]) -> N
         path = ckpt.save_checkpoint(root, at, adapter={k: p.detach() for k, p in run.params.items()},
                              optimizer=run.optimizer.state_dict(),
                              state={"lr_scheduler": run.lr_scheduler.state_dict(),
-                                    "sampler": run.sampler.state_dict(), "config": to_dict(run.config),
+                                    "sampler": run.batches.state_dict(), "config": to_dict(run.config),
                                     "run_id": run.run_id},
                              write_lora=lambda path: write_lora(path, at),
                              ema=run.ema.state_dict() if run.ema is not None else None, device=run.device)
@@ -336,7 +345,7 @@ def cancel_step(run: RunState) -> None:
     the stop came after the optimizer step, e.g. during validation)."""
     run.optimizer.zero_grad(set_to_none=True)
     run.state = "cancelled"
-    run.sampler.load_state_dict(run.position)
+    run.batches.load_state_dict(run.position)
     if run.dist.world == 1:  # several processes stop only where they agreed, at a read: nothing is pending then
         read_pending(run)  # the steps since the last read: a non-finite one is counted before the checkpoint
     log.info("training stopped at step %d; saving a checkpoint", run.step)
@@ -385,14 +394,16 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
           bucket_keys: Sequence, *, scheduler_config: dict, write_lora: Callable[[Path, int], None],
           out_dir: Path, resume: Path | None = None, progress: ProgressFn | None = None,
           cancel: CancelToken | None = None, validate: Callable[[int], Path | None] | None = None,
-          run_id: str | None = None) -> TrainResult:
+          run_id: str | None = None, read_ahead: bool = False) -> TrainResult:
     """Train the LoRA already injected into `transformer` for `config.train.max_steps` optimizer steps.
 
     `load_item(i)` returns example i's cache tensors (from the cache, or encoded in real time).
     `write_lora(path, step)` writes the user-facing LoRA file. `resume` is a checkpoint directory. `run_id`
-    (train.run_folder) goes into every checkpoint.
+    (train.run_folder) goes into every checkpoint. `read_ahead`: `load_item` touches no device or global RNG
+    (a cache read), so the next batch's items are read in a background thread while the current one trains.
     """
     run = setup(config, transformer, bucket_keys, out_dir, resume, scheduler_config)
+    run.batches = batches(run, load_item, ahead=1 if read_ahead else 0)
     run.progress, run.examples, run.run_id = progress, examples, run_id
     masked = [i for i, example in enumerate(examples) if example.mask is not None][:REGION_SAMPLES]
     if masked and config.train.validation_every:
@@ -402,12 +413,12 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         while run.step < config.train.max_steps:
             # Capture the data position before drawing this step's batches: a checkpoint saved at the end of
             # the step must resume at the position after them, one saved on cancel at the position before.
-            run.position, run.drawn = run.sampler.state_dict(), []
+            run.position, run.drawn = run.batches.state_dict(), []
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
                 if stop_requested(run, cancel):
                     raise Cancelled("cancelled by request")
-                share = micro_step(run, micro, load_item)
+                share = micro_step(run, micro)
                 total = share if total is None else total + share
             # No host read here: a non-finite loss skips the update on the device (`optimizer_step`) and is
             # counted at the next read (`read_pending`).
@@ -416,11 +427,12 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
                 optimizer_step(run)
                 # From here the state is step `run.step`'s boundary: a stop during validation or a checkpoint
                 # write must save the position after this step's batches, not rewind to before them.
-                run.position = run.sampler.state_dict()
+                run.position = run.batches.state_dict()
             after_step(run, total, write_lora, progress, validate, cancel)
     except (Cancelled, KeyboardInterrupt):
         cancel_step(run)
     finally:
+        run.batches.close()
         run.padding.flush()
         if run.losslog is not None:
             run.losslog.close()
@@ -452,6 +464,12 @@ def _restore(path: Path, run: RunState) -> int:
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(adapter[name].to(p.device, p.dtype))
+    if set(adapter) - set(params):  # written while the LoRA also sat on modules this version leaves out
+        saved = ckpt.saved_order([m for m, _ in run.transformer.named_modules()], list(adapter), list(params),
+                                 lora_mod.split_parameter_name)
+        optimizer_state = ckpt.narrow_optimizer_state(optimizer_state, saved, list(params))
+        log.info("checkpoint %s: %d adapter tensor(s) this LoRA no longer trains are left out", path,
+                 len(saved) - len(params))
     optimizer.load_state_dict(optimizer_state)
     lr_scheduler.load_state_dict(checkpoint.state["lr_scheduler"])
     sampler.load_state_dict(checkpoint.state["sampler"])

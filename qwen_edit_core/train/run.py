@@ -185,6 +185,8 @@ class FitInputs:
     components: comp.Components
     load_item: Callable[[int], dict]
     validation: dict | None
+    #: `load_item` only reads files (the cache): the loop may read the next batch while the current one trains
+    read_ahead: bool = False
 
 
 def _validation_example(config: Config, examples: Sequence, held: Sequence):
@@ -239,7 +241,7 @@ def _cached_inputs(config: Config, plan: DevicePlan, examples, val_example, mode
         return tensors
     val = cache.get(cache_key(val_example, settings, identity)) \
         if val_example is not None else None
-    return FitInputs(comps, load_item, val)
+    return FitInputs(comps, load_item, val, read_ahead=True)
 
 
 def _realtime_inputs(config: Config, plan: DevicePlan, examples, val_example, model_dir: Path,
@@ -313,7 +315,8 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
                            scheduler_config=comps.scheduler_config,
                            write_lora=_lora_writer(config, comps.transformer, spec, model_dir),
                            out_dir=out_dir, resume=resume_path, progress=progress, cancel=cancel,
-                           validate=Validations(validator, metrics) if metrics else validator, run_id=run_id)
+                           validate=Validations(validator, metrics) if metrics else validator, run_id=run_id,
+                           read_ahead=inputs.read_ahead)
         finally:
             if shared is not None:
                 _give_back(comps.transformer)
@@ -394,7 +397,7 @@ def run_doctor(config: Config, examples: Sequence, held: Sequence):
         return None
     from qwen_edit_core.data.doctor import DoctorSettings, diagnose
     d = config.data
-    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.control_size == "target", batch_size=d.batch_size)
+    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.pixel_aligned_edit, batch_size=d.batch_size)
     cache_dir = open_cache(config).root if config.cache.enabled else None
     report = diagnose(examples, held, settings, cache_dir=cache_dir)
     if report.findings and d.doctor == "refuse":

@@ -147,11 +147,12 @@ def test_presets_and_targets_match_full_paths_exactly(base):
     assert lora.resolve_targets(["to_q", "img_mlp.net.2"]) == ("to_q", "img_mlp.net.2")
     assert lora.resolve_targets("to_q, to_k") == ("to_q", "to_k")
     assert lora.resolve_targets(["attn-img", "to_q", "img_mlp.net.2"])[-1] == "img_mlp.net.2"
-    expected = {"attn": 8, "attn-img": 4, "all": 12}
+    # per block; the last block's to_add_out and txt_mlp (2 layers) reach no loss and are left out
+    expected = {"attn": (8, 7), "attn-img": (4, 4), "all": (12, 9)}
     for preset, per_block in expected.items():
         model, _ = _trained(base, targets=preset)
         paths = set(lora.adapter_layers(model))
-        assert len(paths) == 2 * per_block
+        assert len(paths) == sum(per_block)
         assert all(p.startswith("transformer_blocks.") for p in paths)
     model, _ = _trained(base, targets=("to_out.0",))
     assert set(lora.adapter_layers(model)) == {f"transformer_blocks.{i}.attn.to_out.0" for i in range(2)}
@@ -165,11 +166,47 @@ def test_inject_trains_only_the_lora_and_starts_as_the_base(base):
     lora.inject_lora(model, lora.LoraSpec(rank=4, alpha=4.0, targets=lora.TARGET_PRESETS["all"]))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
-    assert len(trainable) == 2 * 24
+    assert len(trainable) == 2 * (12 + 9)
     assert _max_diff(_output(model), _output(base)) == 0.0  # B starts at zero
     gaussian = _fresh(base)
     lora.inject_lora(gaussian, lora.LoraSpec(rank=4, targets=("to_q",), init="gaussian"))
     assert len(lora.adapter_layers(gaussian)) == 2
+
+
+def test_the_modules_left_out_are_those_autograd_gives_no_gradient(base):
+    """`unreached_modules` (the family's `unreached_in_last_block` in the last block) is exactly the set of Linear
+    modules whose weight gets no gradient from the transformer's output, derived here by autograd."""
+    model = _fresh(base)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for m in linears.values():
+        m.weight.requires_grad_(True)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    out = model(hidden_states=torch.randn(1, 32, cfg.in_channels, generator=g),
+                encoder_hidden_states=torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+                timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4), (1, 4, 4)]], return_dict=False)[0]
+    out.square().sum().backward()
+    unreached = {n for n, m in linears.items() if m.weight.grad is None}
+    assert unreached == lora.unreached_modules(model) == {
+        "transformer_blocks.1.attn.to_add_out", "transformer_blocks.1.txt_mlp.net.0.proj",
+        "transformer_blocks.1.txt_mlp.net.2"}
+    with pytest.raises(ValueError, match="reaches no loss"):
+        lora.inject_lora(_fresh(base), lora.LoraSpec(targets=("transformer_blocks.1.attn.to_add_out",)))
+
+
+def test_an_older_file_with_the_discarded_layers_continues_training(base, tmp_path, monkeypatch):
+    """model.lora.init_from with a file trained before those layers were left out: they are dropped (their delta
+    changes no output), the rest load, and the output is the file's."""
+    with monkeypatch.context() as patch:
+        patch.setattr(lora, "unreached_modules", lambda model: frozenset())  # the older injection
+        model, spec = _trained(base, targets="all")
+    assert "transformer_blocks.1.attn.to_add_out" in lora.adapter_layers(model)
+    weights = lora.read_lora_file(lora.save_lora(tmp_path / "old.safetensors", model, spec, base_identity="t",
+                                                 steps=3))
+    target = _fresh(base)
+    lora.inject_lora(target, lora.LoraSpec(rank=4, alpha=8.0, targets=lora.TARGET_PRESETS["all"]))
+    lora.load_lora_into(target, weights, adapter_name="default")
+    assert torch.equal(_output(target), _output(model))
 
 
 def test_inject_refuses_inference_tensors_and_bad_specs(base):
@@ -200,7 +237,7 @@ def test_saved_keys_load_fully_in_stock_comfyui_with_the_same_effect(base, tmp_p
 
     patched, not_loaded, patches = _comfy_apply(base, state)
     assert not_loaded == []  # ComfyUI would log "lora key not loaded" for each of these
-    assert len(patches) == len(layers) == 2 * 12
+    assert len(patches) == len(layers) == 12 + 9  # the last block without its text output
     for p, layer in layers.items():
         comfy = _comfy_delta(patches[f"diffusion_model.{p}.weight"])
         assert_close_fp32(comfy, layer.get_delta_weight("default"), ops=LORA_DELTA_ROUNDINGS, what=f"{p} delta")
@@ -275,7 +312,7 @@ def test_round_trip_into_a_fresh_model(base, tmp_path):
     lora.load_lora_into(fresh, lora.read_lora_file(path), adapter_name="default")
     assert torch.equal(_output(fresh), _output(model))
     trainable = [n for n, p in fresh.named_parameters() if p.requires_grad]
-    assert len(trainable) == 2 * 24 and all(".lora_" in n for n in trainable)  # training can continue
+    assert len(trainable) == 2 * (12 + 9) and all(".lora_" in n for n in trainable)  # training can continue
     again = lora.save_lora(tmp_path / "again.safetensors", fresh, spec, base_identity="t", steps=3)
     first, second = load_file(path), load_file(again)
     assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first)
@@ -508,7 +545,7 @@ def test_diffusers_lora_loader_gives_the_same_transformer(base, tmp_path):
     assert len(state) == 2 * len(lora.adapter_layers(model))
     fresh = _fresh(base)
     QwenImageEditPipeline.load_lora_into_transformer(state, transformer=fresh, adapter_name="d")
-    assert len(lora.adapter_layers(fresh, "d")) == 2 * 12
+    assert len(lora.adapter_layers(fresh, "d")) == 12 + 9
     _same_output(fresh, model, "fresh vs model")
 
 

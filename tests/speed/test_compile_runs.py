@@ -133,6 +133,6 @@ def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_e
         assert_close_fp32(torch.tensor(a), torch.tensor(b), ops=tiny_training_roundings(step),
                           what=f"compiled vs eager loss at step {step}")
     opt = trainer.config.optimizer
-    assert_compiled_lora_close(load_file(fast.lora_path), load_file(eager.lora_path), steps=6,
+    assert_compiled_lora_close(load_file(fast.lora_path), load_file(eager.lora_path),
                                ops=tiny_training_roundings(6), last_block=0, lr=opt.lr,
-                               weight_decay=opt.weight_decay, what="compiled vs eager LoRA after 6 steps")
+                               what="compiled vs eager LoRA after 6 steps")

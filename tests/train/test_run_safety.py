@@ -209,7 +209,7 @@ def test_ddp_broadcasts_no_buffers_and_waits_long_enough_for_validation(monkeypa
     distributed.Distributed(train_config(tiny_edit_dir, pairs_dir, tmp_path))
     handlers = {type(h): h for h in made["kwargs_handlers"]}
     assert handlers[DistributedDataParallelKwargs].broadcast_buffers is False
-    assert handlers[DistributedDataParallelKwargs].find_unused_parameters is True  # the last block's text outputs
+    assert handlers[DistributedDataParallelKwargs].find_unused_parameters is False  # every LoRA parameter is used
     assert handlers[InitProcessGroupKwargs].timeout >= distributed.COLLECTIVE_TIMEOUT
 
 
@@ -253,7 +253,7 @@ def test_data_parallel_broadcasts_only_the_lora_at_wrap(tiny_edit_dir, monkeypat
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         assert distributed.ignore_frozen(model) > 0
-        DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
+        DistributedDataParallel(model, broadcast_buffers=False)
     finally:
         dist.destroy_process_group()
     trainable = {p.data_ptr() for p in model.parameters() if p.requires_grad}  # DDP sends detached views

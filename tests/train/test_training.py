@@ -98,6 +98,28 @@ def test_stop_and_resume_equals_uninterrupted(tiny_edit_dir, pairs_dir, tmp_path
     assert [s for s, _ in resumed.history] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_checkpoint_with_a_lora_on_the_discarded_text_output_resumes_exactly(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                                monkeypatch):
+    """A checkpoint written while the LoRA also sat on the last block's text output (which reaches no loss, so
+    `inject_lora` now leaves it out) resumes: its optimizer state loads without those tensors and the run goes on
+    as the older run did, bit for bit (no gradient ever reached those layers: their B stayed zero)."""
+    from qwen_edit_core.adapters import lora
+    with monkeypatch.context() as patch:
+        patch.setattr(lora, "unreached_modules", lambda model: frozenset())  # the older injection
+        older = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "older",
+                                                  train={"checkpoint_every": 2})).fit()
+    resumed = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "new",
+                                                cache_dir=tmp_path / "older" / "cache")).fit(
+        resume=tmp_path / "older" / "checkpoints" / "step-0000002")
+    assert resumed.step == 4
+    old, new = _lora(older.lora_path), _lora(resumed.lora_path)
+    extra = set(old) - set(new)
+    assert extra and set(new) < set(old) and all(".transformer_blocks.1." in k and (".to_add_out." in k or
+                                                  ".txt_mlp." in k) for k in extra), sorted(extra)
+    assert all(not old[k].any() for k in extra if ".lora_up." in k)
+    assert _max_diff({k: old[k] for k in new}, new) == 0
+
+
 def test_cli_train_and_resume_with_path(tiny_edit_dir, pairs_dir, tmp_path):
     import yaml
     out = tmp_path / "o"
