@@ -30,9 +30,9 @@ class QwenEditDatasetDoctor:
     def INPUT_TYPES(cls):
         return {"required": {
             "dataset": (DATASET, {"tooltip": "the pairs to check (Dataset From Folder)"}),
-            "pixel_aligned": ("BOOLEAN", {"default": False, "tooltip": "the edit keeps every pixel in place (train "
-                                          "with control_size target): shifted or zoomed targets are realigned in "
-                                          "the fixed copy"}),
+            "pixel_aligned": ("BOOLEAN", {"default": False, "tooltip": "the edit keeps every pixel in place "
+                                          "(data.pixel_aligned; control_size target implies it): shifted or zoomed "
+                                          "targets are realigned in the fixed copy"}),
         }, "optional": {
             "held_out": ("STRING", {"default": "", "tooltip": "held-out validation pairs, as Train's "
                                     "validation_pairs: a number N (the last N pairs) or a folder; empty: none"}),

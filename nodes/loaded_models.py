@@ -58,14 +58,18 @@ def freed(module: torch.nn.Module) -> bool:
 
 def use(model) -> None:
     """Before a node runs `model`'s components: refuse freed ones with what to do; the weights a Sampling Speed
-    fp8 copy parked come back for its input, or are parked again for the copy; then ComfyUI's memory manager
+    fp8 copy parked come back for its input, or are parked again for the copy (never those of a module a
+    running job uses); then ComfyUI's memory manager
     puts them on their devices (it may have offloaded them for another model) and counts them as loaded."""
     modules = modules_of(model)
     if any(freed(m) for m in modules):
         raise RuntimeError("this model was unloaded: its loader node has since loaded another model (each loader "
                            "keeps one). Queue the prompt again (the loader loads it again), or use a second "
                            "loader node for a second model")
-    for module in modules:  # a Sampling Speed fp8 copy and its input take turns holding the block weights
+    # A Sampling Speed fp8 copy and its input take turns holding the block weights; a module a running job uses
+    # is left as it is: parking would empty the block weights the job's lent copy shares (the node's own
+    # check_free then refuses it, naming the job), as `comfy_runtime.load_models` leaves it where it is.
+    for module in [m for m in modules if not busy(m)]:
         speed.unpark(module)
         speed.repark(module)
     comfy_runtime.load_models(modules, busy)

@@ -60,6 +60,24 @@ def _with_instance(inputs: dict) -> dict:
     inputs["optional"]["instance"] = INSTANCE  # added last: saved workflows keep widget values by position
     return inputs
 QUANTIZE = (list(comp.QUANTIZE_MODES), {"tooltip": TIPS["quantize"]})
+FP8_LOAD = ("BOOLEAN", {"default": False, "tooltip": (
+    "read the transformer's block linears straight into fp8 (e4m3) as they load: the bf16 transformer never "
+    "sits whole on the device, which then holds about half of it (GPUs with fp8 matmuls: Ada/Hopper; refused "
+    "elsewhere). Sampling and training use the fp8 weights; LoRAs stay bf16. A scaled-fp8 file stays fp8 anyway")})
+
+
+def _with_fp8(inputs: dict) -> dict:
+    inputs["optional"]["transformer_fp8"] = FP8_LOAD  # added after `instance`: saved workflows keep their values
+    return inputs
+
+
+def _fp8_plan(fp8: bool, device: torch.device, dtype: torch.dtype):
+    """The planned loader's plan for `transformer_fp8` (block linears streamed into fp8 on `device`), or None
+    (loaded as stored)."""
+    if not fp8:
+        return None
+    from qwen_edit_core import speed
+    return speed.checked_plan(device, dtype, 0, fp8=True, n_checkpointed=None, n_offloaded=0)
 
 
 def _transformer_file(name: str | None) -> Path | None:
@@ -92,14 +110,14 @@ class QwenEditModelLoader(TracksLoads):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return hidden_id(_with_instance(_model_inputs({
+        return hidden_id(_with_fp8(_with_instance(_model_inputs({
             "transformer_device": _device("transformer (20 B parameters: ~38 GiB in bf16)"),
             "vae_device": _device("VAE (~0.25 GB)"),
             "text_encoder_device": _device("text encoder (Qwen2.5-VL 7B: ~16 GB in bf16)"),
-            "dtype": DTYPE}, transformer_file=True, vae_file=True, text_encoder_file=True)))
+            "dtype": DTYPE}, transformer_file=True, vae_file=True, text_encoder_file=True))))
 
     def load(self, model, transformer_device, vae_device, text_encoder_device, dtype, path="",
-             transformer_file=None, vae_file=None, text_encoder_file=None, instance=0):
+             transformer_file=None, vae_file=None, text_encoder_file=None, instance=0, transformer_fp8=False):
         from qwen_edit_core.model.devices import DevicePlan
         plan = DevicePlan.from_mapping({"transformer": transformer_device, "vae": vae_device,
                                         "text_encoder": text_encoder_device}, dtype=dtype)
@@ -107,7 +125,9 @@ class QwenEditModelLoader(TracksLoads):
                                                  transformer_file=_transformer_file(transformer_file),
                                                  vae_file=_vae_file(vae_file),
                                                  text_encoder_file=_text_encoder_file(text_encoder_file),
-                                                 comfyui_dir=comfy_runtime.comfyui_dir())),)
+                                                 comfyui_dir=comfy_runtime.comfyui_dir(),
+                                                 transformer_plan=_fp8_plan(transformer_fp8, plan.transformer,
+                                                                            plan.dtype))),)
 
 
 class QwenEditTransformerLoader(TracksLoads):
@@ -121,16 +141,26 @@ class QwenEditTransformerLoader(TracksLoads):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return hidden_id(_with_instance(_model_inputs({"device": _device("transformer"), "dtype": DTYPE,
-                                                      "quantize": QUANTIZE}, transformer_file=True)))
+        return hidden_id(_with_fp8(_with_instance(_model_inputs({"device": _device("transformer"), "dtype": DTYPE,
+                                                                "quantize": QUANTIZE}, transformer_file=True))))
 
-    def load(self, model, device, dtype, quantize, path="", transformer_file=None, instance=0):
+    def load(self, model, device, dtype, quantize, path="", transformer_file=None, instance=0,
+             transformer_fp8=False):
         directory = comp.resolve_model_dir(resolve_model(model, path))
         file = _transformer_file(transformer_file)
+        plan = _fp8_plan(transformer_fp8, _resolve(device, "transformer"), resolve_dtype(dtype))
         if file is not None:
             from qwen_edit_core.model.family_files import check_file_family
-            from qwen_edit_core.model.planned_load import load_transformer_file
             check_file_family({"transformer": file}, comp.family_of(directory), comp.detect_variant(directory))
+        if plan is not None:
+            if quantize != "none":
+                raise ValueError(f"transformer_fp8 and quantize {quantize!r} are two forms of the same weights: "
+                                 "pick one (set quantize to none, or transformer_fp8 off)")
+            from qwen_edit_core.model.planned_load import load_transformer_planned
+            from qwen_edit_core.model.weight_source import weight_source
+            module = load_transformer_planned(weight_source(directory, file, "auto"), plan)
+        elif file is not None:
+            from qwen_edit_core.model.planned_load import load_transformer_file
             module = load_transformer_file(file, device=_resolve(device, "transformer"), dtype=resolve_dtype(dtype))
         else:
             module = comp.load_transformer(directory, device=_resolve(device, "transformer"),

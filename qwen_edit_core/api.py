@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: int | None = None,
-                   batch_size: int = 1, out_dir=None, fix_dir=None, cache_dir=None, workers: int = 1):
+                   batch_size: int = 1, out_dir=None, fix_dir=None, cache_dir=None, workers: int = 1,
+                   text_encoder=None):
     """The dataset doctor on a folder of pairs (qwen_edit_core.data.doctor): returns its DoctorRun (report, report
     picture, fixes applied). `held_out`: the held-out pairs as `train.validation_pairs` takes them (a number N: the
     folder's last N pairs; a folder); `pixel_aligned`: the edit keeps every pixel in place (realign with
     `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
-    the measures are kept by content hash."""
+    the measures are kept by content hash; `text_encoder`: an already loaded TextEncoder (`load_text_encoder`) asked
+    whether each target shows its caption's edit (optional: nothing is loaded for it)."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
     from qwen_edit_core.train.heldout import split_heldout
@@ -49,7 +51,7 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
             path, skip_invalid=True, convert_modes=True).examples)
     settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
     return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, cache_dir=cache_dir,
-                         workers=workers)
+                         workers=workers, text_encoder=text_encoder)
 
 
 class QwenImageEditTrainer:

@@ -68,6 +68,9 @@ class Recipe:
     #: the variant of the toy's family (`Toy.variant`: "edit" for the 2025 toy, "image-2.1"); the family's pretrain
     #: stage module supplies its VAE, transformer settings, data and batches
     variant: str = variants.DEFAULT
+    #: the share of pairs with one or two more references after the edited picture, for a family that takes several
+    #: (families/qwen_image_21/pretrain.py `_distractors`; the 2025 family refuses it)
+    extra_references: float = 0.0
 
     @property
     def family(self):

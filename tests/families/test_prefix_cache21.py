@@ -78,6 +78,16 @@ def test_each_place_is_chosen_at_its_budget():
     assert host_bytes <= pinned < host_bytes * 1.5  # one region in power-of-two chunks, not 2x per tensor
 
 
+def _recording(init, regions: list):
+    """HostRegion.__init__ that also keeps a weak reference to each region built."""
+    import weakref
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        regions.append(weakref.ref(self))
+    return record
+
+
 def _peak(comps, cond, settings, n, place):
     shape = prefix_cache.cache_shape(comps.transformer.config, torch.float32)
     tokens = tuple(prefix_cache.prefix_tokens(p.slots, n) for p in (cond.cond, cond.uncond))
@@ -86,15 +96,22 @@ def _peak(comps, cond, settings, n, place):
                                    tokens=tokens, target_tokens=n, dim=shape.heads * shape.head_dim)
 
 
-def test_sampler_follows_the_budget_with_the_same_image_on_the_host(edit, caplog):
+def test_sampler_follows_the_budget_with_the_same_image_on_the_host(edit, caplog, monkeypatch):
+    """Between the host and the device plan's peaks the cache goes to the host, with the same picture; once
+    sampling ends its region is freed and the host allocator's cache emptied (pinned memory handed back)."""
+    from qwen_edit_core.speed import host_memory
     comps, cond, settings, n = edit
     exact = sampler21.denoise(comps, cond, settings)
     between = (_peak(comps, cond, settings, n, "host") + _peak(comps, cond, settings, n, "device")) / 2
     budgeted = sampler.SampleSettings(**{**settings.__dict__, "memory_budget_gb": between / 2**30})
+    regions, alive_at_release = [], []
+    monkeypatch.setattr(host_memory.HostRegion, "__init__", _recording(host_memory.HostRegion.__init__, regions))
+    monkeypatch.setattr(host_memory, "release_cache", lambda: alive_at_release.extend(r() for r in regions))
     with caplog.at_level(logging.WARNING, logger=sampler21.__name__):
         on_host = sampler21.denoise(comps, cond, budgeted)
     assert "prefix K/V cache host" in caplog.text and "GiB in host memory" in caplog.text
     assert torch.equal(on_host, exact)  # the same keys and values, read from the host
+    assert len(regions) == 2 and alive_at_release == [None, None]  # both branches' regions gone when released
     tight = sampler.SampleSettings(**{**settings.__dict__, "memory_budget_gb": 1e-6})
     with pytest.raises(ValueError, match="does not fit"):
         sampler21.denoise(comps, cond, tight)

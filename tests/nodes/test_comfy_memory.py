@@ -278,3 +278,54 @@ def test_a_job_measures_what_it_holds_beyond_its_weights_at_each_steps_end():
     cpu.started()
     cpu.step_ended()
     assert (cpu.steady, cpu.working) == (0, 0)
+
+
+def test_the_loaders_fp8_choice_streams_the_block_linears_into_fp8_without_loading_the_whole_model(
+        comfy, monkeypatch):
+    """Load Model and Load Transformer with `transformer_fp8`: the planned loader puts each block linear on the
+    device in e4m3 as it is read (its device bytes: tests/model/test_planned_load.py); the whole-model loader,
+    which would place every weight in the model's dtype first, is never called."""
+    from qwen_edit_core import speed
+    from qwen_edit_core.model import components as comp
+    whole = comp.load_transformer
+    monkeypatch.setattr(comp, "load_transformer", lambda *a, **k: pytest.fail("loaded whole before fp8"))
+    handle, _ = _load(transformer_fp8=True, dtype="bfloat16")
+    transformer = handle.components.transformer
+    assert speed.has_fp8(transformer) and speed.loaded_plan(transformer) is None  # a sampling-style plan
+    assert all(type(m) is not torch.nn.Linear for m in transformer.transformer_blocks.modules())
+    with torch.inference_mode():
+        ((_, alone, _),) = nodes.QwenEditTransformerLoader().load_tracked(
+            unique_id="7", model=TINY_MODEL, device="cpu", dtype="bfloat16", quantize="none", transformer_fp8=True)
+    assert speed.has_fp8(alone)
+    monkeypatch.setattr(comp, "load_transformer", whole)
+    with pytest.raises(ValueError, match="transformer_fp8 and quantize 'int8'"):
+        nodes.QwenEditTransformerLoader().load(TINY_MODEL, "cpu", "bfloat16", "int8", transformer_fp8=True)
+
+
+def test_load_transformer_with_fp8_places_about_half_the_bf16_model_on_the_device(comfy, monkeypatch):
+    """Load Transformer with `transformer_fp8`, "meta" standing in for the GPU (every byte placed there counted,
+    tests/model/test_planned_load.py): the peak stays within the loaded model's own bytes plus one layer in
+    flight (read in the file's dtype and converted: at most 3x the largest block linear's bf16 bytes), below the
+    whole bf16 transformer, which loading first and converting afterwards would place there (the tiny model's
+    embedders and output projection, which stay bf16, weigh more beside its blocks than the real model's)."""
+    from tests.model.test_planned_load import DeviceBytes
+    from qwen_edit_core.model import components as comp
+    from nodes import model_nodes
+    from nodes.common import resolve_model
+    monkeypatch.setattr(model_nodes, "_resolve", lambda name, component: torch.device("meta"))
+    directory = comp.resolve_model_dir(resolve_model(TINY_MODEL, ""))
+    whole = comp.load_transformer(directory, device=torch.device("cpu"), dtype=torch.bfloat16)
+    bf16 = sum(t.nbytes for t in whole.state_dict().values())
+    largest = max(m.weight.nbytes for m in whole.transformer_blocks.modules() if type(m) is torch.nn.Linear)
+    from qwen_edit_core.model import planned_load
+    from qwen_edit_core.model.weight_source import weight_source
+    skeleton = planned_load.build_skeleton(weight_source(directory, None, "auto"), fp8=True)
+    # built outside the count: a skeleton's meta tensors are shapes, which hold nothing on a real device
+    monkeypatch.setattr(planned_load, "build_skeleton", lambda source, fp8: skeleton)
+    with DeviceBytes("meta") as placed:
+        ((_, module, _),) = nodes.QwenEditTransformerLoader().load(TINY_MODEL, "meta", "bfloat16", "none",
+                                                                   transformer_fp8=True)
+    resident = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (*module.parameters(),
+                                                                             *module.buffers())}.values())
+    assert 0 < placed.peak <= resident + 3 * largest, (placed.peak, resident, largest)
+    assert placed.peak < 0.85 * bf16, (placed.peak, bf16)

@@ -180,7 +180,10 @@ def train_vae_decoder(recipe, vae):
 @torch.no_grad()
 def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> list[dict]:
     """Per (control picture, prompt, edit function): packed control and target tokens (16, 64) and the prompt's
-    embeddings."""
+    embeddings. The 2025 toy takes one control per pair: `recipe.extra_references` is refused."""
+    if recipe.extra_references:
+        raise ValueError(f"Recipe(extra_references={recipe.extra_references}): the {recipe.variant!r} toy takes one "
+                         "control per pair; set it to 0")
     rng = np.random.default_rng(recipe.seed + 2)
     items = []
     for start in range(0, recipe.pictures, 32):

@@ -1,0 +1,81 @@
+"""Optional: ask the model's own vision-language text encoder (Qwen2.5-VL, a `model.components.TextEncoder` the
+caller has already loaded: nothing is loaded or downloaded here) whether each pair's target shows its caption's edit
+applied to its control, and what edit it sees (a caption proposal). A "no" is a `caption` finding with the model's
+own description as the proposed caption; an answer that is neither yes nor no is counted in a note, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from PIL import Image
+
+from qwen_edit_core.data.doctor.findings import CheckResult, Finding
+from qwen_edit_core.data.doctor.pictures import full_rgb
+from qwen_edit_core.families.templates import EDIT_PLUS_IMAGE_PREFIX
+
+#: Qwen2.5-VL's chat turn (what its processor's chat template writes for one user message)
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+QUESTION = ("Picture 1 is the original and picture 2 the edited result. Does picture 2 show this edit applied to "
+            "picture 1: \"{}\"? Answer yes or no.")
+DESCRIBE = ("Picture 1 is the original and picture 2 the edited result. Say in one short sentence, as an "
+            "instruction, what edit turns picture 1 into picture 2.")
+#: the longest side the pictures are shown at (vision tokens grow with the area)
+SIDE = 384
+
+
+def _shown(image: Image.Image, side: int = SIDE) -> Image.Image:
+    """`image` no larger than `side` on its longest side."""
+    image = image.copy()
+    image.thumbnail((side, side), Image.BICUBIC)
+    return image
+
+
+def ask(text_encoder, images: Sequence[Image.Image], question: str, max_new_tokens: int = 32) -> str:
+    """The text encoder's greedy answer to `question` about `images` (shown as "Picture 1: ...", as the Edit Plus
+    template numbers them), special tokens removed."""
+    import torch
+    prompt = CHAT.format("".join(EDIT_PLUS_IMAGE_PREFIX.format(k + 1) for k in range(len(images))) + question)
+    inputs = text_encoder.processor(text=[prompt], images=[_shown(i) for i in images], return_tensors="pt")
+    inputs = inputs.to(text_encoder.device)
+    with torch.inference_mode():
+        out = text_encoder.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    answer = text_encoder.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return answer[0].strip()
+
+
+def verdict(answer: str) -> Optional[bool]:
+    """True for an answer starting with yes, False for no, None for anything else."""
+    words = answer.strip().lower().split()
+    first = words[0].strip(".,!:;\"'") if words else ""
+    return {"yes": True, "no": False}.get(first)
+
+
+def describe(text_encoder, control: Image.Image, target: Image.Image) -> str:
+    """The edit the text encoder sees from `control` to `target`, as a caption proposal."""
+    return ask(text_encoder, (control, target), DESCRIBE)
+
+
+def check(pairs, text_encoder) -> CheckResult:
+    """Ask about every pair of `pairs` (`findings.Measured`, their `measures.source` the edited control): a caption
+    finding for each "no", with the model's description of the edit as the fix; unclear answers counted in a note."""
+    result = CheckResult()
+    unclear = []
+    for pair in pairs:
+        example, source = pair.example, pair.measures.source
+        control, target = full_rgb(example.controls[source]), full_rgb(example.target)
+        answer = ask(text_encoder, (control, target), QUESTION.format(example.caption), max_new_tokens=4)
+        said = verdict(answer)
+        if said is None:
+            unclear.append(pair.name)
+        elif not said:
+            proposal = describe(text_encoder, control, target)
+            fix = f"recaption as {proposal!r} (not applied by --fix)" if proposal else None
+            result.findings.append(Finding(
+                pair.name, "caption", answer, fix,
+                f"the text encoder answers {answer!r} when asked whether the target shows {example.caption!r} "
+                f"applied to control {source + 1}", severity=0.4))
+    if unclear:
+        result.notes.append(f"vision-language check: {len(unclear)} of {len(pairs)} answer(s) neither yes nor no "
+                            f"(first: {unclear[0]}); not judged")
+    return result
