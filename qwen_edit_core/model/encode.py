@@ -33,7 +33,7 @@ class EncodeError(ValueError):
 
 def as_pil(image) -> Image.Image:
     """A PIL image as it is, or an (H, W, 3|4) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8 as an RGB or
-    RGBA PIL image (alpha kept); what `to_pil` and the 2.1 encoder's `to_rgba` share."""
+    RGBA PIL image (alpha kept); what `to_pil` converts."""
     if isinstance(image, Image.Image):
         return image
     if isinstance(image, torch.Tensor):
@@ -49,18 +49,21 @@ def as_pil(image) -> Image.Image:
     raise EncodeError(f"expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")
 
 
-def to_pil(image) -> Image.Image:
-    """Accept a PIL image, an (H, W, 3) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8; return RGB PIL."""
+def to_pil(image, mode: str = "RGB") -> Image.Image:
+    """Accept a PIL image, an (H, W, 3|4) array/tensor in [0, 1] (ComfyUI's IMAGE row) or uint8; return a PIL image
+    in `mode` ("RGB"; the 2.1 encoder's references: "RGBA", opaque without alpha)."""
     image = as_pil(image)
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return image if image.mode == mode else image.convert(mode)
 
 
-def image_size_at_area(image: Image.Image, area: int) -> tuple[int, int]:
-    """(width, height) the pipelines resize `image` to for a pixel area; refuses sizes under one latent patch."""
+def image_size_at_area(image: Image.Image, area: int, minimum: int = LATENT_MULTIPLE,
+                       what: str = "image") -> tuple[int, int]:
+    """(width, height) the pipelines resize `image` to for a pixel area: its aspect ratio at `area`, sides rounded to
+    32 (calculate_dimensions); refuses a side under `minimum` px (one latent patch), naming the input `what`."""
     width, height = calculate_dimensions(area, image.width / image.height)
-    if width < LATENT_MULTIPLE or height < LATENT_MULTIPLE:
-        raise EncodeError(f"area {area} gives a {width}x{height} image for aspect {image.width}x{image.height}; "
-                          f"each side must be at least {LATENT_MULTIPLE} px (one latent patch): use a larger area")
+    if width < minimum or height < minimum:
+        raise EncodeError(f"area {area} gives {width}x{height} for a {image.width}x{image.height} {what}; each side "
+                          f"must be at least {minimum} px: use a larger area")
     return width, height
 
 

@@ -114,7 +114,8 @@ class SampleSettings:
 
 @dataclass(frozen=True)
 class Conditioning:
-    """Everything the denoising loop needs, already on the transformer's device."""
+    """Everything the denoising loop needs, already on the transformer's device; its `branch`, `to` and `guide`
+    are the 2025 family's hooks of the Euler/CFG driver (`euler`)."""
 
     cond: PromptEmbeds
     uncond: PromptEmbeds | None
@@ -122,6 +123,22 @@ class Conditioning:
     img_shapes: list[tuple[int, int, int]]  # [target, control 1, ...] in packed units
     width: int
     height: int
+
+    def branch(self, transformer, which: str, settings: "SampleSettings"):
+        """`predict(latents, t)` of the target tokens for the "cond" or "uncond" prompt, or "both" as one batch of 2
+        (cond first; text padded to a common length with a mask); `settings` change nothing here."""
+        del settings
+        embeds = _stack_embeds(self.cond, self.uncond) if which == "both" else getattr(self, which)
+        return lambda latents, t: _forward(transformer, latents, self, embeds, t)
+
+    def to(self, device) -> "Conditioning":
+        """This conditioning on `device` (the uncond replica's, cfg_mode split)."""
+        return Conditioning(self.cond.to(device), None if self.uncond is None else self.uncond.to(device),
+                            self.control_tokens.to(device), self.img_shapes, self.width, self.height)
+
+    def guide(self, cond_pred: torch.Tensor, uncond_pred: torch.Tensor, settings: "SampleSettings") -> torch.Tensor:
+        """The pipelines' true CFG with its per-token norm rescale (`guide`)."""
+        return guide(cond_pred, uncond_pred, settings.true_cfg_scale, settings.schedule)
 
 
 def check_controls(images: Sequence, variant: str | None) -> list:
@@ -276,54 +293,58 @@ def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
 
 
 class _Denoiser:
-    """Predicts the guided velocity for one step in the chosen CFG mode. Each prompt keeps its exact length,
-    compiled or not (one graph serves every length: speed.compile), so a branch run alone has no mask."""
+    """Predicts the guided velocity for one step in the chosen CFG mode, for any family: its conditioning `cond`
+    supplies the hooks (`Conditioning` is the 2025 family's):
+    - `cond.branch(transformer, which, settings)`: `predict(latents, t)` of the target's tokens for the "cond" or
+      "uncond" prompt, or "both" (one batch of 2, cfg_mode batched); a branch may keep state between steps (Qwen-Image-2.1's
+      prefix K/V cache fills on its first call);
+    - `cond.to(device)`: the conditioning on the uncond replica's device (cfg_mode split);
+    - `cond.guide(cond_pred, uncond_pred, settings)`: the guided velocity.
+    Each prompt keeps its exact length, compiled or not (one graph serves every length: speed.compile), so a
+    branch run alone has no mask."""
 
-    def __init__(self, transformer, cond: Conditioning, settings: SampleSettings, uncond_transformer=None,
-                 cfg_split=None):
-        self.transformer, self.cond, self.settings = transformer, cond, settings
+    def __init__(self, transformer, cond, settings: SampleSettings, uncond_transformer=None, cfg_split=None):
+        self.cond, self.settings = cond, settings
         self.mode = settings.cfg_mode if settings.do_cfg else "off"
-        self.embeds = cond.cond, cond.uncond if settings.do_cfg else None
         if self.mode == "split" and cfg_split is not None:
             # This process runs one branch; the pair group hands it the other one's prediction.
             self.mode, self.cfg_split = "processes", cfg_split
-            self.mine = self.embeds[1] if cfg_split.uncond else self.embeds[0]
+            self.mine = cond.branch(transformer, "uncond" if cfg_split.uncond else "cond", settings)
         if settings.cfg_mode == "split" and not settings.do_cfg:
             log.info("cfg_mode 'split': CFG is off (scale %.2f, negative prompt %s), so there is nothing to "
                      "split (no negative pass): the transformer runs alone on its own device", settings.true_cfg_scale,
                      "unset" if settings.negative_prompt is None else "set")
+        if self.mode in ("off", "sequential", "split"):
+            self.predict_cond = cond.branch(transformer, "cond", settings)
+        if self.mode == "sequential":
+            self.predict_uncond = cond.branch(transformer, "uncond", settings)
         if self.mode == "batched":
-            self.both = _stack_embeds(cond.cond, cond.uncond)
+            self.predict_both = cond.branch(transformer, "both", settings)
         if self.mode == "split":
             if uncond_transformer is None:
                 raise ValueError("cfg_mode 'split' needs a second transformer replica (give uncond_device)")
-            self.replica = uncond_transformer
-            device = next(uncond_transformer.parameters()).device
-            self.replica_uncond = cond.uncond.to(device)
-            self.replica_cond = Conditioning(cond.cond, None, cond.control_tokens.to(device), cond.img_shapes,
-                                             cond.width, cond.height)
+            self.replica_device = next(uncond_transformer.parameters()).device
+            self.predict_replica = cond.to(self.replica_device).branch(uncond_transformer, "uncond", settings)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen-edit-uncond")
 
     def __call__(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if self.mode == "off":
-            return _forward(self.transformer, latents, self.cond, self.embeds[0], t)
+            return self.predict_cond(latents, t)
         if self.mode == "sequential":
-            cond_pred = _forward(self.transformer, latents, self.cond, self.embeds[0], t)
-            uncond_pred = _forward(self.transformer, latents, self.cond, self.embeds[1], t)
+            cond_pred = self.predict_cond(latents, t)
+            uncond_pred = self.predict_uncond(latents, t)
         elif self.mode == "batched":
-            both = _forward(self.transformer, latents, self.cond, self.both, t)
+            both = self.predict_both(latents, t)
             cond_pred, uncond_pred = both[:1], both[1:]
         elif self.mode == "processes":
-            cond_pred, uncond_pred = self.cfg_split.exchange(_forward(self.transformer, latents, self.cond,
-                                                                      self.mine, t))
+            cond_pred, uncond_pred = self.cfg_split.exchange(self.mine(latents, t))
         else:
-            device = self.replica_cond.control_tokens.device
             # The uncond branch runs on its own device in a worker thread while this thread runs cond.
-            future = self.pool.submit(_forward_no_grad, self.replica, latents.to(device), self.replica_cond,
-                                      self.replica_uncond, t.to(device))
-            cond_pred = _forward(self.transformer, latents, self.cond, self.embeds[0], t)
+            future = self.pool.submit(_no_grad, self.predict_replica, latents.to(self.replica_device),
+                                      t.to(self.replica_device))
+            cond_pred = self.predict_cond(latents, t)
             uncond_pred = future.result().to(latents.device)
-        return guide(cond_pred, uncond_pred, self.settings.true_cfg_scale, self.settings.schedule)
+        return self.cond.guide(cond_pred, uncond_pred, self.settings)
 
     def close(self) -> None:
         if self.mode == "split":
@@ -331,25 +352,20 @@ class _Denoiser:
 
 
 @torch.no_grad()
-def _forward_no_grad(*args):
+def _no_grad(predict, *args):
     # Autograd and inference-mode state are per thread: the worker thread sets its own.
-    return _forward(*args)
+    return predict(*args)
 
 
 @torch.no_grad()
-def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
-            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
-    """Run the flow-matching Euler loop; returns packed latents (1, N, 64) on the conditioning's device (the
-    transformer's). `cfg_split`: this process's CFG branch under context parallelism (cfg_mode split)."""
-    transformer = components.transformer
-    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
-    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-    channels = transformer.config.in_channels // 4
-    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
-    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
-    log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
-             len(timesteps), settings.schedule, settings.true_cfg_scale,
-             settings.cfg_mode if settings.do_cfg else "off", mu, seed)
+def euler(transformer, cond, settings: SampleSettings, latents: torch.Tensor, scheduler, timesteps, *,
+          uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
+          cancel: CancelToken | None = None) -> torch.Tensor:
+    """The Euler/CFG driver every family samples with: from the initial `latents` (the family's tokens) over
+    `timesteps` of `scheduler`, each step's velocity guided in settings.cfg_mode by the family's conditioning hooks
+    (`_Denoiser`), latents kept in their dtype; a progress event per step, cancellation between steps.
+    `cfg_split`: this process's CFG branch under context parallelism (cfg_mode split)."""
+    dtype = latents.dtype
     denoiser = _Denoiser(transformer, cond, settings, uncond_transformer, cfg_split)
     try:
         with speed.attention_kernel(settings.attention):
@@ -363,6 +379,24 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
     finally:
         denoiser.close()
     return latents
+
+
+@torch.no_grad()
+def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
+            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """The 2025 family's noise and schedule through `euler`; returns packed latents (1, N, 64) on the
+    conditioning's device (the transformer's)."""
+    transformer = components.transformer
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+    channels = transformer.config.in_channels // 4
+    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
+    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
+    log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
+             len(timesteps), settings.schedule, settings.true_cfg_scale,
+             settings.cfg_mode if settings.do_cfg else "off", mu, seed)
+    return euler(transformer, cond, settings, latents, scheduler, timesteps, uncond_transformer=uncond_transformer,
+                 cfg_split=cfg_split, progress=progress, cancel=cancel)
 
 
 def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -181,8 +181,8 @@ def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_man
                                     pad_embeddings([torch.randn(n // 2 + 3, 32, generator=g)]),
                                     torch.randn(1, 20, 64, generator=g), shapes, 80, 64)
         denoiser = sampler._Denoiser(model, cond, settings)
-        assert [e.embeds.shape[1] for e in denoiser.embeds] == [n, n // 2 + 3]
-        assert all(e.mask_or_none() is None for e in denoiser.embeds)
+        assert [e.embeds.shape[1] for e in (cond.cond, cond.uncond)] == [n, n // 2 + 3]
+        assert all(e.mask_or_none() is None for e in (cond.cond, cond.uncond))
         with torch.no_grad():
             denoiser(torch.randn(1, 20, 64, generator=g), torch.tensor([500.0]))
     stats = speed.compile_stats(model)

@@ -23,7 +23,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from qwen_edit_core.families import variants
-from qwen_edit_core.model.encode import EncodeError, as_pil
+from qwen_edit_core.model.encode import EncodeError, image_size_at_area, to_pil
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.model.geometry import calculate_dimensions
 
@@ -39,17 +39,12 @@ _IMAGE_PROCESSOR = VaeImageProcessor(vae_scale_factor=QWEN_IMAGE_21.vae_scale,
 def to_rgba(image) -> Image.Image:
     """A PIL image, or an (H, W, 3|4) array/tensor in [0, 1] or uint8, as an RGBA PIL image (opaque without
     alpha), the mode the pipeline gives every reference before resizing it."""
-    image = as_pil(image)
-    return image if image.mode == "RGBA" else image.convert("RGBA")
+    return to_pil(image, "RGBA")
 
 
 def reference_size(image: Image.Image, area: int) -> tuple[int, int]:
-    """(w, h) a reference is resized to: its aspect ratio at `area`, sides rounded to 32 (calculate_dimensions)."""
-    width, height = calculate_dimensions(area, image.width / image.height)
-    if width < SIZE_MULTIPLE or height < SIZE_MULTIPLE:
-        raise EncodeError(f"area {area} gives a {width}x{height} reference for a {image.width}x{image.height} image;"
-                          f" each side must be at least {SIZE_MULTIPLE} px: use a larger area")
-    return width, height
+    """(w, h) a reference is resized to: its aspect ratio at `area`, sides rounded to 32, at least SIZE_MULTIPLE."""
+    return image_size_at_area(image, area, minimum=SIZE_MULTIPLE, what="reference")
 
 
 def output_size(references: Sequence[Image.Image], area: int, width: int | None,

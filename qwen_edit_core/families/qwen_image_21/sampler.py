@@ -16,6 +16,7 @@ pipeline_qwenimage21.py and transformer_qwenimage21.py:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -28,7 +29,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
-from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
+from qwen_edit_core.common.progress import CancelToken, ProgressFn
 from qwen_edit_core.model import encode
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.sample import schedules
@@ -47,7 +48,8 @@ SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_sh
 
 @dataclass(frozen=True)
 class Conditioning21:
-    """Everything the 2.1 loop needs, on the transformer's device."""
+    """Everything the 2.1 loop needs, on the transformer's device; its `branch`, `to` and `guide` are this family's
+    hooks of the shared Euler/CFG driver (sample/sampler.py `euler`)."""
 
     cond: PromptWithSlots
     uncond: PromptWithSlots | None
@@ -57,6 +59,34 @@ class Conditioning21:
     img_shapes: list[tuple[int, int, int]]
     width: int
     height: int
+    #: where each branch's prefix K/V cache lives (`plan_prefix_cache`, which `denoise` sets; None: no cache)
+    cache_plan: prefix_cache.PrefixPlan | None = None
+
+    def branch(self, transformer, which: str, settings):
+        """The "cond" or "uncond" prompt's `predict(latents, t)`: a `Branch` with its own prefix K/V cache, placed
+        as `cache_plan` says (`settings` change nothing more here)."""
+        del settings
+        if which not in ("cond", "uncond"):
+            raise ValueError(f"Qwen-Image-2.1 runs its CFG branches one by one, not {which!r} (cfg_mode batched)")
+        prompt, plan = getattr(self, which), self.cache_plan
+        branch = Branch(transformer, prompt, "off") if plan is None else \
+            Branch(transformer, prompt, plan.place, plan.tokens[("cond", "uncond").index(which)])
+
+        def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            hidden = latents if self.reference_tokens is None else torch.cat([self.reference_tokens, latents], 1)
+            return branch(hidden, 0, t.expand(1).to(prompt.embeds.dtype) / 1000, self, latents.shape[1])
+        return predict
+
+    def to(self, device) -> "Conditioning21":
+        """This conditioning on `device` (the uncond replica's, cfg_mode split)."""
+        def move(prompt: PromptWithSlots | None) -> PromptWithSlots | None:
+            return None if prompt is None else PromptWithSlots(prompt.embeds.to(device), prompt.slots.to(device))
+        refs = None if self.reference_tokens is None else self.reference_tokens.to(device)
+        return dataclasses.replace(self, cond=move(self.cond), uncond=move(self.uncond), reference_tokens=refs)
+
+    def guide(self, cond_pred: torch.Tensor, uncond_pred: torch.Tensor, settings) -> torch.Tensor:
+        """The 2.1 pipeline's plain true CFG, `neg + s * (cond - neg)` (no norm rescale)."""
+        return uncond_pred + settings.true_cfg_scale * (cond_pred - uncond_pred)
 
 
 def check_settings(settings) -> None:
@@ -65,10 +95,10 @@ def check_settings(settings) -> None:
         raise ValueError(f"schedule {settings.schedule!r} is not available for Qwen-Image-2.1; accepted: "
                          f"{', '.join(SCHEDULES)} (few-step adapters: schedule 'diffusers' with their sigma list, "
                          "e.g. sigmas 'qwen21-turbo-8step')")
-    if settings.do_cfg and settings.cfg_mode != "sequential":
-        raise ValueError(f"cfg_mode {settings.cfg_mode!r} is not available for Qwen-Image-2.1: its transformer reads "
-                         "one token layout per batch, and cond and uncond prompts differ in length; use "
-                         "cfg_mode 'sequential'")
+    if settings.do_cfg and settings.cfg_mode == "batched":
+        raise ValueError("cfg_mode 'batched' is not available for Qwen-Image-2.1: its transformer reads one token "
+                         "layout per batch, and cond and uncond prompts differ in length; use cfg_mode 'sequential' "
+                         "or 'split' (the uncond branch on a second device)")
     if settings.control_size != "pipeline":
         raise ValueError("control_size 'target' is not available for Qwen-Image-2.1 yet; use 'pipeline'")
 
@@ -232,9 +262,13 @@ def branches(transformer, cond: Conditioning21, settings, plan: prefix_cache.Pre
 
 
 @torch.no_grad()
-def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn | None = None,
-            cancel: CancelToken | None = None) -> torch.Tensor:
-    """The Euler loop; returns the target's unpatched latent tokens (1, h*w, 64) on the transformer's device."""
+def denoise(components, cond: Conditioning21, settings, *, uncond_transformer=None, cfg_split=None,
+            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
+    """This family's noise and schedule through the shared Euler/CFG driver (sample/sampler.py `euler`); returns
+    the target's unpatched latent tokens (1, h*w, 64) on the transformer's device. `uncond_transformer` (cfg_mode
+    split: the uncond branch on a second device) and `cfg_split` (context parallelism) as for the 2025 family."""
+    from qwen_edit_core.sample.sampler import euler
+
     transformer = components.transformer
     device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
@@ -250,27 +284,15 @@ def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn 
     log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
              cond.width, cond.height, settings.schedule, len(timesteps),
              settings.true_cfg_scale if settings.do_cfg else 1.0, mu, plan.place if plan else "off", seed)
-    cfg_branches, preds = branches(transformer, cond, settings, plan), []
     try:
-        with speed.attention_kernel(settings.attention):
-            for i, t in enumerate(timesteps):
-                if cancel is not None:
-                    cancel.check()
-                hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
-                timestep = t.expand(1).to(dtype) / 1000
-                preds = [branch(hidden, i, timestep, cond, n) for branch in cfg_branches]
-                velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
-                latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-                if progress is not None:
-                    progress(Progress("sample", i + 1, len(timesteps), preview=latents))
+        return euler(transformer, dataclasses.replace(cond, cache_plan=plan), settings, latents, scheduler, timesteps,
+                     uncond_transformer=uncond_transformer, cfg_split=cfg_split, progress=progress, cancel=cancel)
     finally:
         if plan is not None and plan.place == "host":
-            # the caches' pinned regions go first, then torch's host allocator hands its cached pinned blocks
-            # back (a long-lived process such as ComfyUI would otherwise keep them page-locked)
+            # the branches' caches (their pinned regions) went with the driver's frame; torch's host allocator
+            # then hands its cached pinned blocks back (a long-lived process such as ComfyUI would keep them)
             from qwen_edit_core.speed import host_memory
-            del cfg_branches, preds
             host_memory.release_cache()
-    return latents
 
 
 def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -284,11 +306,10 @@ def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.
 def sample(components, prompt: str, images: Sequence, settings, *, uncond_transformer=None, cfg_split=None,
            progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
     """Generate from `prompt` with 0 to 10 ordered reference `images`; returns (1, H, W, 4) RGBA in [0, 1].
-    Both CFG passes run here, on the transformer's device: `uncond_transformer` and `cfg_split` (the 2025
-    driver's second-device CFG) are accepted, as every family's `sample` takes them, and not used."""
-    del uncond_transformer, cfg_split
+    `uncond_transformer` and `cfg_split` as `denoise` takes them."""
     cond = build_conditioning(components, prompt, images, settings)
-    latents = denoise(components, cond, settings, progress=progress, cancel=cancel)
+    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
+                      progress=progress, cancel=cancel)
     return decode(components, latents, cond.width, cond.height)
 
 
