@@ -6,7 +6,8 @@ callback per step and cancellation between steps.
 
 CFG modes:
 - ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
-- ``batched``: cond and uncond in one call of batch 2 (text padded to a common length with a mask).
+- ``batched``: cond and uncond in one call of batch 2; prompts of different lengths run variable-length
+  attention over each one's valid tokens (adapters.multires, as ragged training batches), not a padded key mask.
 - ``split``: cond on the transformer's device and uncond on a replica on a second device, concurrently; or,
   under context parallelism over 2N processes, cond on the first N and uncond on the other N
   (sample.context_parallel.CfgSplit), the two predictions swapped once per step.
@@ -239,8 +240,10 @@ def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_l
     return scheduler, scheduler.timesteps, mu
 
 
-def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor) -> torch.Tensor:
-    """One transformer call; returns the prediction for the target tokens only."""
+def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor,
+             attention_kwargs: dict | None = None) -> torch.Tensor:
+    """One transformer call; returns the prediction for the target tokens only. `attention_kwargs`: the packed
+    layout of a batch whose prompts differ in length (`_packed_cfg`)."""
     batch = embeds.embeds.shape[0]
     device = embeds.embeds.device
     hidden = torch.cat([latents, cond.control_tokens.to(device)], dim=1)
@@ -250,13 +253,28 @@ def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: 
     mask = embeds.mask_or_none()
     out = transformer(hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states=embeds.embeds,
                       encoder_hidden_states_mask=mask, img_shapes=[cond.img_shapes] * batch,
-                      return_dict=False)[0]
+                      attention_kwargs=attention_kwargs, return_dict=False)[0]
     return out[:, : latents.shape[1]]
 
 
 def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
     """Cond and uncond as one right-padded batch of 2 (no mask when their lengths are equal)."""
     return encode.pad_embeddings([a.valid(0), b.valid(0)])
+
+
+def _packed_cfg(transformer, cond: Conditioning, both: PromptEmbeds) -> dict | None:
+    """The attention kwargs that run cond and uncond of different lengths (`both`, stacked) as variable-length
+    attention over each one's valid tokens (`multires.packed_layout`; the multi-resolution processor installed on
+    `transformer`, as the trainer and `sample_batch` do), equal to the key-mask path; None when nothing is padded
+    or `transformer` is no module of a family that packs batches, or runs context-parallel (a worker pool, or
+    diffusers' parallel attention processors: the key mask then)."""
+    from qwen_edit_core.adapters import multires
+    if both.mask_or_none() is None or not isinstance(transformer, torch.nn.Module) \
+            or getattr(transformer, "_parallel_config", None) is not None or multires.install(transformer) is None:
+        return None
+    n_image = multires.image_lengths([cond.img_shapes])[0]
+    return multires.packed_layout(both.lengths, both.embeds.shape[1], [n_image] * len(both.lengths), n_image,
+                                  both.embeds.device)
 
 
 def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
@@ -288,6 +306,7 @@ class _Denoiser:
                      "unset" if settings.negative_prompt is None else "set")
         if self.mode == "batched":
             self.both = _stack_embeds(cond.cond, cond.uncond)
+            self.packed = _packed_cfg(transformer, cond, self.both)
         if self.mode == "split":
             if uncond_transformer is None:
                 raise ValueError("cfg_mode 'split' needs a second transformer replica (give uncond_device)")
@@ -305,7 +324,7 @@ class _Denoiser:
             cond_pred = _forward(self.transformer, latents, self.cond, self.embeds[0], t)
             uncond_pred = _forward(self.transformer, latents, self.cond, self.embeds[1], t)
         elif self.mode == "batched":
-            both = _forward(self.transformer, latents, self.cond, self.both, t)
+            both = _forward(self.transformer, latents, self.cond, self.both, t, self.packed)
             cond_pred, uncond_pred = both[:1], both[1:]
         elif self.mode == "processes":
             cond_pred, uncond_pred = self.cfg_split.exchange(_forward(self.transformer, latents, self.cond,
@@ -346,7 +365,7 @@ def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_
              settings.cfg_mode if settings.do_cfg else "off", mu, seed)
     denoiser = _Denoiser(transformer, cond, settings, uncond_transformer, cfg_split)
     try:
-        with speed.attention_kernel(settings.attention):
+        with speed.attention_kernel(settings.attention, device):
             for i, t in enumerate(timesteps):
                 if cancel is not None:
                     cancel.check()
