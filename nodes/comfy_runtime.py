@@ -326,8 +326,9 @@ def managed_patcher(module, busy):
 def load_models(modules, busy) -> list:
     """Make our modules known to ComfyUI's memory manager and put them on their devices (ComfyUI may have
     offloaded them to the CPU for another model): `comfy.model_management.load_models_gpu`, which first frees
-    room by offloading ComfyUI's least needed models. Returns the patchers (none outside ComfyUI)."""
-    patchers = [p for p in (managed_patcher(m, busy) for m in modules) if p is not None]
+    room by offloading ComfyUI's least needed models. A running job's modules are left out: its entry
+    (`count_job`) counts them. Returns the patchers (none outside ComfyUI)."""
+    patchers = [p for p in (managed_patcher(m, busy) for m in modules if not busy(m)) if p is not None]
     if patchers:
         import comfy.model_management
         comfy.model_management.load_models_gpu(patchers)
@@ -342,3 +343,133 @@ def forget_models(modules) -> None:
     patchers = {id(p) for p in map(patcher_of, modules) if p is not None}
     loaded = comfy.model_management.current_loaded_models
     loaded[:] = [entry for entry in loaded if id(entry.model) not in patchers]
+
+
+# -- a running training job in ComfyUI's ledger -----------------------------------------------------------------
+# ComfyUI's `free_memory` drops from `current_loaded_models` every entry whose `LoadedModel.model_unload` returns
+# True, and `model_unload` returns True once the patcher's `detach` ran, whether or not detach freed anything
+# (0.3.64 and current ComfyUI: docs/COMFYUI.md, "Current ComfyUI"). A busy module's patcher that keeps its
+# weights would still leave the list, and ComfyUI would stop counting them. So while a job runs, one stand-in
+# entry (`count_job`) stands for all it holds on its device, as the job measures it (`device_bytes`: weights,
+# optimizer state, offload buffers, a step's activations); its `model_unload` declines (returns False: ComfyUI
+# keeps it listed and looks for room elsewhere). The job's modules leave the list while it counts them; when the
+# job is over the entry unloads like theirs would (moves the modules to the CPU) and ComfyUI drops it.
+
+#: the stand-in patcher of each running job ComfyUI counts (an entry holds its patcher weakly)
+_JOB_PATCHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _JobAnchor:
+    """The stand-in patcher's `model`: the job (its name appears in ComfyUI's log lines through this class's
+    name), the modules it trained on (weakly) and its device."""
+
+    def __init__(self, job, modules, device):
+        self.job, self.device = job, device
+        self.targets = [weakref.ref(m) for m in modules]
+
+    def modules(self) -> list:
+        return [m for m in (ref() for ref in self.targets) if m is not None]
+
+
+class JobPatcherMethods:
+    """The stand-in patcher of a running training job (mixed in before ComfyUI's ModelPatcher by
+    `_job_classes`): its size is the job's `device_bytes()` while it runs, then its modules' bytes on the device;
+    loading does nothing (the job placed its weights), offloading moves the modules to the CPU once the job is
+    over and never before."""
+
+    def __init__(self, job, modules, device):
+        import torch
+        super().__init__(_JobAnchor(job, modules, device), load_device=device, offload_device=torch.device("cpu"),
+                         size=1)
+
+    def running(self) -> bool:
+        return not self.model.job.finished
+
+    def model_size(self):
+        anchor = self.model
+        if not anchor.job.finished:
+            return max(1, anchor.job.device_bytes())
+        return max(1, sum(_nbytes(m, anchor.device) for m in anchor.modules()))
+
+    def loaded_size(self):
+        return self.model_size()
+
+    def current_loaded_device(self):
+        return self.model.device
+
+    def model_dtype(self):
+        import torch
+        return torch.float32
+
+    def model_patches_to(self, device):
+        pass
+
+    def lowvram_patch_counter(self):
+        return 0
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        return 0
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        return 0
+
+    def detach(self, unpatch_all=True):
+        if not self.running():
+            for module in self.model.modules():
+                module.to(self.offload_device)
+        return self.model
+
+
+class JobEntryMethods:
+    """The ledger entry of a running job (mixed in before ComfyUI's LoadedModel): listed as loaded from the
+    start, it declines every unload while the job runs."""
+
+    def __init__(self, patcher):
+        import comfy.model_management
+        super().__init__(patcher)
+        anchor = patcher.model
+        self.real_model = weakref.ref(anchor)
+        self.model_finalizer = weakref.finalize(anchor, comfy.model_management.cleanup_models)
+        self.declined = 0
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True):
+        patcher = self.model
+        if patcher is not None and patcher.running():
+            if not self.declined:
+                log.warning("ComfyUI asked for the memory of training job %r (%.2f GiB on %s): it keeps it",
+                            patcher.model.job.name, patcher.model_size() / 2**30, patcher.load_device)
+            self.declined += 1
+            return False
+        return super().model_unload(memory_to_free, unpatch_weights)
+
+
+def _job_classes():
+    """(patcher class, entry class) over the running ComfyUI's ModelPatcher and LoadedModel (made once)."""
+    global _job_types
+    if _job_types is None:
+        import comfy.model_management
+        import comfy.model_patcher
+        _job_types = (type("PackJobPatcher", (JobPatcherMethods, comfy.model_patcher.ModelPatcher),
+                           {"__module__": __name__}),
+                      type("PackJobEntry", (JobEntryMethods, comfy.model_management.LoadedModel),
+                           {"__module__": __name__}))
+    return _job_types
+
+
+_job_types = None
+
+
+def count_job(job, modules, device) -> bool:
+    """Put a running training job into ComfyUI's list of loaded models as one stand-in entry on `device` (a
+    torch device) that reports the job's `device_bytes()` and declines to unload until the job is over; our
+    `modules` the job trains on leave the list meanwhile (the entry counts them). Call from ComfyUI's worker
+    thread (the list is ComfyUI's). Returns whether an entry was added (not outside ComfyUI, nor twice)."""
+    if not in_comfy() or job in _JOB_PATCHERS:
+        return False
+    import comfy.model_management
+    forget_models(modules)
+    patcher_type, entry_type = _job_classes()
+    patcher = _JOB_PATCHERS[job] = patcher_type(job, modules, device)
+    comfy.model_management.current_loaded_models.insert(0, entry_type(patcher))
+    log.info("ComfyUI counts training job %r on %s", job.name, device)
+    return True

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from qwen_edit_core.families import FAMILIES, Family
 from qwen_edit_core.model.components import Components
 from qwen_edit_core.model.devices import available_devices
 
@@ -72,28 +73,38 @@ def device_choices() -> list[str]:
     return available_devices()
 
 
+def built_in_models() -> dict[str, tuple[Family, str]]:
+    """Each built-in model choice -> (its family, "toy" or "tiny"): a pretrained toy and a random tiny model per
+    family with a `Toy` description, named after its `label` (TOY_MODEL, TINY_MODEL, ... are these names)."""
+    found = {}
+    for family in FAMILIES.values():
+        if family.toy is not None:
+            found[f"{family.toy.label}-toy (built-in, pretrained: edits 128 px pictures)"] = (family, "toy")
+            found[f"{family.toy.label}-tiny (built-in, random weights)"] = (family, "tiny")
+    return found
+
+
 def model_choices() -> list[str]:
-    return [TOY_MODEL, TINY_MODEL, TINY_21_MODEL, TOY_21_MODEL] + comfy_runtime.model_dirs()
+    listed = [TOY_MODEL, TINY_MODEL, TINY_21_MODEL, TOY_21_MODEL]
+    return listed + [name for name in built_in_models() if name not in listed] + comfy_runtime.model_dirs()
 
 
 def resolve_model(name: str, path: str = "") -> Path:
-    """The model directory of a loader's widgets: an explicit path, a built-in model (built on first use: the
-    pretrained toy model of either family, or the random tiny one), or a directory of ComfyUI's models/qwen_edit
-    folder."""
+    """The model directory of a loader's widgets: an explicit path, a built-in model (built on first use in the
+    folder named before its parenthesis: the pretrained toy model of a family, or its random tiny one), or a
+    directory of ComfyUI's models/qwen_edit folder."""
     if path and path.strip():
         return Path(path.strip()).expanduser()
-    if name == TOY_MODEL:
-        from qwen_edit_core.toys.toy import ensure_toy
-        return ensure_toy(comfy_runtime.default_model_root() / "qwen-edit-toy")
-    if name == TOY_21_MODEL:
-        from qwen_edit_core.toys.toy import WEIGHTS_DIR_21, ensure_toy
-        return ensure_toy(comfy_runtime.default_model_root() / "qwen-image-2.1-toy", WEIGHTS_DIR_21)
-    if name in (TINY_MODEL, TINY_21_MODEL):
-        from qwen_edit_core.model.tiny import build_tiny
-        folder, variant = ("qwen-edit-tiny", "edit") if name == TINY_MODEL else ("qwen-image-2.1-tiny", "image-2.1")
-        target = comfy_runtime.default_model_root() / folder
+    built_in = built_in_models()
+    if name in built_in:
+        family, kind = built_in[name]
+        target = comfy_runtime.default_model_root() / name.split(" (")[0]
+        if kind == "toy":
+            from qwen_edit_core.toys.toy import ensure_toy, weights_of
+            return ensure_toy(target, weights_of(family))
         if not (target / "model_index.json").is_file():
-            build_tiny(target, variant=variant)
+            from qwen_edit_core.model.tiny import build_tiny
+            build_tiny(target, variant=family.toy.variant)
         return target
     found = comfy_runtime.model_dir_path(name)
     if found is None:
@@ -114,7 +125,7 @@ def native_side(handle) -> int:
     stamp = Path(handle.components.model_dir) / toy.MANIFEST
     if stamp.is_file():
         built = json.loads(stamp.read_text()).get("sha256")
-        for weights in (toy.WEIGHTS_DIR, toy.WEIGHTS_DIR_21):
+        for weights in (toy.weights_of(f) for f in FAMILIES.values() if f.toy is not None):
             info = toy.manifest(weights)
             if info["sha256"] == built:
                 return int(info["recipe"]["size"])

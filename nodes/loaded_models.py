@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from qwen_edit_core import jobs
+from qwen_edit_core import jobs, speed
 from qwen_edit_core.model.components import Components, TextEncoder
 
 from . import comfy_runtime
@@ -57,13 +57,17 @@ def freed(module: torch.nn.Module) -> bool:
 
 
 def use(model) -> None:
-    """Before a node runs `model`'s components: refuse freed ones with what to do, then ComfyUI's memory manager
+    """Before a node runs `model`'s components: refuse freed ones with what to do; the weights a Sampling Speed
+    fp8 copy parked come back for its input, or are parked again for the copy; then ComfyUI's memory manager
     puts them on their devices (it may have offloaded them for another model) and counts them as loaded."""
     modules = modules_of(model)
     if any(freed(m) for m in modules):
         raise RuntimeError("this model was unloaded: its loader node has since loaded another model (each loader "
                            "keeps one). Queue the prompt again (the loader loads it again), or use a second "
                            "loader node for a second model")
+    for module in modules:  # a Sampling Speed fp8 copy and its input take turns holding the block weights
+        speed.unpark(module)
+        speed.repark(module)
     comfy_runtime.load_models(modules, busy)
 
 

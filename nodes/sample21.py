@@ -17,8 +17,9 @@ import torch
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 from qwen_edit_core.families import FAMILIES
-from qwen_edit_core.model import encode, variants
+from qwen_edit_core.model import encode
 
+from qwen_edit_core.families import variants
 from . import comfy_runtime
 from .common import CATEGORY, REFERENCES
 

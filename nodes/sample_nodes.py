@@ -11,11 +11,11 @@ from qwen_edit_core.adapters import lora
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.sample import sampler, schedules, workers
 from qwen_edit_core.model.components import replicate
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.model.devices import resolve_device
 from qwen_edit_core.common.progress import Cancelled, CancelToken
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 from . import comfy_runtime, loaded_models, sample21
 from .common import (CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, device_choices, image_to_pils,
@@ -388,11 +388,15 @@ class QwenEditSpeed:
         return {"required": {
             "model": MODEL_IN,
             "fp8": ("BOOLEAN", {"default": False, "tooltip": "e4m3 block weights, fp8 matmuls (Ada/Hopper): "
-                                                             "faster linears (BENCHMARKS.md). The fp8 copies come on "
-                                                             "top of the input model's bf16 weights, which it keeps: "
-                                                             "1.5x the block weights while both are loaded. LoRAs "
-                                                             "stay bf16"}),
-            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once (~30 s on first use)"}),
+                                                             "faster linears (BENCHMARKS.md). Converting never holds "
+                                                             "both forms on the GPU: each bf16 block weight goes to "
+                                                             "host RAM as its fp8 copy is made (peak about the bf16 "
+                                                             "model's size, then about half: BENCHMARKS.md, \"Sampling "
+                                                             "Speed fp8\"); the input model gets them back when a "
+                                                             "node uses it, so host RAM must hold the block weights' "
+                                                             "bf16 size. LoRAs stay bf16"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block once, on first "
+                                                                 "use (compile time: BENCHMARKS.md)"}),
             "attention": (list(speed.SDPA_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
         }}
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 RESOLUTION = ("INT", {"default": 0, "min": 0, "max": 2048, "step": 32,
                       "tooltip": "training side in pixels: images are resized to about this side squared; 0 (auto): "
                                  "the model's own size (1024 native for real models; 128 for the built-in toy "
-                                 "ones); 512 trains ~4x faster than 1024"})
+                                 "ones); 512 has a quarter of 1024's image tokens"})
 
 
 def _folder(folder: str) -> Path:
@@ -215,8 +215,8 @@ class QwenEditTrain:
                                                "text attention), attn-img (image attention only, smallest), all "
                                                "(attention and feed-forward, most capacity)"}),
             "batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
-                                   "tooltip": "pairs per step: 1 at 1024^2 on an 80 GB GPU (~44 "
-                                              "GiB with checkpointing), more at lower resolution"}),
+                                   "tooltip": "pairs per step: 1 at 1024^2 on an 80 GB GPU (with "
+                                              "checkpointing; BENCHMARKS.md), more at lower resolution"}),
             "resolution": RESOLUTION,
             "checkpoint_every": ("INT", {"default": 250, "min": 0, "max": 1_000_000,
                                          "tooltip": "save a resumable checkpoint every N steps (0: only at the "
@@ -242,7 +242,8 @@ class QwenEditTrain:
                                                       "the GPU's free memory once ComfyUI unloaded its models"}),
             "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
                                                                   "the LoRA trains in bf16/fp32"}),
-            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (~30 s once; CUDA)"}),
+            "compile": ("BOOLEAN", {"default": False, "tooltip": "compile each block (once, at the first step; "
+                                                                 "CUDA; compile time: BENCHMARKS.md)"}),
             "attention": (list(speed.ATTENTION_KERNELS), {"tooltip": "cudnn: fastest on Hopper GPUs"}),
             "ema_decay": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.99999, "step": 0.0001,
                                     "tooltip": "> 0: also save an exponential moving average of the LoRA "
@@ -338,8 +339,10 @@ class QwenEditTrain:
         comfy_runtime.free_device_memory(config.train.device, keep=loaded_models.modules_of(model),
                                          busy=loaded_models.busy)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
-        return (jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,
-                                    model=model.components),)
+        job = jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg, model=model.components)
+        # ComfyUI keeps counting what the job holds and cannot unload it (comfy_runtime.count_job)
+        comfy_runtime.count_job(job, loaded_models.modules_of(model), torch.device(jobs.device_key(job.device)))
+        return (job,)
 
 
 def find_job(job, job_name: str) -> jobs.TrainingJob:

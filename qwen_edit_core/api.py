@@ -21,9 +21,9 @@ from qwen_edit_core.common.files import OutputLock
 from qwen_edit_core.config import Config
 from qwen_edit_core.model.components import (Components, detect_variant, load_components, model_identity,
                                              resolve_model_dir)
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_device
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import predict as predict_mod
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.train import run

@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-from qwen_edit_core.model import variants
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families import variants
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 log = logging.getLogger("qwen_edit_core.cli")
 
@@ -39,17 +39,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def cmd_tiny(args) -> None:
     if args.pretrained:
         from qwen_edit_core.toys.pretrain import Recipe, pretrain, pretrain_vae, recipe_for
-        from qwen_edit_core.toys.toy import WEIGHTS_DIR, WEIGHTS_DIR_21, build_toy
-        is_21 = args.variant == variants.IMAGE_21.name
-        if args.variant not in (variants.DEFAULT, variants.IMAGE_21.name) or args.size != "tiny":
-            raise ValueError(f"--pretrained builds the {variants.DEFAULT} or {variants.IMAGE_21.name} variant at "
+        from qwen_edit_core.toys.toy import build_toy, weights_of
+        if args.variant not in variants.toy_variants() or args.size != "tiny":
+            raise ValueError(f"--pretrained builds the {' or '.join(variants.toy_variants())} variant at "
                              "size tiny; drop --size or pick one of those --variant values")
-        if args.train_vae and is_21:
-            raise ValueError("--train-vae: the toy Qwen-Image-2.1's VAE is fitted with its transformer's build; "
+        family = variants.get(args.variant).family
+        if args.train_vae and not family.toy.vae_trains_alone:
+            raise ValueError(f"--train-vae: the toy {family.title}'s VAE is fitted with its transformer's build; "
                              "use --train")
-        weights = Path(args.weights_dir) if args.weights_dir else (WEIGHTS_DIR_21 if is_21 else WEIGHTS_DIR)
+        weights = Path(args.weights_dir) if args.weights_dir else weights_of(family)
         if args.train_vae:
-            pretrain_vae(weights, Recipe(seed=args.seed))
+            pretrain_vae(weights, Recipe(seed=args.seed, variant=args.variant))
         elif args.train or not (weights / "toy.json").is_file():
             pretrain(weights, recipe_for(args.variant, args.seed))
         out = build_toy(args.out_dir, weights)
@@ -192,6 +192,7 @@ TRAIN_FLAGS = (("output_dir", "train", "output_dir"), ("max_steps", "train", "ma
                ("ema_decay", "train", "ema_decay"), ("ema_validation", "train", "ema_validation"),
                ("mask_weight", "train", "mask_weight"), ("unmasked_weight", "train", "unmasked_weight"),
                ("bucket_grouping", "data", "bucket_grouping"), ("control_size", "data", "control_size"),
+               ("pixel_aligned", "data", "pixel_aligned"),
                ("lora_type", "model", "lora.type"), ("dora", "model", "lora.dora"),
                ("lora_format", "train", "lora_format"))
 
@@ -254,9 +255,9 @@ def cmd_doctor(args) -> None:
         if run.report.findings:
             print(run.report.json_lines())  # noqa: T201  (the command's output)
     else:
-        log.info("%s", run.report.summary(limit=len(run.report.findings)))
+        log.info("%s", "\n".join([run.report.summary(limit=len(run.report.findings)), *run.report.statistics()]))
     if run.picture:
-        log.info("report of the worst pairs: %s", run.picture)
+        log.info("report of the worst pairs: %s (picture: %s)", run.page, run.picture)
     for line in run.fixes:
         log.info("fixed %s", line)
 
@@ -270,10 +271,11 @@ def add_doctor_command(sub) -> None:
                                                        "fix, why")
     p.add_argument("--fix", metavar="OUT", help="write a fixed copy of the dataset to this new folder (the original "
                                                 "is never changed)")
-    p.add_argument("--out", default="doctor_out", help="folder for report.txt and report.png (the worst pairs)")
+    p.add_argument("--out", default="doctor_out", help="folder for report.txt, report.html and report.png "
+                   "(the worst pairs side by side: control, target, difference, finding)")
     p.add_argument("--held-out", help="held-out pairs as train.validation_pairs: N (the last N pairs) or a folder")
     p.add_argument("--pixel-aligned", action="store_true", help="the edit keeps every pixel in place "
-                   "(data.control_size: target): --fix realigns shifted and zoomed targets")
+                   "(data.pixel_aligned): --fix realigns shifted and zoomed targets")
     p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
     p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
     p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
@@ -283,7 +285,9 @@ def add_doctor_command(sub) -> None:
 
 def cmd_demo(args) -> None:
     from qwen_edit_core.demo import run_demo
-    run_demo(Path(args.out), steps=args.steps, variant=args.variant)
+    cache_bar, train_bar = _progress_bar("cache"), _train_bar()
+    run_demo(Path(args.out), steps=args.steps, variant=args.variant,
+             progress=lambda event: cache_bar(event) if event.stage == "cache" else train_bar(event))
 
 
 def cmd_bench(args) -> None:
@@ -419,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "[shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], e.g. 'lightning steps=4 lora=l.safetensors'")
     p.add_argument("--control-size", choices=["pipeline", "target"],
                    help="data.control_size: target resizes every control to its target's size (pixel-aligned pairs)")
+    p.add_argument("--pixel-aligned", action="store_true", default=None,
+                   help="data.pixel_aligned: the edit keeps every pixel in place (the dataset doctor's fixes "
+                   "realign shifted or zoomed targets)")
     p.add_argument("--lora-type", choices=["lora", "lokr", "loha"],
                    help="model.lora.type: the adapter to train (LoKr: Kronecker factors, LoHa: Hadamard product)")
     p.add_argument("--dora", action="store_true", default=None,
@@ -441,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "demo", help="teach the pretrained toy model a new edit as a LoRA; before/after pictures")
     p.add_argument("--out", default="demo_out", help="output folder")
     p.add_argument("--steps", type=int, default=250, help="LoRA training steps")
-    p.add_argument("--variant", choices=[variants.DEFAULT, variants.IMAGE_21.name], default=variants.DEFAULT,
+    p.add_argument("--variant", choices=variants.toy_variants(), default=variants.DEFAULT,
                    help="which toy model learns the edit: the Qwen-Image-Edit one or the Qwen-Image-2.1 one")
     p.set_defaults(func=cmd_demo)
 

@@ -20,7 +20,8 @@ from qwen_edit_core.common.names import file_name_problem, label_problem
 from qwen_edit_core.common.typed import ConfigError, expand_env, from_dict, show  # noqa: F401 (re-exported)
 from qwen_edit_core.common.yaml_read import YamlTooLargeError, read_yaml
 from qwen_edit_core.model.geometry import MAX_PIXELS, MAX_STEPS
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families import variants
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ LoraType = typing.Literal["lora", "lokr", "loha"]
 ContextParallelMode = typing.Literal["ulysses", "ring"]
 #: mirrors sample.schedules.SCHEDULES
 Schedule = typing.Literal["diffusers", "comfyui", "lightning"]
+#: a families/variants.py name, or "" (detected from the model)
+VariantName = typing.Literal[("", *variants.NAMES)]
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: a model/variants.py name ("edit", "edit-plus" = 2509, "edit-2511", "image-2.1"); empty = detected from the model
-    variant: typing.Literal["", "edit", "edit-plus", "edit-2511", "image-2.1"] = ""
+    #: a families/variants.py name (edit, edit-plus = 2509, edit-2511, image-2.1); empty = detected from the model
+    variant: VariantName = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
     #: "none", "int8" or "nf4" (bitsandbytes) for the frozen transformer
@@ -123,9 +126,17 @@ class DataConfig:
     #: "pipeline": each control image at the VAE area (as the pipelines); "target": every control resized to
     #: exactly the target's size (pixel-aligned pairs; sample with predict.control_size: target)
     control_size: ControlSize = "pipeline"
+    #: the edit keeps every pixel in place (a recolouring, a restyle): the dataset doctor's fixes realign targets
+    #: shifted or zoomed against their control only then (`pixel_aligned_edit`; control_size "target" implies it)
+    pixel_aligned: bool = False
     #: the dataset doctor before the first step (data/doctor/): "warn" logs its summary, "refuse" stops the run
     #: when it flags a pair, "off" skips it
     doctor: typing.Literal["warn", "refuse", "off"] = "warn"
+
+    @property
+    def pixel_aligned_edit(self) -> bool:
+        """Whether the pairs are meant pixel-aligned: `pixel_aligned`, or every control resized to its target's size."""
+        return self.pixel_aligned or self.control_size == "target"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families import variants
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,9 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
 def _family_sampler(components):
     """The sampler module of the components' family (families/<family>/sampler.py: its conditioning, loop,
     decoding and latent packing)."""
-    from qwen_edit_core.model import variants
     return variants.get(components.variant).family.stage("sampler")
 
 
-#: the few-step check of the Qwen-Image-2.1 demo: Turbo's 8-step sigma list, run unshifted as on Turbo
-FEW_STEP_SIGMAS = "qwen21-turbo-8step"
 
 
 def _evaluate(trainer, held_out, steps: int = 20, sigmas: str | None = None) -> dict:
@@ -136,40 +134,49 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def run_demo(out_dir: Path, steps: int = 250, variant: str = "edit") -> dict:
+def run_demo(out_dir: Path, steps: int = 250, variant: str = variants.DEFAULT, progress=None) -> dict:
     """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` ("edit", or
     "image-2.1": the toy Qwen-Image-2.1, the control as reference 1); returns the metrics (also in
-    metrics.json)."""
+    metrics.json). Each phase is logged as it starts; `progress` (a common.progress.ProgressFn) receives the
+    cache and training stages' step events, as for `QwenImageEditTrainer.cache` and `.fit`."""
     with one_thread():
-        return _run(Path(out_dir), steps, variant)
+        return _run(Path(out_dir), steps, variant, progress)
 
 
-def _run(out_dir: Path, steps: int, variant: str) -> dict:
+def _run(out_dir: Path, steps: int, variant: str, progress=None) -> dict:
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.toys import toy
 
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    is_21 = variant == "image-2.1"
-    model_dir = toy.ensure_toy(out_dir / ("toy21-model" if is_21 else "toy-model"),
-                               toy.WEIGHTS_DIR_21 if is_21 else toy.WEIGHTS_DIR)
+    family = variants.get(variant).family
+    # the few-step schedule the family's users sample with (Qwen-Image-2.1: Turbo's 8-step sigma list, unshifted)
+    few_steps = family.toy.few_step_sigmas
+    model_dir = toy.ensure_toy(out_dir / family.toy.demo_folder, toy.weights_of(family))
     write_dataset(out_dir / "dataset", N_TRAIN, seed=0)
     held_out = write_dataset(out_dir / "held_out", N_HELD_OUT, seed=1)
+    log.info("demo: toy model in %s, %d training and %d held-out pairs in %s", model_dir, N_TRAIN, N_HELD_OUT,
+             out_dir)
     trainer = QwenImageEditTrainer(_config(model_dir, out_dir / "dataset", out_dir, steps))
     trainer.load_model()
+    log.info("demo: sampling the held-out pairs before training")
     before = _evaluate(trainer, held_out)
-    few_before = _evaluate(trainer, held_out, sigmas=FEW_STEP_SIGMAS) if is_21 else None
-    trainer.cache()
-    result = trainer.fit()
+    few_before = _evaluate(trainer, held_out, sigmas=few_steps) if few_steps else None
+    log.info("demo: encoding the training pairs into the embedding cache")
+    trainer.cache(progress=progress)
+    log.info("demo: training the LoRA for %d steps", steps)
+    result = trainer.fit(progress=progress)
     trainer.load_model(which=("vae", "text_encoder"), keep_transformer=True)
+    log.info("demo: sampling the held-out pairs with the LoRA")
     after = _evaluate(trainer, held_out)
-    few_after = _evaluate(trainer, held_out, sigmas=FEW_STEP_SIGMAS) if is_21 else None
+    few_after = _evaluate(trainer, held_out, sigmas=few_steps) if few_steps else None
 
     rows = [[Image.open(c).convert("RGB"), Image.open(t).convert("RGB"), _to_pil(b), _to_pil(a)]
             for (c, t), b, a in zip(held_out, before["images"], after["images"])]
     labelled_grid(rows, COLUMNS, out_dir / "before_after.png")
     metrics = {
-        "edit": CAPTION, "pixel_mse_before": before["pixel_mse"], "pixel_mse_after": after["pixel_mse"],
+        "edit": CAPTION,  # not a family name
+        "pixel_mse_before": before["pixel_mse"], "pixel_mse_after": after["pixel_mse"],
         "pixel_mse_ratio": after["pixel_mse"] / before["pixel_mse"],
         "latent_mse_before": before["latent_mse"], "latent_mse_after": after["latent_mse"],
         "latent_mse_ratio": after["latent_mse"] / before["latent_mse"],
@@ -178,11 +185,11 @@ def _run(out_dir: Path, steps: int, variant: str) -> dict:
         "lora": str(result.lora_path), "loss_plot": str(result.loss_plot), "before_after": str(out_dir / "before_after.png"),
         "seconds": time.perf_counter() - started}
     if few_after is not None:  # the saved LoRA's edit at the few-step schedule 2.1's users sample with
-        metrics.update({"fewstep_sigmas": FEW_STEP_SIGMAS, "fewstep_pixel_mse_before": few_before["pixel_mse"],
+        metrics.update({"fewstep_sigmas": few_steps, "fewstep_pixel_mse_before": few_before["pixel_mse"],
                         "fewstep_pixel_mse_after": few_after["pixel_mse"],
                         "fewstep_edge_similarity_after": few_after["edge_similarity"]})
         log.info("demo: at %s (8 steps) pixel MSE to the targets %.4f -> %.4f, edge similarity %.2f",
-                 FEW_STEP_SIGMAS, few_before["pixel_mse"], few_after["pixel_mse"], few_after["edge_similarity"])
+                 few_steps, few_before["pixel_mse"], few_after["pixel_mse"], few_after["edge_similarity"])
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     log.info("demo: %r learned as a LoRA in %d steps: pixel MSE to the targets %.4f -> %.4f (%.1fx lower), latent "
              "MSE %.3f -> %.3f, edge similarity %.2f -> %.2f; pictures: %s, loss plot: %s (%.0f s)", CAPTION,

@@ -79,6 +79,65 @@ class JobStatus:
 Listener = Callable[["TrainingJob", str], None]
 
 
+class DeviceUse:
+    """What a running job holds on its device beyond its model's weights, measured in its own thread at the end
+    of every step: `steady` (the LoRA, its optimizer state, offload buffers, fp8 copies: the device's allocated
+    bytes now minus those when the job started) and `working` (the most a step allocated above that: activations
+    and gradients, which the caching allocator keeps reserved between steps). CUDA devices only (torch's
+    allocator statistics); elsewhere both stay 0. `stats(device)` -> (allocated bytes, peak allocated bytes since
+    the last `reset(device)`) may be replaced (tests)."""
+
+    def __init__(self, device: str, stats=None, reset=None) -> None:
+        import torch
+        self.device = torch.device(device_key(device))
+        cuda = self.device.type == "cuda"
+        self._stats = stats or (_cuda_stats if cuda else lambda device: (0, 0))
+        self._reset = reset or (torch.cuda.reset_peak_memory_stats if cuda else lambda device: None)
+        self._baseline: int | None = None
+        self.steady = self.working = 0
+
+    def started(self) -> None:
+        """The job starts (its model's weights are on the device already): the baseline of `steady`."""
+        self._baseline = self._stats(self.device)[0]
+        self._reset(self.device)
+
+    def step_ended(self) -> None:
+        """A step ended: measure `steady` now and the step's `working` peak (the largest seen so far)."""
+        if self._baseline is None:
+            return
+        allocated, peak = self._stats(self.device)
+        self.steady = max(0, allocated - self._baseline)
+        self.working = max(self.working, peak - allocated)
+        self._reset(self.device)
+
+
+def _cuda_stats(device) -> tuple[int, int]:
+    import torch
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def module_bytes_on(value, device: str) -> int:
+    """Bytes of the weights `value` holds (a module, or what `weight_keys` follows) that live on `device`, each
+    storage once."""
+    import torch
+    target, sizes = torch.device(device_key(device)), {}
+    for module in _modules(value):
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.device == target and tensor.numel():
+                sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def _modules(value):
+    """The torch modules `value` is or holds under its `WEIGHT_HOLDERS` attributes."""
+    import torch
+    if isinstance(value, torch.nn.Module):
+        yield value
+    elif value is not None:
+        for name in WEIGHT_HOLDERS:
+            yield from _modules(getattr(value, name, None))
+
+
 JOIN_SLICE = 0.1  #: seconds of one join slice in `TrainingJob.wait`: how late a waiting main thread's handler runs
 
 
@@ -109,6 +168,7 @@ class TrainingJob:
         self._result, self._delivered = None, None
         self._on_finish, self._fit, self._preflight = on_finish, fit, Preflight.of(preflight)
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
+        self.memory = DeviceUse(self.device)
 
     def start(self) -> "TrainingJob":
         """Run the preflight's checks (they write nothing), then take the output directory's lock (it creates
@@ -138,6 +198,7 @@ class TrainingJob:
     def _progress(self, event: Progress) -> None:
         with self._lock:
             if event.stage == "train":
+                self.memory.step_ended()  # in the job's thread, at the end of its step
                 self._state, self._step = "training", event.step
                 if event.loss is not None:  # the loss is read every `logging.every` steps
                     self._loss = event.loss
@@ -155,6 +216,7 @@ class TrainingJob:
         try:
             # pinned in this thread: two threads per operation on a small or busy machine ran each step several
             # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
+            self.memory.started()
             with torch_threads(self.config.train.cpu_threads):
                 result = self._fit(self.config, resume=self._resume, progress=self._progress,
                                    cancel=self._cancel, lock=self._output_lock, model=self.model)
@@ -198,6 +260,15 @@ class TrainingJob:
         if shared is None or module is None or self.finished:
             return False
         return not weight_keys(module).isdisjoint(weight_keys(shared))
+
+    def device_bytes(self) -> int:
+        """Bytes this job holds on its device while it runs: its model's weights there, counted tensor by tensor,
+        plus what it measured of its own (`memory`: optimizer state, offload buffers, a step's activations); 0
+        once it finished."""
+        shared = self.model
+        if shared is None or self.finished:
+            return 0
+        return module_bytes_on(shared, self.device) + self.memory.steady + self.memory.working
 
     @property
     def history(self) -> list[tuple[int, float]]:

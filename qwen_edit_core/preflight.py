@@ -329,7 +329,7 @@ def check_prompts(config: Config, model_dir: Path | None, prompts: dict[str, str
     alone (no weights), as the dataset's captions are."""
     from qwen_edit_core.model.components import caption_token_counter
     from qwen_edit_core.model.encode import EncodeError
-    from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
+    from qwen_edit_core.families.templates import MAX_SEQUENCE_LENGTH
     from qwen_edit_core.train.run import model_files
     count = caption_token_counter(model_dir, model_files(config)["comfyui_dir"]) if prompts else None
     for what, text in prompts.items():

@@ -13,7 +13,7 @@ def run_bench(args) -> None:
     elif args.what == "sample":  # every family's table, or only the --variant's family's (not the default's)
         from qwen_edit_core.bench.sample import run
         from qwen_edit_core.families import DEFAULT
-        from qwen_edit_core.model import variants
+        from qwen_edit_core.families import variants
         family = variants.get(args.variant).family
         run = run if family is DEFAULT else family.stage("sample_bench").run
         run(real_size=args.real_size, device=args.device, steps=args.steps, repeats=args.repeats)

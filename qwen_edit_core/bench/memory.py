@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.bench import fake_model as fm
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 log = logging.getLogger(__name__)
 

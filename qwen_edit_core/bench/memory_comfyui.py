@@ -22,7 +22,7 @@ import torch
 
 from qwen_edit_core.bench import fake_model as fm
 from qwen_edit_core.bench import memory
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 #: the Train node's default LoRA targets (the first preset of its `targets` input)
 NODE_TARGETS = "attn"

@@ -240,7 +240,7 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     """`layers`/`side`/`text_tokens` shrink the run for a smoke test of the plumbing (any device); `text_tokens`
     None: a real prompt's length at `side` (model.prompt_length: the control's vision tokens plus a caption)."""
     from qwen_edit_core.bench.common import matmul_peaks
-    from qwen_edit_core.model import variants as model_variants
+    from qwen_edit_core.families import variants as model_variants
     from qwen_edit_core.model.prompt_length import prompt_tokens
     if text_tokens is None:
         text_tokens = prompt_tokens(model_variants.DEFAULT, [(side, side)])

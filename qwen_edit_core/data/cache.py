@@ -73,7 +73,7 @@ _INT_FIELDS = ("vae_area", "vl_area", "prefix_len", "format_version")
 class CacheKey:
     """Everything that changes an entry's tensors. `image_hashes`: sha256 of the target file's bytes, then of
     each control file's; buckets are (width, height) in pixels; `template` is the variant's prompt
-    encoding (model/variants.py `Variant.encoding`); `dtype` names the float dtype of latents and embeddings."""
+    encoding (families/variants.py `Variant.encoding`); `dtype` names the float dtype of latents and embeddings."""
 
     image_hashes: tuple[str, ...]
     caption: str

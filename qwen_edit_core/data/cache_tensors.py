@@ -14,7 +14,7 @@ from qwen_edit_core.families import FAMILIES, family_of_cache_name
 if TYPE_CHECKING:
     from qwen_edit_core.data.cache import CacheKey
 
-#: 2: the empty prompt of caption dropout is `model.templates.EMPTY_PROMPT` (" "), as at inference; format-1
+#: 2: the empty prompt of caption dropout is `families.templates.EMPTY_PROMPT` (" "), as at inference; format-1
 #: entries hold the embeddings of "" and are recomputed rather than trained on.
 CACHE_FORMAT_VERSION = 2
 #: Tensors every entry holds, besides `control_latents_{i}` for each of its controls.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from qwen_edit_core.data.examples import Problem
-from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
+from qwen_edit_core.families.templates import MAX_SEQUENCE_LENGTH
 
 CAPTION_EXTENSION = ".txt"
 CAPTIONS_DIR = "captions"

@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 
-from qwen_edit_core.model import encode, variants
+from qwen_edit_core.model import encode
+
+from qwen_edit_core.families import variants
 from qwen_edit_core.data.cache import CacheKey, EmbeddingCache, component_identity, hash_file
 from qwen_edit_core.data.dataset import EditExample
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn

@@ -37,7 +37,7 @@ from qwen_edit_core.common.names import check_file_name
 from qwen_edit_core.data.captions import caption_text_problem
 from qwen_edit_core.data.dataset import DatasetError, DatasetReport, Problem, load_dataset
 from qwen_edit_core.data.masks import ASPECT_TOLERANCE
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE
 
 log = logging.getLogger(__name__)

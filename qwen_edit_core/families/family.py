@@ -28,6 +28,28 @@ from typing import Mapping
 REFERENCE_LAYOUTS = ("after-target", "in-text")
 
 
+class MissingStage(LookupError):
+    """A family has no module for a stage (`Family.stage`): the message names the module to add."""
+
+
+@dataclass(frozen=True)
+class Toy:
+    """A family's built-in models (toys/): the random tiny one (`model.tiny.build_tiny`) and the pretrained toy,
+    whose weights ship in toys/weights/<family name>/ (`toys.toy.weights_dir`)."""
+
+    #: the variant both are built as (`qwen-edit tiny --pretrained --variant`, the demo's `--variant`)
+    variant: str
+    #: their name in the loader nodes' model choices and built-in folders ("<label>-tiny", "<label>-toy")
+    label: str
+    #: the VAE's decoder trains on its own after the transformer (`qwen-edit tiny --pretrained --train-vae`); False:
+    #: the VAE is fitted within the whole build
+    vae_trains_alone: bool
+    #: the demo's folder for the toy model directory it builds
+    demo_folder: str
+    #: a few-step schedule (`sample.sigmas` preset) the demo also scores its LoRA at ("": none)
+    few_step_sigmas: str = ""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model architecture as the stages see it."""
@@ -92,6 +114,8 @@ class Family:
     padded_batches: bool = True
     #: the prefix of the keys of a ComfyUI LoRA file for this family's transformer (what ComfyUI's loader expects)
     lora_prefix: str = "diffusion_model."
+    #: its built-in tiny and toy models (None: it has none)
+    toy: Toy | None = None
 
     @property
     def token_pixels(self) -> int:
@@ -116,8 +140,8 @@ class Family:
         except ModuleNotFoundError as err:
             if err.name != f"{self.package}.{name}":
                 raise
-            raise NotImplementedError(f"model family {self.name!r} has no {name!r} stage module ({self.package}."
-                                      f"{name}); add one with the functions docs/DESIGN.md lists") from None
+            raise MissingStage(f"model family {self.name!r} has no {name!r} stage module: add {self.package}."
+                               f"{name} with the functions docs/DESIGN.md lists") from None
 
     def class_of(self, component: str):
         """The library class of a component ("transformer", "vae", "text_encoder", "processor")."""
@@ -144,7 +168,8 @@ QWEN_IMAGE = Family(
     # the last block's text stream after attention: diffusers' QwenImageTransformer2DModel.forward keeps only
     # the image stream (`hidden_states`) of its last block; tests/adapters/test_lora.py derives this by autograd
     unreached_in_last_block=("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
-    licence="Apache-2.0", file_title="Qwen-Image-Edit (2025)")
+    licence="Apache-2.0", file_title="Qwen-Image-Edit (2025)",
+    toy=Toy(variant="edit", label="qwen-edit", vae_trains_alone=True, demo_folder="toy-model"))
 
 QWEN_IMAGE_21 = Family(
     name="qwen-image-2.1", title="Qwen-Image-2.1",
@@ -162,7 +187,8 @@ QWEN_IMAGE_21 = Family(
     file_layout="qwen_edit_core.families.qwen_image_21.single_file", file_marker="txt_in.text_norm.weight",
     package="qwen_edit_core.families.qwen_image_21", file_title="Qwen-Image-2.1", cache_name="qwen-image-2.1",
     cache_tensors=("prompt_slots", "empty_prompt_slots"), vision_in_text=False, padded_batches=False,
-    lora_prefix="")
+    lora_prefix="", toy=Toy(variant="image-2.1", label="qwen-image-2.1", vae_trains_alone=False,
+                            demo_folder="toy21-model", few_step_sigmas="qwen21-turbo-8step"))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN_IMAGE, QWEN_IMAGE_21)}
 #: the family of whatever carries no other family's mark (files, directories and cache entries made before the

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.families import DEFAULT, Family
 from qwen_edit_core.model.devices import DeviceError
 from qwen_edit_core.model.weight_files import (  # noqa: F401 - re-exported: callers catch it from here
@@ -52,7 +52,7 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 
 def detect_variant(model_dir: Path) -> str:
-    """The variant name (model/variants.py) of a diffusers directory, from model_index.json's pipeline class
+    """The variant name (families/variants.py) of a diffusers directory, from model_index.json's pipeline class
     and the transformer's zero_cond_t."""
     try:
         return variants.from_model_dir(model_dir).name
@@ -156,12 +156,12 @@ class TextEncoder:
 
 def processor_source(model_dir: Path | None, comfyui_dir: str | Path | None = None) -> Path:
     """The folder the text encoder's processor is read from: `model_dir/processor` when the model directory has
-    one, else ComfyUI's bundled Qwen2.5 tokenizer under `comfyui_dir` (text_encoder_file.comfy_tokenizer_dir)."""
+    one, else ComfyUI's bundled Qwen2.5 tokenizer under `comfyui_dir` (the DEFAULT family's text_encoder_file stage
+    module's `comfy_tokenizer_dir`: the tokenizer ComfyUI bundles is that family's)."""
     if model_dir is not None and (Path(model_dir) / "processor").is_dir():
         return Path(model_dir) / "processor"
     if comfyui_dir:
-        from qwen_edit_core.model.text_encoder_file import comfy_tokenizer_dir
-        return comfy_tokenizer_dir(comfyui_dir)
+        return DEFAULT.stage("text_encoder_file").comfy_tokenizer_dir(comfyui_dir)
     where = f"{str(model_dir)!r} has no processor/" if model_dir is not None else "no model directory was given"
     raise ModelNotFoundError(f"no tokenizer for the text encoder: {where}. Give a diffusers-layout model directory "
                              "with processor/, or a ComfyUI installation whose comfy/text_encoders/qwen25_tokenizer/ "
@@ -193,8 +193,7 @@ def read_processor(source: Path, family: Family = DEFAULT):
     cls = family.class_of("processor")
     if any((Path(source) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
         return cls.from_pretrained(source)
-    from qwen_edit_core.model.text_encoder_file import processor_from_tokenizer_files
-    return processor_from_tokenizer_files(source)
+    return family.stage("text_encoder_file").processor_from_tokenizer_files(source)
 
 
 def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
@@ -214,8 +213,8 @@ def load_text_encoder(model_dir: Path | None, *, device: torch.device, dtype: to
     source = processor_source(model_dir, comfyui_dir)
     processor = read_processor(source, family)
     if text_encoder_file:
-        from qwen_edit_core.model.text_encoder_file import load_text_encoder_file
-        model = load_text_encoder_file(text_encoder_file, device=device, dtype=dtype, tokenizer=processor.tokenizer)
+        model = family.stage("text_encoder_file").load_text_encoder_file(text_encoder_file, device=device, dtype=dtype,
+                                                                         tokenizer=processor.tokenizer)
         return TextEncoder(model=model, processor=processor, device=device, weights_file=Path(text_encoder_file),
                            processor_dir=source)
     if model_dir is None or not (Path(model_dir) / "text_encoder").is_dir():
@@ -260,9 +259,8 @@ def comfyui_dir_near(models_dir: str | Path | None) -> Path | None:
     tokenizer, comfy/text_encoders/qwen25_tokenizer/), else None."""
     if not models_dir:
         return None
-    from qwen_edit_core.model.text_encoder_file import COMFY_TOKENIZER_DIR
     root = Path(models_dir).expanduser().resolve().parent
-    return root if (root / COMFY_TOKENIZER_DIR).is_dir() else None
+    return root if (root / DEFAULT.stage("text_encoder_file").COMFY_TOKENIZER_DIR).is_dir() else None
 
 
 def load_scheduler_config(model_dir: Path) -> dict:

@@ -16,8 +16,8 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from qwen_edit_core.model.geometry import calculate_dimensions, open_bounded
-from qwen_edit_core.model import variants
-from qwen_edit_core.model.templates import MAX_SEQUENCE_LENGTH
+from qwen_edit_core.families import variants
+from qwen_edit_core.families.templates import MAX_SEQUENCE_LENGTH
 
 #: VAE 8x spatial downscale times the transformer's 2x2 patch: image sides must be multiples of this.
 LATENT_MULTIPLE = 16

@@ -10,8 +10,8 @@ header length, a JSON header of `{name: {dtype, shape, data_offsets: [begin, end
 header, then the data; https://github.com/huggingface/safetensors README "Format"), not by memory-mapping the
 file: host memory holds only the module being converted, and the process's resident memory counts only what
 the loader allocated (mapped file pages would count too, as long as the kernel keeps them). Reading the real
-transformer's 19 GiB scaled-fp8 file whole and then upcasting it needs about 57 GiB of host RAM; streamed to a
-GPU it needs one module's tensors.
+transformer's scaled-fp8 file whole and then upcasting it needs several times the file in host RAM; streamed to a
+GPU it needs one module's tensors (measured: BENCHMARKS.md, "Host memory when loading a single file").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.geometry import calculate_dimensions
 
 #: a long caption's own tokens plus the template's tail, beside the vision tokens (an assumption: captions of

@@ -1,5 +1,5 @@
 """The model files ComfyUI users already have: a Qwen-Image transformer or VAE as one safetensors file (the text
-encoder file is model/text_encoder_file.py, which shares the reading and fp8 helpers here).
+encoder file is families/qwen_image/text_encoder_file.py, which shares the reading and fp8 helpers here).
 
 Layout, learned from ComfyUI's and diffusers' own source:
 - Key names are diffusers' module paths: ComfyUI's `comfy/ldm/qwen_image/model.py` names its modules like
@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core.model import file_stream, variants
+from qwen_edit_core.model import file_stream
 
+
+from qwen_edit_core.families import variants
 log = logging.getLogger(__name__)
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -275,27 +277,3 @@ def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dic
     from qwen_edit_core.families import DEFAULT, family_of_vae
     family = family_of_vae(checked_header(path, "VAE")) if Path(path).is_file() else DEFAULT
     return family.stage("vae_file").load_vae(path, device=device, dtype=dtype, config=config)
-
-
-def load_wan_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
-    """AutoencoderKLQwenImage from one file (the 2025 family's `load_vae`). `config` defaults to the real
-    Qwen-Image VAE's (diffusers' class defaults, latents_mean/std included) with base_dim and z_dim read from the
-    weights."""
-    from diffusers import AutoencoderKLQwenImage
-
-    with torch.inference_mode(False):
-        tensors = read_vae_state_dict(path)
-        if config is None:
-            config = {"base_dim": tensors["encoder.conv_in.weight"].shape[0],
-                      "z_dim": tensors["post_quant_conv.weight"].shape[0]}
-        config = {k: v for k, v in config.items() if not k.startswith("_")}
-        model = AutoencoderKLQwenImage(**config)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(tensors))
-        wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-                 if k in tensors and tensors[k].shape != v.shape]
-        if missing or wrong:
-            raise SingleFileError(f"{path}: does not match a Qwen-Image VAE {config}: missing {missing[:4]}, "
-                                  f"wrong shapes {wrong[:4]}")
-        model.load_state_dict({k: tensors[k] for k in expected})
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -9,7 +9,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwen_edit_core.model import encode, variants
+from qwen_edit_core.model import encode
+
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.components import replicate
 from qwen_edit_core.sample.sampler import SampleSettings
 
@@ -88,7 +90,7 @@ def to_output(image: torch.Tensor, output_type: str):
 def encode_prompt(components, prompt: str, image, *, area: int | None, vae_area: int,
                   vl_area: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt_embeds (1, S, D), mask (1, S)) for a prompt and its control image(s), on the TE device. The VL
-    sees the images at `area`, default the variant's (model/variants.py `Variant.vl_area`)."""
+    sees the images at `area`, default the variant's (families/variants.py `Variant.vl_area`)."""
     components.require("text_encoder")
     images = [encode.to_pil(i) for i in (image if isinstance(image, (list, tuple)) else [image])]
     area = area or variants.get(components.variant).vl_area(vae_area, vl_area)

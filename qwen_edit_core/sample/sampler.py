@@ -31,9 +31,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
-from qwen_edit_core.model import encode, geometry, variants
+from qwen_edit_core.model import encode, geometry
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.encode import PromptEmbeds
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import schedules
 from qwen_edit_core.sample.flow import mu_from_scheduler_config
 
@@ -74,6 +75,9 @@ class SampleSettings:
     sigmas: tuple[float, ...] | None = None
     #: Qwen-Image-2.1: cache the text and reference tokens' keys/values after the first step (same numbers, faster)
     kv_cache: bool = True
+    #: the device memory sampling may take, weights included (GiB); 0: 90% of a CUDA device's free memory plus the
+    #: transformer's weights there, no limit elsewhere. Qwen-Image-2.1 plans its prefix cache for it
+    memory_budget_gb: float = 0.0
 
     def validate(self) -> None:
         speed.check_attention_kernel(self.attention)
@@ -87,6 +91,8 @@ class SampleSettings:
                              f"{', '.join(CONTROL_SIZES)}")
         if self.shift_mode not in SHIFT_MODES:
             raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
+        if not self.memory_budget_gb >= 0:
+            raise ValueError(f"memory_budget_gb must be >= 0 (0: the device's free memory), got {self.memory_budget_gb}")
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.num_inference_steps > geometry.MAX_STEPS:

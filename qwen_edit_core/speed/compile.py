@@ -1,6 +1,7 @@
 """Regional compile: each transformer block compiled on its own, with few graphs and an eager fallback.
 
-What compiles, and when a block compiles again (each graph costs ~30 s at real size, once per process):
+What compiles, and when a block compiles again (each graph costs tens of seconds at real size, once per process:
+BENCHMARKS.md, "Reference timings"):
 
 - Sequence lengths are dynamic (`dynamic=True`): one graph serves every image size and text length, so prompts
   keep their exact length, compiled or not: a batch of one prompt (or of equal lengths) has no padding and no

@@ -3,8 +3,8 @@
 Why our own layer rather than torchao's float8 (torchao is not a dependency):
 - torchao's float8 training (`torchao.float8.convert_to_float8_training`, `Float8Linear`) keeps the weight in
   high precision and casts weight and input to float8 inside every forward: it trains that weight faster
-  but stores it in bf16. Our base is frozen, so `Fp8Linear` stores it in e4m3 once (half the memory: 19.1
-  instead of 38.0 GiB for the real transformer, docs/MODEL.md) and only the activations are quantized per call.
+  but stores it in bf16. Our base is frozen, so `Fp8Linear` stores it in e4m3 once (half the memory of bf16:
+  docs/MODEL.md, "The real model's sizes") and only the activations are quantized per call.
 - torchao's inference path (`quantize_` with a float8 config) turns weights into tensor subclasses; peft's
   torchao LoRA layer (`peft/tuners/lora/torchao.py`, peft 0.21) can merge only into int8 subclasses it can
   re-quantize. `Fp8Linear` is a plain module peft wraps like a Linear (`_register_custom_module`), so LoRAs
@@ -34,7 +34,9 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 values and fp32 scales (rows, 1) so that x ~= values * scales, one scale per row."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    # one fp32 temporary, scaled and clamped in place: converting a bf16 weight holds 2.5x its bytes at most
+    scaled = x.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+    return scaled.to(FP8), scale
 
 
 #: The fp8 kernel's output dtype, whatever the activations' dtype: row-wise scaled `torch._scaled_mm` writes

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -58,6 +59,9 @@ class _Loan:
         self.lent = {id(t): t for t in (*original.parameters(), *original.buffers())}
         self.parked: list[tuple[torch.Tensor, torch.Tensor, torch.device]] = []
         self.parked_bytes = 0
+        #: the tensors parked with a copy of their own (`repark` parks them again after a `restore`)
+        self.replaced: list[torch.Tensor] = []
+        self.sampling = False  # a sampling copy's loan (`lend_for_sampling`): never given back
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is one of the lender's own (a Parameter or buffer object of the lent model)."""
@@ -71,18 +75,33 @@ class _Loan:
         if data.numel() == 0 or (host is None and on_host(data)):
             return
         if host is None:
-            host = data.detach().to("cpu", copy=True)
+            host = host_copy(data)
+            self.replaced.append(tensor)
         self.parked.append((tensor, host, data.device))
         self.parked_bytes += host.nbytes
         tensor.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+    def repark(self) -> int:
+        """Park again what `restore` put back (the copy is in use again); returns the bytes parked."""
+        if self.parked:
+            return 0
+        replaced, self.replaced = self.replaced, []
+        for tensor in replaced:
+            self.park(tensor)
+        return self.parked_bytes
 
     def restore(self) -> None:
         with torch.no_grad():
             for tensor, host, device in self.parked:
                 tensor.data = host.to(device)
-        self.parked = []
+        self.parked, self.parked_bytes = [], 0
         for param, flag in self.flags:
             param.requires_grad_(flag)
+
+
+def host_copy(data: torch.Tensor) -> torch.Tensor:
+    """The pageable host copy a parked tensor waits in."""
+    return data.detach().to("cpu", copy=True)
 
 
 def on_host(tensor: torch.Tensor) -> bool:
@@ -95,6 +114,44 @@ def lend(transformer: nn.Module) -> nn.Module:
     fresh = shared_copy(transformer)
     setattr(fresh, LENT, _Loan(transformer))
     return fresh
+
+
+#: models whose weights a sampling copy parked (`lend_for_sampling`): the loan holds their host copies, so it
+#: lives as long as the model does, whatever becomes of the copy
+_PARKED: "weakref.WeakKeyDictionary[nn.Module, _Loan]" = weakref.WeakKeyDictionary()
+
+
+def lend_for_sampling(transformer: nn.Module) -> nn.Module:
+    """A copy for sampling levers (`speed.inference_copy`) that parks the lender's weights it replaces (fp8),
+    layer by layer as it replaces them, so the device never holds both forms of the model. The lender's
+    weights come back when it is used again (`unpark`); the copy parks them again when it is (`repark`)."""
+    fresh = lend(transformer)
+    _PARKED[transformer] = loan = loan_of(fresh)
+    loan.sampling = True
+    return fresh
+
+
+def unpark(model: nn.Module) -> int:
+    """Put back on their device the weights of `model` that a sampling copy parked (before `model` runs);
+    returns the bytes moved (0 when nothing was parked)."""
+    loan = _PARKED.get(model)
+    moved = loan.parked_bytes if loan is not None else 0
+    if moved:
+        log.info("%.2f GiB of weights a sampling copy parked go back to their device", moved / 2**30)
+        loan.restore()
+    return moved
+
+
+def repark(copy: nn.Module) -> int:
+    """Before a sampling copy runs: park again the lender's weights it replaced, if `unpark` put them back;
+    returns the bytes parked (0 for any other model: a training loan is given back, never parked again)."""
+    loan = loan_of(copy)
+    if loan is None or not loan.sampling:
+        return 0
+    parked = loan.repark()
+    if parked:
+        log.info("%.2f GiB of the input model's weights parked again for its sampling copy", parked / 2**30)
+    return parked
 
 
 def loan_of(transformer: nn.Module):

@@ -10,7 +10,7 @@ import torch
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks
 from qwen_edit_core.speed.compile import compile_blocks
 from qwen_edit_core.speed.fp8 import _set_fp8_backward, dequantize_fp8, has_fp8, probe_fp8, quantize_fp8
-from qwen_edit_core.speed.lending import loan_of, shared_copy
+from qwen_edit_core.speed.lending import lend_for_sampling, loan_of, shared_copy
 from qwen_edit_core.speed.offload import BlockOffloader
 from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, resident_bytes
 from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
@@ -99,11 +99,15 @@ def configure_inference(transformer, device: torch.device, *, fp8: bool, compile
 def inference_copy(transformer, device: torch.device, *, fp8: bool, compile: bool,
                    compile_mode: str | None = None):
     """`configure_inference` on a new transformer object that shares every weight the levers leave alone:
-    `transformer` itself is not changed (graphs that use it without the levers sample as before). fp8 layers
-    are new tensors beside the shared bf16 ones; blocks the original had compiled are compiled again in the
-    copy (a compiled call is bound to its own module)."""
+    `transformer`'s modules are not changed (graphs that use it without the levers sample as before); blocks the
+    original had compiled are compiled again in the copy (a compiled call is bound to its own module).
+
+    With fp8, each block linear's bf16 weight is parked in host memory as soon as its fp8 layer exists
+    (`lending.lend_for_sampling`), so the device never holds both forms: the peak is the input's weights plus
+    one layer's conversion, and then about half the block weights. The input gets its weights back when it is
+    used again (`speed.unpark`), and the copy parks them again when it runs (`speed.repark`)."""
     was_compiled = getattr(transformer, "_qwen_edit_compiled", False)
-    fresh = shared_copy(transformer)
+    fresh = lend_for_sampling(transformer) if fp8 and not has_fp8(transformer) else shared_copy(transformer)
     configure_inference(fresh, device, fp8=fp8, compile=compile or was_compiled, compile_mode=compile_mode)
     return fresh
 

@@ -61,10 +61,9 @@ TRAINABLE_BYTES = 16
 #: github.com/pytorch/pytorch/issues/34323) and cuBLASLt workspaces (32 MiB per handle and stream on Hopper,
 #: github.com/pytorch/pytorch/pull/120925; two streams)
 MARGIN_FIXED = 800 * 2**20 + 2 * 32 * 2**20
-#: the share of a budget the planner leaves for its own error: the estimate came within 1.5% of the simulated
-#: peak for every plan of 1024^2 Edit, Edit Plus and Qwen-Image-2.1, 512^2 and 1536^2 (BENCHMARKS.md, "Memory,
-#: simulated"), but fell short by 3.4% for Edit-2511 (its per-token timestep modulation, which the constants,
-#: fitted on Edit, do not hold) and by 2.2% for 2.1 with three references
+#: the share of a budget the planner leaves for its own error: above its largest shortfall against the simulated
+#: peak (BENCHMARKS.md, "Memory, simulated"), which Edit-2511 (its per-token timestep modulation, which the
+#: constants fitted on Edit do not hold) and 2.1 with three references show
 ESTIMATE_HEADROOM = 0.04
 #: The time model (`plan_seconds`), from the H100 runs of BENCHMARKS.md ("Real size"): pinned host-to-device
 #: copies ran at 54.4 GB/s (`bench.common.h2d_gbps`), the fastest training row at 60% of the 989 TFLOP/s dense

@@ -1,8 +1,8 @@
 """The pretrained toy Qwen-Image-Edit: the tiny architecture with trained VAE and transformer weights.
 
-The weights ship with the package (`weights/qwen-image/`: `vae.safetensors`, `transformer.safetensors` and
-`toy.json` with both configs, the build command, seed and the files' sha256; the toy Qwen-Image-2.1's in
-`weights/qwen-image-2.1/`, its manifest's `variant` "image-2.1"). `build_toy(dir)` writes a
+The weights ship with the package, one folder per family named after it (`weights_of`: `weights/qwen-image/`,
+`weights/qwen-image-2.1/`): `vae.safetensors`, `transformer.safetensors` and `toy.json` with both configs, the
+build command, seed, variant and the files' sha256. `build_toy(dir)` writes a
 complete diffusers-layout directory: the random tiny model of `tiny.build_tiny` (tokenizer, processor,
 scheduler and the random tiny text encoder, seed 0) with the trained VAE and transformer in place of the
 random ones. The classes are diffusers' own, so every code path is the real one.
@@ -19,11 +19,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from qwen_edit_core.families import DEFAULT
+
 log = logging.getLogger(__name__)
 
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights" / "qwen-image"
-#: the pretrained toy Qwen-Image-2.1's weights (same files and manifest; its `variant` is "image-2.1")
-WEIGHTS_DIR_21 = Path(__file__).resolve().parent / "weights" / "qwen-image-2.1"
+WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"
+
+
+def weights_of(family) -> Path:
+    """The folder of `family`'s shipped toy weights (its `Family.name` under WEIGHTS_ROOT)."""
+    return WEIGHTS_ROOT / family.name
+
+
+#: the default family's toy weights (the 2025 toy Qwen-Image-Edit)
+WEIGHTS_DIR = weights_of(DEFAULT)
 MANIFEST = "toy.json"
 FILES = ("vae.safetensors", "transformer.safetensors")
 
@@ -65,11 +74,11 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
     """
     from safetensors.torch import load_file
 
-    from qwen_edit_core.model import variants
+    from qwen_edit_core.families import variants
     from qwen_edit_core.model.tiny import _check_replaceable, _isolated_init, build_tiny
 
     info = check_weights(weights_dir)
-    variant = variants.get(info.get("variant", variants.EDIT.name))
+    variant = variants.get(info.get("variant", variants.DEFAULT))
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +101,7 @@ def build_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
 
 
 def ensure_toy(out_dir, weights_dir: Path = WEIGHTS_DIR) -> Path:
-    """`out_dir` holding the toy model of `weights_dir` (the 2025 one, or WEIGHTS_DIR_21): built when missing or
+    """`out_dir` holding the toy model of `weights_dir` (a family's, `weights_of(family)`): built when missing or
     built from other weights (checked by the manifest's sha256 recorded in `out_dir/toy.json`)."""
     out = Path(out_dir)
     info = manifest(weights_dir)

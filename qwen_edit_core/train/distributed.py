@@ -24,10 +24,10 @@ COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def ddp_kwargs() -> list:
-    """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, ~19 GiB
-    that every rank already holds; DDP would send them from rank 0 before every synced forward), every trained
-    parameter used (no `find_unused_parameters` graph walk per backward: `adapters.lora.inject_lora` leaves out
-    the modules whose output reaches no loss) and the collective timeout above."""
+    """accelerate's handlers for DDP: no buffer broadcast (the frozen fp8 base weights are buffers, half the
+    transformer, that every rank already holds; DDP would send them from rank 0 before every synced forward), every
+    trained parameter used (no `find_unused_parameters` graph walk per backward: `adapters.lora.inject_lora` leaves
+    out the modules whose output reaches no loss) and the collective timeout above."""
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
     return [DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=False),
             InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)]
@@ -109,7 +109,7 @@ def ignore_frozen(model: torch.nn.Module) -> int:
     """Leave every frozen parameter and every buffer of `model` out of DistributedDataParallel (torch's
     `_set_params_and_buffers_to_ignore_for_model`, read when DDP wraps the model): DDP broadcasts from rank 0 at
     wrap every parameter and buffer it is not told to ignore (`_sync_module_states`), which for the frozen base is
-    the whole transformer (38 GiB in bf16) that every process already loaded from the same files; frozen weights
+    the whole transformer (docs/MODEL.md, "The real model's sizes") that every process already loaded from the same files; frozen weights
     have no gradients to average. Returns how many names are ignored."""
     from torch.nn.parallel import DistributedDataParallel
     names = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]

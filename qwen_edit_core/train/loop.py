@@ -464,7 +464,13 @@ def _restore(path: Path, run: RunState) -> int:
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(adapter[name].to(p.device, p.dtype))
-    if set(adapter) - set(params):  # written while the LoRA also sat on modules this version leaves out
+    extra = set(adapter) - set(params)
+    unreached = lora_mod.unreached_modules(run.transformer)
+    foreign = sorted(n for n in extra if lora_mod.split_parameter_name(n)[0] not in unreached)
+    if foreign:
+        raise ValueError(f"checkpoint {str(path)!r} does not match this LoRA (it also trains {foreign[:3]}); "
+                         "resume with the same model.lora settings")
+    if extra:  # written while the LoRA also sat on modules this version leaves out
         saved = ckpt.saved_order([m for m, _ in run.transformer.named_modules()], list(adapter), list(params),
                                  lora_mod.split_parameter_name)
         optimizer_state = ckpt.narrow_optimizer_state(optimizer_state, saved, list(params))

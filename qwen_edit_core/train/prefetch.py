@@ -62,8 +62,9 @@ class Prefetcher:
         drawn = self._queue.popleft() if self._queue else self._draw(now=True)
         while len(self._queue) < self.ahead:
             self._queue.append(self._draw(now=False))
+        items = drawn.items.result()  # a failed read raises here, before the position counts its batch
         self._position = drawn.after
-        return Drawn(drawn.indices, drawn.epoch, drawn.after, _done(drawn.items.result()))
+        return Drawn(drawn.indices, drawn.epoch, drawn.after, _done(items))
 
     def state_dict(self) -> dict:
         """The sampler's position after the last batch handed out (what a checkpoint saves)."""

@@ -19,7 +19,7 @@ from qwen_edit_core.data.cache import EmbeddingCache
 from qwen_edit_core.data.example_tensors import (EncodeSettings, buckets, build_cache, cache_key, encode_example,
                                                  encoder_identity, log_resizes)
 from qwen_edit_core.model import components as comp
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.devices import DevicePlan, resolve_dtype
 from qwen_edit_core.model.weight_source import weight_source
 from qwen_edit_core.train import cache_share, run_folder, sharding
@@ -45,7 +45,7 @@ def model_files(config: Config) -> dict:
 
 
 def encode_settings(config: Config, variant: str) -> EncodeSettings:
-    """How examples are encoded (areas, dtype) for a model variant (model/variants.py name)."""
+    """How examples are encoded (areas, dtype) for a model variant (families/variants.py name)."""
     d = config.data
     return EncodeSettings(variant=variant, vae_area=d.vae_area, vl_area=d.vl_area,
                           dtype=resolve_dtype(config.model.dtype, component="model.dtype"),
@@ -397,7 +397,7 @@ def run_doctor(config: Config, examples: Sequence, held: Sequence):
         return None
     from qwen_edit_core.data.doctor import DoctorSettings, diagnose
     d = config.data
-    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.control_size == "target", batch_size=d.batch_size)
+    settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.pixel_aligned_edit, batch_size=d.batch_size)
     cache_dir = open_cache(config).root if config.cache.enabled else None
     report = diagnose(examples, held, settings, cache_dir=cache_dir)
     if report.findings and d.doctor == "refuse":

@@ -25,7 +25,7 @@ from qwen_edit_core.config import ValidationPreview
 from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
 from qwen_edit_core.model.encode import PromptEmbeds
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.common.files import save_png, save_safetensors, writing
 from qwen_edit_core.train.checkpoint import survivor
 

@@ -123,7 +123,7 @@ def test_a_1mp_controls_vision_tokens_do_not_count_against_the_prompt_limit(tiny
     limit still refuses a prompt whose own text is over 1,024 tokens, before the text encoder runs."""
     from qwen_edit_core.model import encode
     from qwen_edit_core.model.components import load_processor, load_text_encoder
-    from qwen_edit_core.model.text_encoder_file import QWEN_IMAGE_PROCESSOR
+    from qwen_edit_core.families.qwen_image.text_encoder_file import QWEN_IMAGE_PROCESSOR
     processor = load_processor(tiny_edit_dir)
     processor.image_processor.size = {"shortest_edge": QWEN_IMAGE_PROCESSOR["min_pixels"],
                                       "longest_edge": QWEN_IMAGE_PROCESSOR["max_pixels"]}

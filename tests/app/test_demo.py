@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -14,10 +15,17 @@ from qwen_edit_core.data import synthetic
 from conftest import KEEPS_THE_SHAPES
 
 
-def test_demo_learns_the_edit_and_keeps_the_shapes(tmp_path):
+def test_demo_learns_the_edit_and_keeps_the_shapes(tmp_path, caplog):
     """The demo as `make demo` runs it: the held-out pictures after the LoRA are much closer to the inverted
-    targets, and each keeps the shapes of its control (edge similarity), as the README's picture shows."""
-    metrics = run_demo(tmp_path)
+    targets, and each keeps the shapes of its control (edge similarity), as the README's picture shows. It says
+    what it is doing as it goes: each phase logged when it starts, every cache and training step reported."""
+    events = []
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.demo"):
+        metrics = run_demo(tmp_path, progress=events.append)
+    phases = [r.getMessage() for r in caplog.records if r.name == "qwen_edit_core.demo"]
+    assert [m.split(" ", 2)[1] for m in phases[:5]] == ["toy", "sampling", "encoding", "training", "sampling"]
+    assert [e.step for e in events if e.stage == "train"] == list(range(1, metrics["train_steps"] + 1))
+    assert any(e.stage == "cache" for e in events)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("pixel_mse_before", "pixel_mse_after", "latent_mse_before", "latent_mse_after",
                 "edge_similarity_before", "edge_similarity_after"):

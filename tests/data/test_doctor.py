@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +18,9 @@ import pytest
 
 from qwen_edit_core import cli
 from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.data.identity import hash_file
 from qwen_edit_core.data.doctor import KINDS, DoctorSettings, diagnose, doctor_folder, runner
-from qwen_edit_core.data.doctor.faulty import PLANTED, write_faulty_dataset
+from qwen_edit_core.data.doctor.faulty import PLANTED, score, write_faulty_dataset
 from qwen_edit_core.data.doctor.measure import gradient, register
 from qwen_edit_core.data.doctor.pictures import full_rgb
 
@@ -53,6 +57,9 @@ def test_every_planted_fault_is_found_and_at_most_one_clean_pair_flagged(faulty,
     clean = [name for name in report.flagged if name not in faulty.faults]
     assert len(clean) <= 1, f"clean pairs flagged: {clean}\n{report.summary(50)}"
     assert len(faulty.faults) == len(PLANTED) + 1  # and the leak
+    recall, precision = score(report, faulty)
+    print(f"planted faults: recall {recall:.0%}, precision {precision:.0%} ({len(report.flagged)} pairs flagged)")
+    assert recall == 1.0 and precision >= 13 / 14
 
 
 def test_findings_name_the_pair_the_kind_the_figure_and_the_fix(fixed):
@@ -90,6 +97,18 @@ def test_fix_writes_a_new_folder_and_leaves_the_original(faulty, fixed):
     assert "pair001: swapped control and target" in run.fixes
 
 
+def test_the_html_report_beside_the_picture_shows_every_flagged_pair(fixed):
+    run, out, _ = fixed
+    assert run.page == out / "report" / "report.html" and run.picture.parent == run.page.parent
+    page = run.page.read_text(encoding="utf-8")
+    rows = re.findall(r'<tr id="([^"]+)">(.*?)</tr>', page, flags=re.S)
+    assert [name for name, _ in rows] == run.report.flagged  # worst first, every one (13 < the page's 50)
+    for name, row in rows:  # control, target and their difference, then each finding of the pair
+        assert row.count('<img src="data:image/png;base64,') == 3, name
+        assert all(f"<b>{f.kind}</b>" in row for f in run.report.findings if f.pair == name), name
+    assert "invert the mask" in dict(rows)["pair018"]
+
+
 def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tmp_path, monkeypatch):
     train, held = examples
     reads = []
@@ -98,19 +117,64 @@ def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tm
     first = diagnose(train, held, SETTINGS, cache_dir=tmp_path)
     files = [p for e in (*train, *held) for p in (*e.controls, e.target, *([e.mask] if e.mask else []))]
     assert sorted(reads) == sorted(files)
+    assert runner.read_bytes(files[0])[0] == hash_file(files[0])  # the embedding cache's content hash
     monkeypatch.setattr(runner, "measure", lambda pair: pytest.fail(f"{pair.example.name} measured again"))
     second = diagnose(train, held, SETTINGS, cache_dir=tmp_path)
     assert second.findings == first.findings
 
 
-def test_cli_json_prints_one_object_per_finding(faulty, tmp_path, capsys):
-    code = cli.main(["doctor", str(faulty.train), "--held-out", str(faulty.heldout), "--json",
-                     "--out", str(tmp_path / "report")])
+def test_cli_json_prints_one_object_per_finding_and_names_the_report(faulty, tmp_path, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.cli"):
+        code = cli.main(["doctor", str(faulty.train), "--held-out", str(faulty.heldout), "--json",
+                         "--out", str(tmp_path / "report")])
+    assert f"report of the worst pairs: {tmp_path / 'report' / 'report.html'}" in caplog.text
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and lines
     found = [json.loads(line) for line in lines]
     assert all(set(f) >= {"pair", "kind", "figure", "fix"} and f["kind"] in KINDS for f in found)
     assert {"pair": "held001", "kind": "leak"}.items() <= next(f for f in found if f["kind"] == "leak").items()
+
+
+def test_a_reference_copying_the_target_is_named_not_dropped_as_unchanged(faulty, examples, tmp_path):
+    folder = tmp_path / "train"
+    shutil.copytree(faulty.train, folder)
+    shutil.copyfile(folder / "pair007.png", folder / "pair007_control_2.png")
+    report = diagnose(load_dataset(folder).examples, (), SETTINGS)
+    found = [f for f in report.findings if f.pair == "pair007"]
+    assert [(f.kind, f.fix) for f in found] == [("duplicate", "replace control 2 (a copy of the target)")], found
+    assert report.statistics()[0].startswith("edit direction strength R")
+
+
+def test_an_unchanged_pair_whose_closest_control_is_not_the_edited_slot_is_a_copied_reference():
+    from types import SimpleNamespace
+
+    from qwen_edit_core.data.doctor import references
+    from qwen_edit_core.data.doctor.findings import CheckResult, Measured
+    pairs = [Measured(f"p{i}", None, SimpleNamespace(change=40.0, reference_ncc=(0.9, 0.2), source=0))
+             for i in range(5)]
+    pairs += [Measured("copied", None, SimpleNamespace(change=0.1, reference_ncc=(0.8, 1.0), source=1)),
+              Measured("single", None, SimpleNamespace(change=0.1, reference_ncc=(1.0,), source=0))]
+    result = CheckResult()
+    references._no_change(pairs, 0, result)
+    assert [(f.pair, f.kind, f.fix) for f in result.findings] == [
+        ("copied", "duplicate", "replace control 2 (a copy of the target)"), ("single", "no-change", "drop the pair")]
+
+
+def test_a_hash_match_is_a_duplicate_only_when_the_pictures_levels_agree():
+    from types import SimpleNamespace
+
+    from qwen_edit_core.data.doctor import duplicates
+    from qwen_edit_core.data.doctor.findings import Measured
+    base = np.linspace(0.2, 0.8, 24)
+
+    def pair(name, offset):  # one hash for all: only the levels (shifted by `offset` 8-bit levels) tell them apart
+        features = tuple(base + offset / 255)
+        return Measured(name, None, SimpleNamespace(hashes=(7, 9), source=0, target_features=features,
+                                                    control_features=features))
+    found = duplicates.check([pair("a", 0), pair("b", 4), pair("c", 20)], [pair("h", 19)], SETTINGS).findings
+    assert [(f.pair, f.kind, f.fix) for f in found] == [
+        ("b", "duplicate", "drop the pair (it repeats a)"), ("h", "leak", "hold out another pair (this one is "
+                                                                          "trained on as c)")]
 
 
 def test_an_edit_without_a_common_direction_says_so_instead_of_guessing():

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core import families
 
 
@@ -108,5 +108,7 @@ def test_family_of_answers_for_each_kind_of_thing(tiny_edit_dir, tiny_21_dir):
     entry = {"prompt_embeds": torch.zeros(2, 4), **{name: torch.ones(2, dtype=torch.bool)
                                                      for name in QWEN_IMAGE_21.cache_tensors}}
     assert family_of(entry) is QWEN_IMAGE_21 and family_of({"prompt_embeds": torch.zeros(2, 4)}) is QWEN_IMAGE
-    with pytest.raises(NotImplementedError, match="has no 'nowhere' stage module"):
+    with pytest.raises(families.MissingStage, match=r"has no 'nowhere' stage module: add "
+                                                    r"qwen_edit_core\.families\.qwen_image\.nowhere") as missing:
         QWEN_IMAGE.stage("nowhere")
+    assert isinstance(missing.value, LookupError)

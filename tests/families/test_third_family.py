@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from qwen_edit_core import families
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 
 SIDE = 64
 

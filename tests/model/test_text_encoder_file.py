@@ -17,7 +17,7 @@ from qwen_edit_core.model.components import (ModelNotFoundError, load_components
                                        processor_source, resolve_model_file)
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.model.single_file import SingleFileError
-from qwen_edit_core.model.text_encoder_file import load_text_encoder_file
+from qwen_edit_core.families.qwen_image.text_encoder_file import load_text_encoder_file
 
 from conftest import scaled_fp8
 
@@ -129,7 +129,7 @@ def test_scaled_fp8_file_is_upcast_within_tolerance(tiny_edit_dir, tmp_path, new
 def test_comfy_bundled_tokenizer_gives_identical_token_ids(tiny_edit_dir, tmp_path):
     from transformers import Qwen2VLProcessor
 
-    from qwen_edit_core.model.templates import EDIT_PLUS_TEMPLATE, EDIT_TEMPLATE
+    from qwen_edit_core.families.templates import EDIT_PLUS_TEMPLATE, EDIT_TEMPLATE
     comfyui = fake_comfyui(tiny_edit_dir, tmp_path / "ComfyUI")
     ours = load_processor(None, comfyui)
     theirs = Qwen2VLProcessor.from_pretrained(tiny_edit_dir / "processor")
@@ -295,7 +295,7 @@ def test_loader_nodes_take_a_text_encoder_file_and_the_running_comfyuis_tokenize
     from nodes.common import DatasetHandle
     from nodes.train_nodes import _config
     from qwen_edit_core.data.dataset import load_dataset
-    from qwen_edit_core.model.text_encoder_file import COMFY_TOKENIZER_DIR
+    from qwen_edit_core.families.qwen_image.text_encoder_file import COMFY_TOKENIZER_DIR
     comfyui = _comfyui_with_models(tiny_edit_dir, tmp_path / "ComfyUI")
     bare = bare_model_dir(tiny_edit_dir, tmp_path / "bare")
     comfy = types.ModuleType("comfy")

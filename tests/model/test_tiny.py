@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qwen_edit_core.model import templates
+from qwen_edit_core.families import templates
 from qwen_edit_core.model.tiny import SCHEDULER_CONFIG, SPECIAL_TOKENS, build_tiny, prefix_lengths, transformer_config
 
 

@@ -9,7 +9,7 @@ import typing
 import pytest
 import torch
 
-from qwen_edit_core.model import templates, variants
+from qwen_edit_core.families import templates, variants
 
 
 def _model_dir(tmp_path, pipeline_class, transformer_config=None):

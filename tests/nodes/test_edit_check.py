@@ -37,3 +37,22 @@ def test_an_inverted_picture_passes_and_a_kept_one_fails(tmp_path):
     with pytest.raises(AssertionError, match="the edit is not visible: demo validation step-0000150 picture 1"):
         check_edits(_base(tmp_path / "kept", lambda image: image.copy()))
     assert check_edits(tmp_path / "nothing") == []
+
+
+def test_the_pasted_halves_shapes_are_measured_per_half():
+    """The 2.1 training workflow's target has a seam down its middle that a mosaic of its 16 px cells' colours keeps:
+    over the whole picture such a mosaic reaches the 2025 demo's edge-similarity threshold, per half it does not;
+    the target itself scores 1 in each half."""
+    from edit_check import half_edge_similarity
+
+    from qwen_edit_core.demo import edge_similarity
+
+    before = picture(np.random.default_rng(0), 128)
+    target = before.copy()
+    target.paste(invert(before).crop((0, 0, 64, 128)), (64, 0))
+    pixels = np.asarray(target, dtype=np.float64)
+    cells = pixels.reshape(8, 16, 8, 16, 3).mean(axis=(1, 3))
+    mosaic = np.repeat(np.repeat(cells, 16, axis=0), 16, axis=1)
+    assert edge_similarity(mosaic / 255, pixels / 255) >= 0.45
+    assert max(half_edge_similarity(mosaic, pixels)) < 0.45
+    assert half_edge_similarity(pixels, pixels) == pytest.approx((1.0, 1.0))

@@ -95,3 +95,15 @@ def test_fresh_nodes_size_pictures_for_their_model_the_default_toy_at_128(tmp_pa
     toy, toy21, tiny21 = handle(TOY_MODEL), handle(TOY_21_MODEL), handle(TINY_21_MODEL)
     assert side_of(0, toy) == side_of(0, toy21) == 128  # what the built-in toy models were trained at
     assert side_of(0, tiny21) == 1024 and side_of(512, toy) == 512  # else a real model's side; a set side stays
+
+
+def test_the_built_in_model_choices_are_each_familys_toy_and_tiny_models_under_their_saved_names():
+    """Saved workflows hold the built-in choices' names: each family with a toy gives its two, under those names."""
+    from nodes.common import TINY_21_MODEL, TINY_MODEL, TOY_21_MODEL, TOY_MODEL, built_in_models, model_choices
+    from qwen_edit_core import families
+    built_in = built_in_models()
+    assert {name: (family.name, kind) for name, (family, kind) in built_in.items()} == {
+        TOY_MODEL: ("qwen-image", "toy"), TINY_MODEL: ("qwen-image", "tiny"),
+        TOY_21_MODEL: ("qwen-image-2.1", "toy"), TINY_21_MODEL: ("qwen-image-2.1", "tiny")}
+    assert model_choices()[:4] == [TOY_MODEL, TINY_MODEL, TINY_21_MODEL, TOY_21_MODEL]
+    assert [f.toy.variant for f in families.FAMILIES.values()] == ["edit", "image-2.1"]

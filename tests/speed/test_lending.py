@@ -110,3 +110,52 @@ def test_offloading_k_blocks_of_a_lent_fp8_model_frees_k_blocks_and_gives_them_b
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert _held_bytes(model) == total
+
+
+def _largest_linear(model):
+    return max((m for m in model.transformer_blocks.modules() if type(m) is torch.nn.Linear),
+               key=lambda m: m.weight.nbytes)
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_an_fp8_sampling_copy_never_holds_both_forms_of_the_block_weights(monkeypatch, park):
+    """`inference_copy` with fp8 on a bf16 model, "meta" standing in for the GPU (every byte placed there is
+    counted): each bf16 block linear is parked as soon as its fp8 layer exists, so the peak is the input's
+    weights W plus one layer's conversion (its fp32 temporary and e4m3 result, 2.5x its bf16 bytes L, and its
+    scales and bias, 8 bytes a row): peak <= W + 2.5 L + 8 rows. Keeping the input's bf16 linears beside the new
+    fp8 ones (`shared_copy`, the copy before) peaks over 1.5 W."""
+    from tests.model.test_planned_load import DeviceBytes
+    monkeypatch.setattr(lending, "host_copy", lambda data: torch.empty_like(data, device="cpu"))  # meta: no data
+    model = _model().to(torch.bfloat16)
+    largest = _largest_linear(model)
+    layer, rows = largest.weight.nbytes, largest.out_features
+    meta = torch.device("meta")
+    with DeviceBytes("meta") as placed:
+        model.to(meta)
+        weights = placed.live
+        if park:
+            fast = speed.inference_copy(model, meta, fp8=True, compile=False)
+        else:
+            fast = speed.shared_copy(model)
+            speed.configure_inference(fast, meta, fp8=True, compile=False)
+    assert speed.has_fp8(fast) and not speed.has_fp8(model)
+    if park:
+        assert placed.peak <= weights + 2.5 * layer + 8 * rows, (placed.peak, weights, layer, rows)
+        assert placed.live < 0.7 * weights  # then: the fp8 block linears beside the rest
+    else:
+        assert placed.peak > 1.5 * weights
+
+
+def test_the_input_of_an_fp8_sampling_copy_gets_its_weights_back_when_used_and_the_copy_parks_them_again(
+        monkeypatch):
+    monkeypatch.setattr(lending, "on_host", lambda tensor: False)  # the CPU stands for the device
+    model = _model()
+    before = _state(model)
+    fast = speed.inference_copy(model, torch.device("cpu"), fp8=True, compile=False)
+    emptied = {name for name, p in model.named_parameters() if p.numel() == 0}
+    assert emptied and all(".transformer_blocks." in f".{name}" for name in emptied)
+    assert speed.repark(fast) == 0 and speed.unpark(fast) == 0  # already parked; the copy lends nothing back
+    moved = speed.unpark(model)  # the input runs again: its own weights, bit for bit
+    assert moved > 0 and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+    assert speed.repark(fast) == moved and {n for n, p in model.named_parameters() if p.numel() == 0} == emptied
+    assert speed.unpark(model) == moved and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())

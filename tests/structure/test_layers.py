@@ -20,7 +20,8 @@ RANKS = {"common": 0, "families": 0.5, "speed": 1, "model": 2, "adapters": 3, "d
          "bench": 10, "cli": 11, "__init__": 11}
 #: a family subpackage's module -> the stage (layer) it serves
 FAMILY_STAGES = {"__init__": "families", "encode": "model", "tiny": "model", "single_file": "model",
-                 "vae_file": "model", "example_tensors": "data", "sampler": "sample", "batch": "train",
+                 "text_encoder_file": "model", "vae_file": "model", "example_tensors": "data", "sampler": "sample",
+                 "prefix_cache": "sample", "batch": "train",
                  "pretrain": "toys", "fake_model": "bench", "sample_bench": "bench", "planner": "speed"}
 FORBIDDEN_ROOTS = {"comfy", "comfy_extras", "folder_paths", "server", "nodes", "execution"}
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.toys import toy
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "TOY_MODEL.md"
@@ -34,7 +35,7 @@ class Toy:
 
 TOYS = [pytest.param(Toy(toy.WEIGHTS_DIR, "qwen-edit tiny --pretrained --train", 4, 30.5, (1, 16, 1, 16, 16), 3),
                      id="edit"),
-        pytest.param(Toy(toy.WEIGHTS_DIR_21, "qwen-edit tiny --variant image-2.1 --pretrained --train", 8, 27.5,
+        pytest.param(Toy(toy.weights_of(QWEN_IMAGE_21), "qwen-edit tiny --variant image-2.1 --pretrained --train", 8, 27.5,
                          (1, 64, 1, 8, 8), 4), id="image-2.1")]
 
 
@@ -120,16 +121,17 @@ def _round_trip(vae, pixels):
 def test_decoder_training_keeps_the_encoder_and_starts_at_the_constructed_output():
     """The VAE step trains only the decoder: the encoder (so the latents the transformer learned on) is
     unchanged, and waking the residual branches leaves the constructed decoder's output exactly as it was."""
+    from qwen_edit_core.families.qwen_image import pretrain as pretrain25
     from qwen_edit_core.toys import pretrain
 
-    vae = pretrain.constructed_vae(pretrain.VAE_CONFIG).eval()
-    pixels = pretrain._pixels(_held_out(1, size=32))
+    vae = pretrain25.constructed_vae(pretrain25.VAE_CONFIG).eval()
+    pixels = pretrain.vae_input(_held_out(1, size=32))
     constructed = _round_trip(vae, pixels)
     with torch.no_grad():
-        pretrain._wake_residuals(vae.decoder, 5)
+        pretrain25._wake_residuals(vae.decoder, 5)
     assert torch.equal(_round_trip(vae, pixels), constructed)
     encoder = {k: v.clone() for k, v in vae.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
-    pretrain.train_vae_decoder(pretrain.Recipe(size=32, vae_steps=3, vae_batch=1), vae)
+    pretrain25.train_vae_decoder(pretrain.Recipe(size=32, vae_steps=3, vae_batch=1), vae)
     after = vae.state_dict()
     assert all(torch.equal(after[k], v) for k, v in encoder.items())
     assert not torch.equal(_round_trip(vae, pixels), constructed)

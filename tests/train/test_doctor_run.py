@@ -40,3 +40,20 @@ def test_refuse_stops_the_run_before_any_weight_loads(tiny_plus_dir, faulty, tmp
 def test_off_skips_it(tiny_plus_dir, faulty, tmp_path):
     config = train_config(tiny_plus_dir, faulty.train, tmp_path / "o", data={"doctor": "off"})
     assert run.run_doctor(config, [], []) is None
+
+
+def test_data_pixel_aligned_lets_the_fixes_realign(tiny_plus_dir, faulty, tmp_path):
+    from qwen_edit_core.data.dataset import load_dataset
+    examples = load_dataset(faulty.train).examples
+    fixes = {}
+    for data in ({}, {"pixel_aligned": True}, {"control_size": "target"}):
+        config = train_config(tiny_plus_dir, faulty.train, tmp_path / "o", data=data)
+        fixes[str(data)] = {f.fix.split(" ")[0] for f in run.run_doctor(config, examples, []).of_kind("misaligned")}
+    assert fixes == {"{}": {"re-export"}, "{'pixel_aligned': True}": {"realign"},
+                     "{'control_size': 'target'}": {"realign"}}
+
+
+def test_the_train_command_sets_data_pixel_aligned():
+    from qwen_edit_core.cli import build_parser, train_overrides
+    assert train_overrides(build_parser().parse_args(["train", "c.yaml", "--pixel-aligned"])) == {
+        "data": {"pixel_aligned": True}}

@@ -81,7 +81,9 @@ def test_a_failed_read_is_raised_when_its_batch_is_taken():
     prefetch = Prefetcher(_sampler(), load, ahead=1)
     try:
         next(prefetch)
+        after_first = prefetch.state_dict()
         with pytest.raises(OSError, match="disk gone"):
             next(prefetch)
+        assert prefetch.state_dict() == after_first  # the batch that failed to read is not counted as taken
     finally:
         prefetch.close()

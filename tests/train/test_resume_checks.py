@@ -59,6 +59,14 @@ def test_a_changed_rank_or_learning_rate_is_refused_naming_the_checkpoint_and_ke
     assert "model.lora.rank is 4 in the checkpoint, 8 now" in err and "Traceback" not in err
 
 
+def test_fewer_targets_are_refused_not_narrowed_away(finished, tiny_edit_dir, pairs_dir, no_weights):
+    """Resuming an "attn" run with "attn-img" (a subset of its layers) is refused: only layers whose output reaches
+    no loss may be left out of a resumed optimizer state."""
+    config = _config(tiny_edit_dir, pairs_dir, finished, lora={"targets": "attn-img"})
+    with pytest.raises(ResumeMismatchError, match="model.lora.targets is .* in the checkpoint.*its adapter is not"):
+        QwenImageEditTrainer(config).fit(resume=True)
+
+
 def test_a_checkpoint_of_another_model_family_is_refused(finished, tiny_21_dir, pairs_dir, tmp_path, no_weights):
     checkpoint = latest_checkpoint(finished / "checkpoints").path
     config = _config(tiny_21_dir, pairs_dir, tmp_path / "o21")

@@ -119,7 +119,7 @@ def test_one_empty_prompt_for_caption_dropout_negative_prompt_and_predict(tiny_e
     from qwen_edit_core import QwenImageEditTrainer
     from qwen_edit_core.config import PredictConfig
     from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
-    from qwen_edit_core.model.templates import EMPTY_PROMPT
+    from qwen_edit_core.families.templates import EMPTY_PROMPT
     from qwen_edit_core.sample.sampler import SampleSettings
     predict_default = inspect.signature(QwenImageEditTrainer.predict).parameters["negative_prompt"].default
     assert predict_default == SampleSettings().negative_prompt == PredictConfig().negative_prompt == EMPTY_PROMPT

@@ -163,12 +163,13 @@ def main(argv=None) -> int:
     parser.add_argument("--comfyui-dir", type=Path, required=True, help="a ComfyUI checkout (holds main.py)")
     parser.add_argument("--python", default=sys.executable, help="the Python of ComfyUI's environment")
     parser.add_argument("--only", default="workflows,lifecycle,browser,layout,view,frontend,lora,parallel,free_memory,"
-                                          "model_memory",
+                                          "model_memory,job_memory",
                         help="comma-separated checks: workflows, lifecycle, browser, layout, lora (our LoRA, LoKr, "
                              "LoHa and DoRA files through stock LoraLoaderModelOnly), parallel (the Sampler's "
                              "parallel option on 2 CPU workers), free_memory (the Train node's request to "
                              "ComfyUI to free a GPU), model_memory (the pack's models in ComfyUI's memory "
-                             "manager; a loader run twice holds one transformer), view (each workflow opened at "
+                             "manager; a loader run twice holds one transformer), job_memory (a running job stays "
+                             "counted and loaded through ComfyUI's unloads), view (each workflow opened at "
                              "1920x1080 is readable), frontend (the live view inside a subgraph and with the Vue "
                              "node renderer; labelled text boxes); sizes re-measures workflows/frontend/node_sizes.json; "
                              "first_workflow saves the README's screenshot of the first workflow")
@@ -211,6 +212,7 @@ def _run_checks(args) -> int:
     from free_memory_check import check_free_memory
     from frontend_check import check_frontend
     from model_memory_check import check_model_memory
+    from job_memory_check import check_job_memory
     from layout_check import check_layout, measure_sizes
     from lora_check import check_lora_kinds
     from parallel_check import check_parallel
@@ -218,6 +220,7 @@ def _run_checks(args) -> int:
     checks = {"workflows": check_workflows, "lifecycle": check_lifecycle, "browser": check_browser,
               "layout": check_layout, "sizes": measure_sizes, "lora": check_lora_kinds, "parallel": check_parallel,
               "free_memory": check_free_memory, "model_memory": check_model_memory,
+              "job_memory": check_job_memory,
               "first_workflow": first_workflow_shot, "view": check_view, "frontend": check_frontend}
     failed = []
     for name in args.only.split(","):

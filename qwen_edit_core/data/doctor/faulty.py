@@ -139,3 +139,13 @@ def write_faulty_dataset(root, size: int = 64, seed: int = 0, count: int = 24) -
             faults[name] = "leak"
         _write(heldout, name, controls, target, mask)
     return FaultyDataset(train, heldout, faults, shifts)
+
+
+def score(report, dataset: FaultyDataset) -> tuple[float, float]:
+    """(recall, precision) of a doctor report on the planted faults: the share of planted (pair, kind) faults found,
+    and the share of flagged pairs that carry a planted fault (a clean pair flagged lowers it)."""
+    found = {(f.pair, f.kind) for f in report.findings}
+    recall = sum((pair, kind) in found for pair, kind in dataset.faults.items()) / max(1, len(dataset.faults))
+    flagged = report.flagged
+    precision = sum(name in dataset.faults for name in flagged) / len(flagged) if flagged else 1.0
+    return recall, precision

@@ -11,6 +11,12 @@ from typing import Optional
 KINDS = ("swapped", "misaligned", "reference-order", "no-change", "duplicate", "leak", "mask", "caption", "size")
 
 
+#: what each of the report's statistics is, for a reader
+STATISTICS = {"direction": "edit direction strength R (0: none, 1: every pair alike)", "shift_px": "shifts (px)",
+              "zoom_pct": "zooms (%)", "edited_slot": "edited picture's slot", "caption_words": "caption words",
+              "buckets": "pairs per bucket"}
+
+
 @dataclass(frozen=True)
 class Finding:
     """One problem with one pair: `pair` (its file stem), `kind` (one of KINDS), `figure` (the measured value),
@@ -65,6 +71,19 @@ class DoctorReport:
             lines.append(f"  ... and {len(self.findings) - limit} more (qwen-edit doctor DATASET lists them all)")
         return "\n".join(lines)
 
+    def statistics(self, items: int = 12) -> list[str]:
+        """The dataset's measured distributions, a line each (the shifts' and zooms' histograms, the edit
+        direction's strength, the edited picture's slot, the caption lengths, the buckets' fill), at most `items`
+        entries per line."""
+        lines = []
+        for key, value in self.stats.items():
+            label = STATISTICS.get(key, key)
+            if isinstance(value, dict):
+                entries = [f"{k}: {v}" for k, v in value.items()]
+                value = ", ".join(entries[:items]) + (", ..." if len(entries) > items else "")
+            lines.append(f"{label}: {value}")
+        return lines
+
     def json_lines(self) -> str:
         """One JSON object per finding, one per line."""
         return "\n".join(json.dumps(f.as_json()) for f in self.findings)
@@ -86,6 +105,8 @@ class DoctorSettings:
     max_upscale: float = 2.0
     #: two pairs whose target and control perceptual hashes differ in at most this many of 128 bits are duplicates
     duplicate_bits: int = 12
+    #: ... and whose pictures' levels (colour means, luma quantiles and grid) agree within this many 8-bit levels
+    duplicate_levels: float = 5.0
 
 
 @dataclass(frozen=True)

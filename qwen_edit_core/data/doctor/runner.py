@@ -19,7 +19,7 @@ from qwen_edit_core.data.doctor.measure import VERSION, Measures, measure
 from qwen_edit_core.data.doctor.pictures import ANALYSIS_SIDE, PairPictures, decode, read_bytes
 from qwen_edit_core.data.examples import EditExample
 from qwen_edit_core.data.doctor.fixes import apply_fixes
-from qwen_edit_core.data.doctor.look import write_report
+from qwen_edit_core.data.doctor.look import html_path, write_report
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +130,20 @@ def default_workers() -> int:
 
 @dataclass(frozen=True)
 class DoctorRun:
-    """A doctor run on a folder: the report, the report picture (None when nothing is flagged or no output folder
-    was given) and the fixes applied into the --fix folder (one line each)."""
+    """A doctor run on a folder: the report, the report picture and page beside it (None when nothing is flagged or
+    no output folder was given) and the fixes applied into the --fix folder (one line each)."""
     report: DoctorReport
     picture: Optional[Path] = None
     fixes: tuple[str, ...] = ()
+    page: Optional[Path] = None
 
 
 def doctor_folder(folder, examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
                   settings: DoctorSettings = DoctorSettings(), *, out_dir=None, fix_dir=None, cache_dir=None,
                   workers: int = 1) -> DoctorRun:
-    """`diagnose` the pairs of dataset `folder`, then write the report (report.txt, report.png of the worst pairs)
-    into `out_dir` and a fixed copy of the folder into `fix_dir`, when given."""
+    """`diagnose` the pairs of dataset `folder`, then write the report (report.txt; report.png and report.html of
+    the worst pairs) into `out_dir` and a fixed copy of the folder into `fix_dir`, when given."""
     report = diagnose(examples, held_out, settings, cache_dir=cache_dir, workers=workers)
     picture = write_report(report, out_dir) if out_dir is not None else None
     fixes = apply_fixes(report, folder, fix_dir, settings) if fix_dir is not None else []
-    return DoctorRun(report, picture, tuple(fixes))
+    return DoctorRun(report, picture, tuple(fixes), html_path(picture) if picture else None)

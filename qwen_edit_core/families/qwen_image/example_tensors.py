@@ -10,7 +10,7 @@ import torch
 from qwen_edit_core.data.images import load_rgb
 from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.model import encode
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from qwen_edit_core.model import variants
+from qwen_edit_core.families import variants
 from qwen_edit_core.model.encode import EncodeError, as_pil
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.model.geometry import calculate_dimensions
@@ -105,7 +105,7 @@ def over_white(image: Image.Image) -> Image.Image:
 def system_tokens(processor) -> int:
     """Tokens of the system turn that the pipeline drops: the processor's chat template applied to the system
     message alone (`QwenImage21Pipeline._drop_idx`)."""
-    from qwen_edit_core.model import templates
+    from qwen_edit_core.families import templates
     message = [{"role": "system", "content": [{"type": "text", "text": templates.QWEN21_SYSTEM}]}]
     return len(processor.apply_chat_template(message, tokenize=True, return_dict=False)[0])
 

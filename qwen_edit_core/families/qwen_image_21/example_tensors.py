@@ -22,7 +22,7 @@ from qwen_edit_core.data.images import load_rgb
 from qwen_edit_core.data.masks import mask_tokens
 from qwen_edit_core.model import encode
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
-from qwen_edit_core.model.templates import EMPTY_PROMPT
+from qwen_edit_core.families.templates import EMPTY_PROMPT
 
 
 def target_pixels(image, width: int, height: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ import logging
 
 import numpy as np
 import torch
+from PIL import ImageOps
 
 from qwen_edit_core.data import synthetic
 from qwen_edit_core.model import encode
@@ -134,10 +135,15 @@ def _stats_picture(rng: np.random.Generator, size: int):
     return edits[int(rng.integers(0, len(edits)))](synthetic.picture(rng, size))
 
 
+#: this toy's changes to `toys.pretrain.Recipe`'s defaults (`toys.pretrain.recipe_for` says why)
+RECIPE = dict(transformer_steps=3000, transformer_lr=3e-3, layers=3)
+
+
 @torch.no_grad()
-def make_vae(seed: int, size: int, pictures: int = 256):
+def make_vae(recipe, pictures: int = 256):
     """The constructed encoder with `latents_mean`/`latents_std` from its latents over 64 synthetic pictures
-    (seed + 1; the always-zero channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
+    (`recipe.seed` + 1; the always-zero channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
+    seed, size = recipe.seed, recipe.size
     vae = constructed_vae().eval()
     rng = np.random.default_rng(seed + 1)
     z = torch.cat([vae.encode(_pixels([_stats_picture(rng, size) for _ in range(8)])).latent_dist.mode()
@@ -162,11 +168,24 @@ def transformer_settings(recipe) -> dict:
             "attention_head_dim": recipe.head_dim, "axes_dims_rope": (time, space, recipe.head_dim - time - space)}
 
 
+def _distractors(rng: np.random.Generator, picture, share: float, size: int) -> list:
+    """The references after `picture` in one pair: none, or (with probability `share`) one or two, each its colour
+    inversion (what the 2.1 sample workflow passes as reference 2) or another picture. Draws nothing when `share`
+    is 0, so recipes without extra references build the same bytes as before."""
+    if share <= 0 or rng.random() >= share:
+        return []
+    return [ImageOps.invert(picture.convert("RGB")) if rng.random() < 0.5 else synthetic.picture(rng, size)
+            for _ in range(int(rng.integers(1, 3)))]
+
+
 @torch.no_grad()
 def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> list[dict]:
-    """Per (picture, prompt): the picture as reference 1 (tokens (64, 64)), the target's tokens, the prompt's
-    embeddings and vision-slot mask, encoded as the 2.1 trainer encodes a pair (`families/qwen_image_21/example_tensors.py`)."""
+    """Per (picture, prompt): the picture as reference 1 (tokens (64, 64)) followed by `_distractors` (their tokens
+    after it, `recipe.extra_references` of the pairs, drawn from seed + 6), the target's tokens (the edit of
+    reference 1), the prompt's embeddings and vision-slot mask, encoded as the 2.1 trainer encodes a pair
+    (`families/qwen_image_21/example_tensors.py`)."""
     rng = np.random.default_rng(recipe.seed + 2)
+    extra_rng = np.random.default_rng(recipe.seed + 6)
     drop = encode21.system_tokens(processor)
     area = recipe.size * recipe.size
     items = []
@@ -178,21 +197,29 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
             targets = ref_tokens if function is synthetic.keep else \
                 encode21.pack(encode.encode_latents(vae, _pixels([function(p) for p in pictures])))
             for i, ref in enumerate(refs):
-                text = encode21.encode_prompt(text_encoder, processor, prompt, ref.images, device=torch.device("cpu"),
+                tokens, images = ref_tokens[i], ref.images
+                extra = _distractors(extra_rng, pictures[i], recipe.extra_references, recipe.size)
+                if extra:
+                    more = encode21.prepare_references(extra, area)
+                    tokens = torch.cat([tokens, *(encode21.pack(encode.encode_latents(vae, px))[0]
+                                                  for px in more.pixels)])
+                    images = [*images, *more.images]
+                text = encode21.encode_prompt(text_encoder, processor, prompt, images, device=torch.device("cpu"),
                                               drop=drop)
-                items.append({"reference": ref_tokens[i], "target": targets[i], "embeds": text.embeds[0],
-                              "slots": text.slots[0]})
+                items.append({"reference": tokens, "target": targets[i], "embeds": text.embeds[0],
+                              "slots": text.slots[0], "references": len(images)})
     return items
 
 
 def batch(picked: list[dict], side: int, generators: list):
-    """A `TrainBatch21` of dataset items (reference 1 in its slots, the target last), as `batch.collate` builds one."""
+    """A `TrainBatch21` of dataset items (their references in their slots, the target last), as `batch.collate`
+    builds one."""
     from qwen_edit_core.families.qwen_image_21.batch import TrainBatch21
 
-    shapes = [(1, side, side), (1, side, side)]
+    shapes = [[(1, side, side)] * (it["references"] + 1) for it in picked]
     slots = [torch.cat([it["slots"], torch.ones(it["target"].shape[0] // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
              for it in picked]
-    layouts = [(tuple(shapes), mask.shape[0], bytes(mask.to(torch.uint8).numpy())) for mask in slots]
+    layouts = [(tuple(s), mask.shape[0], bytes(mask.to(torch.uint8).numpy())) for s, mask in zip(shapes, slots)]
     return TrainBatch21(targets=[it["target"] for it in picked], references=[it["reference"] for it in picked],
-                        embeds=[it["embeds"] for it in picked], slots=slots, img_shapes=[shapes] * len(picked),
+                        embeds=[it["embeds"] for it in picked], slots=slots, img_shapes=shapes,
                         generators=generators, loss_masks=[None] * len(picked), layouts=layouts)

@@ -11,7 +11,7 @@ pipeline_qwenimage21.py and transformer_qwenimage21.py:
 - with `kv_cache` (the default) the first step stores every block's keys/values of the text and reference tokens
   (`QwenImage21KVCache`, "extract") and later steps compute only the target's tokens ("cached"): the transformer
   runs those tokens at t = 0 (`causal_condition`), so they do not change between steps. Cond and uncond keep a
-  cache each.
+  cache each, sized and placed before the first step (prefix_cache.py: device, host, int8 or off).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from qwen_edit_core.model import encode
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.sample import schedules
 from qwen_edit_core.families.qwen_image_21 import encode as encode21
+from qwen_edit_core.families.qwen_image_21 import prefix_cache
 from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
 
 log = logging.getLogger(__name__)
@@ -143,21 +144,88 @@ def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps
     return scheduler, scheduler.timesteps, mu
 
 
-class _Branch:
-    """One CFG branch (cond or uncond): its prompt, its vision-slot mask and its prefix K/V cache."""
+class Branch:
+    """One CFG branch (cond or uncond): its prompt, its vision-slot mask and its prefix K/V cache in the place
+    the plan chose (prefix_cache.PLACES). The first call fills the cache ("extract"), later calls read it."""
 
-    def __init__(self, transformer, prompt: PromptWithSlots, cache: bool):
-        from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-        self.transformer, self.prompt = transformer, prompt
-        on = cache and bool(getattr(transformer.config, "causal_condition", False))
-        self.cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if on else None
+    def __init__(self, transformer, prompt: PromptWithSlots, place: str, tokens: int = 0):
+        self.transformer, self.prompt, self.place = transformer, prompt, place
+        shape = prefix_cache.cache_shape(transformer.config, prompt.embeds.dtype)
+        self.cache = None if place == "off" else prefix_cache.PlacedCache(place, shape, tokens,
+                                                                          prompt.embeds.device)
+        self.filled = False
+
+    def _run(self, hidden, t, cond: Conditioning21, mode: str | None) -> torch.Tensor:
+        return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=self.prompt.embeds,
+                                encoder_hidden_states_mask=None, img_shapes=[cond.img_shapes],
+                                img_mask=self.prompt.slots, kv_cache=None if mode is None else self.cache,
+                                kv_cache_mode=mode, return_dict=False)[0]
 
     def __call__(self, hidden, step: int, t, cond: Conditioning21, n_target: int) -> torch.Tensor:
-        mode = None if self.cache is None else ("extract" if step == 0 else "cached")
-        out = self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=self.prompt.embeds,
-                               encoder_hidden_states_mask=None, img_shapes=[cond.img_shapes], img_mask=self.prompt.slots,
-                               kv_cache=self.cache, kv_cache_mode=mode, return_dict=False)[0]
-        return out[:, -n_target:]
+        if self.cache is None:
+            return self._run(hidden, t, cond, None)[:, -n_target:]
+        if self.filled:
+            return self._run(hidden, t, cond, "cached")[:, -n_target:]
+        out = self._run(hidden, t, cond, "extract")[:, -n_target:]
+        self.filled = True
+        if self.place == "int8":
+            self._check_int8(hidden, t, cond, n_target, out)
+        return out
+
+    def _check_int8(self, hidden, t, cond: Conditioning21, n_target: int, exact: torch.Tensor) -> None:
+        """The int8 cache's prediction for this step against the exact one just computed; over
+        `prefix_cache.INT8_MAX_ERROR` the cache is dropped (every later step recomputes the prefix)."""
+        error = prefix_cache.prediction_error(self._run(hidden, t, cond, "cached")[:, -n_target:], exact)
+        if error > prefix_cache.INT8_MAX_ERROR:
+            log.warning("prefix K/V cache in int8: prediction error %.3g against the exact cache exceeds %.3g; the "
+                        "cache is turned off (%.2f GiB freed, every step recomputes the prefix)", error,
+                        prefix_cache.INT8_MAX_ERROR, self.cache.nbytes() / prefix_cache.GIB)
+            self.cache, self.place = None, "off"
+        else:
+            log.info("prefix K/V cache in int8: prediction error %.3g against the exact cache (limit %.3g)", error,
+                     prefix_cache.INT8_MAX_ERROR)
+
+
+def device_budget(settings, transformer, device: torch.device) -> int | None:
+    """The device bytes sampling may take, weights included: `settings.memory_budget_gb`, else on CUDA 90% of the
+    free memory plus the transformer's weights there (speed.free_memory_budget_gb), else None (no limit)."""
+    if settings.memory_budget_gb:
+        return int(settings.memory_budget_gb * prefix_cache.GIB)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(speed.free_memory_budget_gb(free, speed.resident_bytes(transformer, device)) * prefix_cache.GIB)
+
+
+def plan_prefix_cache(transformer, cond: Conditioning21, settings, n_target: int, *,
+                      host_budget: int | None = None) -> prefix_cache.PrefixPlan | None:
+    """Where the prefix cache of this edit lives (prefix_cache.plan), logged with its sizes; None when the cache
+    is off (`settings.kv_cache` false, or a transformer without `causal_condition`). `host_budget`: host bytes the
+    cache may take (default: `prefix_cache.HOST_HEADROOM` of the host's available memory)."""
+    if not (settings.kv_cache and getattr(transformer.config, "causal_condition", False)):
+        return None
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    shape = prefix_cache.cache_shape(transformer.config, dtype)
+    prompts = [cond.cond] + ([cond.uncond] if settings.do_cfg else [])
+    if host_budget is None:
+        available = prefix_cache.host_available()
+        host_budget = None if available is None else int(prefix_cache.HOST_HEADROOM * available)
+    plan = prefix_cache.plan(budget=device_budget(settings, transformer, device), host_budget=host_budget,
+                             weights=speed.resident_bytes(transformer, device), shape=shape,
+                             tokens=tuple(prefix_cache.prefix_tokens(p.slots, n_target) for p in prompts),
+                             target_tokens=n_target, dim=shape.heads * shape.head_dim,
+                             pin=torch.device(device).type == "cuda")
+    (log.info if plan.place == "device" else log.warning)("%s", plan.describe())
+    return plan
+
+
+def branches(transformer, cond: Conditioning21, settings, plan: prefix_cache.PrefixPlan | None) -> list[Branch]:
+    """The CFG branches of an edit (cond, and uncond with true CFG), each with its cache placed as `plan` says."""
+    prompts = [cond.cond] + ([cond.uncond] if settings.do_cfg else [])
+    if plan is None:
+        return [Branch(transformer, p, "off") for p in prompts]
+    return [Branch(transformer, p, plan.place, n) for p, n in zip(prompts, plan.tokens)]
 
 
 @torch.no_grad()
@@ -174,20 +242,19 @@ def denoise(components, cond: Conditioning21, settings, *, progress: ProgressFn 
     scheduler, timesteps, mu = make_timesteps(components.scheduler_config, sigmas, settings.num_inference_steps,
                                               latents.shape[1], device, schedule=settings.schedule,
                                               shift=settings.shift)
+    n = latents.shape[1]
+    plan = plan_prefix_cache(transformer, cond, settings, n)
     log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
              cond.width, cond.height, settings.schedule, len(timesteps),
-             settings.true_cfg_scale if settings.do_cfg else 1.0, mu, "on" if settings.kv_cache else "off", seed)
-    branches = [_Branch(transformer, cond.cond, settings.kv_cache)]
-    if settings.do_cfg:
-        branches.append(_Branch(transformer, cond.uncond, settings.kv_cache))
-    n = latents.shape[1]
+             settings.true_cfg_scale if settings.do_cfg else 1.0, mu, plan.place if plan else "off", seed)
+    cfg_branches = branches(transformer, cond, settings, plan)
     with speed.attention_kernel(settings.attention):
         for i, t in enumerate(timesteps):
             if cancel is not None:
                 cancel.check()
             hidden = latents if cond.reference_tokens is None else torch.cat([cond.reference_tokens, latents], 1)
             timestep = t.expand(1).to(dtype) / 1000
-            preds = [branch(hidden, i, timestep, cond, n) for branch in branches]
+            preds = [branch(hidden, i, timestep, cond, n) for branch in cfg_branches]
             velocity = preds[0] if len(preds) == 1 else preds[1] + settings.true_cfg_scale * (preds[0] - preds[1])
             latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
             if progress is not None:

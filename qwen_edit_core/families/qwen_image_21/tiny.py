@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qwen_edit_core.model import templates, tiny, variants
+from qwen_edit_core.model import tiny
+
+from qwen_edit_core.families import templates, variants
 from qwen_edit_core.families import QWEN_IMAGE_21
 
 #: Qwen3-VL's rendering of a conversation (system, user, assistant turns; text and image items), enough for the

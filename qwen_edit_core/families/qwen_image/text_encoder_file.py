@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from qwen_edit_core.model import file_stream
-from qwen_edit_core.model.single_file import (_DROP_SUFFIXES, SingleFileError, _read_tensors, check_quant_formats,
-                                              check_state_dict, checked_header, dequantize)
+from qwen_edit_core.model.single_file import (_DROP_SUFFIXES, ARCHITECTURES, SingleFileError, _read_tensors,
+                                              check_quant_formats, check_state_dict, checked_header, dequantize)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ TE_PREFIXES = ("text_encoders.qwen25_7b.transformer.", "qwen25_7b.transformer.")
 #: (file prefix, transformers 5 prefix); files already in transformers 5 names pass unchanged
 TE_RENAMES = (("model.language_model.", "model.language_model."), ("model.visual.", "model.visual."),
               ("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head."))
-TE_ARCHITECTURES = Path(__file__).parent / "architectures" / "text_encoder_architectures.json"
+#: beside the transformers' (model/architectures/, the package data)
+TE_ARCHITECTURES = ARCHITECTURES.with_name("text_encoder_architectures.json")
 #: the tokens whose ids the model config must share with the tokenizer
 TE_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
              "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}

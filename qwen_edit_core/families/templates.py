@@ -2,7 +2,7 @@
 
 The strings are the pipelines' own (diffusers `pipeline_qwenimage*.py`); the text encoder's hidden states
 for the first ``*_DROP`` tokens (system prompt and chat framing) are discarded, so a tokenizer that splits
-the prefix differently would leak template text into the embeddings. `model/variants.py` says which
+the prefix differently would leak template text into the embeddings. `families/variants.py` says which
 variant uses which template. `tiny.build_tiny` trains its
 tokenizer so these counts hold and asserts it.
 """

@@ -6,7 +6,7 @@ areas the VAE and the vision-language encoder see, how many control images it ta
 uses `zero_cond_t` (timestep zero for the condition tokens), and how to recognise it on disk: the
 pipeline class of a diffusers directory's `model_index.json` (plus `transformer/config.json`'s
 `zero_cond_t`), or the `__index_timestep_zero__` marker of a ComfyUI single transformer file. Template
-strings and prefix lengths are the pipelines' own (`model/templates.py`); docs/MODEL.md gives the sources.
+strings and prefix lengths are the pipelines' own (`families/templates.py`); docs/MODEL.md gives the sources.
 
 Adding a variant is one `Variant(...)` entry in `VARIANTS` plus its tests (docs/DESIGN.md, "Model families
 and variants"). Stages never compare variant names: they ask the description (`get(name).max_controls`, ...).
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from qwen_edit_core.model import templates
-from qwen_edit_core.families import QWEN_IMAGE, QWEN_IMAGE_21, Family
+from qwen_edit_core.families import templates
+from qwen_edit_core.families.family import FAMILIES, QWEN_IMAGE, QWEN_IMAGE_21, Family
 
 #: The key ComfyUI's Qwen-Image model registers (an empty buffer) when its reference method is
 #: "index_timestep_zero": such a transformer file is an Edit-2511 model (`zero_cond_t=True` in diffusers).
@@ -126,6 +126,12 @@ IMAGE_21 = VARIANTS["image-2.1"]
 NAMES: tuple[str, ...] = tuple(VARIANTS)
 #: The variant a new tiny model or an unspecified CLI choice gets.
 DEFAULT = EDIT.name
+
+
+def toy_variants() -> tuple[str, ...]:
+    """The variants the built-in tiny and toy models are built as (`Toy.variant`), one per family that has them,
+    in the families' order: what `qwen-edit tiny --pretrained` and `qwen-edit demo` accept."""
+    return tuple(f.toy.variant for f in FAMILIES.values() if f.toy is not None)
 
 
 def get(name: str) -> Variant:
