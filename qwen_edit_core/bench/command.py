@@ -29,6 +29,9 @@ def run_bench(args) -> None:
     elif args.what == "cache":
         from qwen_edit_core.bench.cache import run
         run(pairs=args.pairs, processes=args.processes)
+    elif args.what == "attention":
+        from qwen_edit_core.bench.attention import run
+        run(device=args.device, repeats=args.repeats)
     elif args.what == "activations":
         from qwen_edit_core.bench.activations import run
         run(device=args.device)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The real-size benchmarks of BENCHMARKS.md ("Real size: speed and memory levers") on a CUDA machine, one part
 # per run (about 5-8 minutes each on an H100 80 GB):
-#   bash qwen_edit_core/bench/device_run.sh targets | sample | varlen | levers1 | levers2   (in that order of
-#   priority: the first two measure the targets, varlen checks variable-length attention against the key mask
-#   on the GPU, the last two each lever alone)
+#   bash qwen_edit_core/bench/device_run.sh targets | sample | attention | varlen | levers1 | levers2   (in that
+#   order of priority: the first two measure the targets, attention times every offered kernel alone (its JSON
+#   line, kept as attention.json, is the speed/attention.py FASTEST_FIRST row "auto" reads) and one block compiled
+#   with dynamic=True against dynamic=None with the sequence dims marked, varlen checks variable-length attention
+#   against the key mask on the GPU, the last two each lever alone)
 # or the targets and the check in one run of at most 9 minutes, each part time-boxed (ALL_S seconds in all,
 # default 530): the training targets in 4 steps at a real prompt's length (1,409 text tokens at 1024^2 Edit,
 # a multiple-of-64 row beside it), the sampler's levers and 20-step edits with where their seconds go (s/step:
-# a 50-step edit is 2.5x), then varlen. Every row prints the attention kernels it ran (profiler names), the
+# a 50-step edit is 2.5x), the attention kernels and dynamic shapes, then varlen. Every row prints the attention kernels it ran (profiler names), the
 # reserved and (training) pinned host GiB; device.txt lists the attention kernels this torch and GPU offer:
 #   bash qwen_edit_core/bench/device_run.sh all
 # The ComfyUI Train node's job on a 24 GiB card (the fp8 file, lent; the device capped to 24 GiB), its reserved
@@ -19,7 +21,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
 set -euo pipefail
-part=${1:?usage: device_run.sh targets|sample|varlen|levers1|levers2|comfyui24|all}
+part=${1:?usage: device_run.sh targets|sample|attention|varlen|levers1|levers2|comfyui24|all}
 out=${OUT:-/tmp/qwen-edit-bench}
 mkdir -p "$out"
 if ! python3 -c "import diffusers" 2>/dev/null; then
@@ -37,6 +39,7 @@ case $part in
     targets) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ fp8 backward,memory_budget_gb 16" ;;
     sample)  $bench sample --real-size --device cuda:0 --steps 50 --repeats 3 ;;
+    attention) $bench attention --device cuda:0 --repeats 5 ;;
     varlen)  $bench batching --real-size --device cuda:0 --repeats 3 ;;
     levers1) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "ours (checkpointing),+ compile,+ fp8 base" ;;
@@ -45,11 +48,16 @@ from qwen_edit_core.bench.train_comfyui import run; run('cuda:0', steps=4)" ;;
     levers2) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
     all) total=${ALL_S:-530}
-         timeout $((total * 52 / 100)) $bench train --real-size --device cuda:0 --steps 4 \
+         timeout $((total * 47 / 100)) $bench train --real-size --device cuda:0 --steps 4 \
              --variants "+ fp8 backward,memory_budget_gb 16" || echo "train part ended with $?"
-         timeout $((total * 88 / 100 - SECONDS)) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+         timeout $((total * 78 / 100 - SECONDS)) python3 -c "import logging; logging.basicConfig(level=logging.INFO)
 from qwen_edit_core.bench.sample import _real; _real('cuda:0', steps=20, repeats=2)" || echo "sample part ended with $?"
+         timeout $((total * 92 / 100 - SECONDS)) $bench attention --device cuda:0 --repeats 3 \
+             || echo "attention part ended with $?"
          timeout $((total - SECONDS)) $bench batching --real-size --device cuda:0 --repeats 2 \
              || echo "varlen part ended with $?" ;;
-    *) echo "unknown part $part: targets, sample, varlen, levers1, levers2, comfyui24 or all" >&2; exit 2 ;;
+    *) echo "unknown part $part: targets, sample, attention, varlen, levers1, levers2, comfyui24 or all" >&2; exit 2 ;;
 esac 2>&1 | tee "$out/$part.log"
+if grep -q '^{"capability"' "$out/$part.log"; then  # the per-kernel timings, when this part measured them
+    grep '^{"capability"' "$out/$part.log" > "$out/attention.json"
+fi

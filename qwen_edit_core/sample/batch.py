@@ -50,7 +50,7 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
                                      settings.schedule) for s, c in zip(seeds, conds)]
     schedules = [sampler.make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2]
                  for x in latents]
-    with speed.attention_kernel(settings.attention):
+    with speed.attention_kernel(settings.attention, device):
         latents = _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel)
     return [sampler.decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
 

@@ -6,7 +6,8 @@ callback per step and cancellation between steps.
 
 CFG modes:
 - ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
-- ``batched``: cond and uncond in one call of batch 2 (text padded to a common length with a mask).
+- ``batched``: cond and uncond in one call of batch 2; prompts of different lengths run variable-length
+  attention over each one's valid tokens (adapters.multires, as ragged training batches), not a padded key mask.
 - ``split``: cond on the transformer's device and uncond on a replica on a second device, concurrently; or,
   under context parallelism over 2N processes, cond on the first N and uncond on the other N
   (sample.context_parallel.CfgSplit), the two predictions swapped once per step.
@@ -126,10 +127,15 @@ class Conditioning:
 
     def branch(self, transformer, which: str, settings: "SampleSettings"):
         """`predict(latents, t)` of the target tokens for the "cond" or "uncond" prompt, or "both" as one batch of 2
-        (cond first; text padded to a common length with a mask); `settings` change nothing here."""
+        (cond first; text of different lengths run as variable-length attention, `_packed_cfg`); `settings` change
+        nothing here."""
         del settings
-        embeds = _stack_embeds(self.cond, self.uncond) if which == "both" else getattr(self, which)
-        return lambda latents, t: _forward(transformer, latents, self, embeds, t)
+        if which != "both":
+            embeds = getattr(self, which)
+            return lambda latents, t: _forward(transformer, latents, self, embeds, t)
+        both = _stack_embeds(self.cond, self.uncond)
+        packed = _packed_cfg(transformer, self, both)  # varlen attention where the two lengths differ
+        return lambda latents, t: _forward(transformer, latents, self, both, t, packed)
 
     def to(self, device) -> "Conditioning":
         """This conditioning on `device` (the uncond replica's, cfg_mode split)."""
@@ -262,8 +268,10 @@ def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_l
     return scheduler, scheduler.timesteps, mu
 
 
-def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor) -> torch.Tensor:
-    """One transformer call; returns the prediction for the target tokens only."""
+def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor,
+             attention_kwargs: dict | None = None) -> torch.Tensor:
+    """One transformer call; returns the prediction for the target tokens only. `attention_kwargs`: the packed
+    layout of a batch whose prompts differ in length (`_packed_cfg`)."""
     batch = embeds.embeds.shape[0]
     device = embeds.embeds.device
     hidden = torch.cat([latents, cond.control_tokens.to(device)], dim=1)
@@ -273,13 +281,28 @@ def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: 
     mask = embeds.mask_or_none()
     out = transformer(hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states=embeds.embeds,
                       encoder_hidden_states_mask=mask, img_shapes=[cond.img_shapes] * batch,
-                      return_dict=False)[0]
+                      attention_kwargs=attention_kwargs, return_dict=False)[0]
     return out[:, : latents.shape[1]]
 
 
 def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
     """Cond and uncond as one right-padded batch of 2 (no mask when their lengths are equal)."""
     return encode.pad_embeddings([a.valid(0), b.valid(0)])
+
+
+def _packed_cfg(transformer, cond: Conditioning, both: PromptEmbeds) -> dict | None:
+    """The attention kwargs that run cond and uncond of different lengths (`both`, stacked) as variable-length
+    attention over each one's valid tokens (`multires.packed_layout`; the multi-resolution processor installed on
+    `transformer`, as the trainer and `sample_batch` do), equal to the key-mask path; None when nothing is padded
+    or `transformer` is no module of a family that packs batches, or runs context-parallel (a worker pool, or
+    diffusers' parallel attention processors: the key mask then)."""
+    from qwen_edit_core.adapters import multires
+    if both.mask_or_none() is None or not isinstance(transformer, torch.nn.Module) \
+            or getattr(transformer, "_parallel_config", None) is not None or multires.install(transformer) is None:
+        return None
+    n_image = multires.image_lengths([cond.img_shapes])[0]
+    return multires.packed_layout(both.lengths, both.embeds.shape[1], [n_image] * len(both.lengths), n_image,
+                                  both.embeds.device)
 
 
 def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
@@ -368,7 +391,7 @@ def euler(transformer, cond, settings: SampleSettings, latents: torch.Tensor, sc
     dtype = latents.dtype
     denoiser = _Denoiser(transformer, cond, settings, uncond_transformer, cfg_split)
     try:
-        with speed.attention_kernel(settings.attention):
+        with speed.attention_kernel(settings.attention, latents.device):
             for i, t in enumerate(timesteps):
                 if cancel is not None:
                     cancel.check()

@@ -3,8 +3,9 @@
 `train.attention` / `predict.attention` name a kernel; `attention_kernel(name)` is the context (around the
 forward and the backward) under which it runs first:
 
-- "auto": torch's own SDPA order (flash, then memory-efficient, then cuDNN on most builds), unchanged; the
-  runbook (bench/device_run.sh) records which kernel each row ran, so "auto" can follow what it measures.
+- "auto": on a GPU with a row in `FASTEST_FIRST` (by CUDA compute capability), the SDPA kernels in that row's
+  order, the first one this torch offers going first (`auto_kernel`); elsewhere torch's own SDPA order, unchanged.
+  Only SDPA kernels: each falls back to the others where it cannot run a call, which flash3 cannot.
 - "cudnn", "flash", "efficient", "math": that SDPA backend first, the others after it as fallbacks (a call the
   kernel cannot run, such as a mask flash rejects, or any call on the CPU, falls through).
 - "flash3": FlashAttention-3 (Hopper) through diffusers' attention dispatch (its `_flash_3` backend), where the
@@ -31,6 +32,26 @@ DIFFUSERS_KERNELS = {"flash3": ("_flash_3", "flash_attn_interface")}
 #: substrings of the profiler names of attention kernels and ops (CUDA kernels of flash, cuDNN, xformers-style
 #: fmha; the CPU's aten ops), lower case
 ATTENTION_NAME_PARTS = ("flash", "fmha", "cudnn", "attention", "attn", "sdpa", "mha")
+
+
+#: The SDPA kernels "auto" tries, fastest first, by CUDA compute capability, with the source of the order. A
+#: row's order is replaced by what the runbook measures on that GPU (`qwen-edit bench attention`, in
+#: bench/device_run.sh: each offered kernel timed at a real prompt's length, the row to put here printed).
+FASTEST_FIRST: dict[tuple[int, int], tuple[tuple[str, ...], str]] = {
+    (9, 0): (("cudnn", "flash", "efficient"),
+             "pytorch.org/blog/pytorch2-5: cuDNN's fused attention up to 75% faster than FlashAttention-2 on H100; "
+             "not yet measured by the runbook"),
+}
+
+
+def auto_kernel(capability: tuple[int, int] | None, offered: tuple[str, ...]) -> str:
+    """The kernel "auto" puts first on a GPU of `capability` ((major, minor); None: no CUDA device) offering the
+    kernels `offered`: the first offered one of its `FASTEST_FIRST` row; "auto" (torch's own SDPA order) where
+    the table has no row for it or offers none of the row's kernels."""
+    row = FASTEST_FIRST.get(tuple(capability)) if capability is not None else None
+    if row is None:
+        return "auto"
+    return next((name for name in row[0] if name in offered), "auto")
 
 
 def check_attention_kernel(name: str) -> None:
@@ -61,15 +82,18 @@ def offered_kernels(device: torch.device | str) -> tuple[str, ...]:
     return tuple(offered)
 
 
-def attention_kernel(name: str):
+def attention_kernel(name: str, device: torch.device | str | None = None):
     """A context manager under which attention prefers kernel `name` (see the module doc), falling back to the
     others when it cannot run the call. torch's SDPA backend flags (`torch.nn.attention.sdpa_kernel`) or
     diffusers' active attention backend (`attention_backend`) are set for the block and restored on exit.
+    "auto" picks by `device`'s compute capability (`auto_kernel`; torch's order without a device).
 
     Wrap the forward and the backward pass of a step: a checkpointed block's recompute runs in the backward.
     """
     from torch.nn.attention import sdpa_kernel
     check_attention_kernel(name)
+    if name == "auto" and device is not None and torch.device(device).type == "cuda":
+        name = auto_kernel(torch.cuda.get_device_capability(device), offered_kernels(device))
     if name == "auto":
         return contextlib.nullcontext()
     if name in DIFFUSERS_KERNELS:

@@ -25,12 +25,14 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class SpeedPlan:
-    """Settings chosen by `plan_for_budget`: fp8 base, how many blocks recompute, how many are offloaded."""
+    """Settings chosen by `plan_for_budget`: fp8 base, how many blocks recompute, how many are offloaded, and the
+    seconds the time model says recompute and offloading add to a step (`plan_seconds`)."""
 
     fp8: bool
     checkpoint_blocks: int
     offload_blocks: int
     estimate: MemoryEstimate
+    seconds: float = 0.0
 
 
 #: Activation constants in units of tokens x dim bf16 values, all measured by the real-size simulator
@@ -63,6 +65,17 @@ MARGIN_FIXED = 800 * 2**20 + 2 * 32 * 2**20
 #: peak (BENCHMARKS.md, "Memory, simulated"), which Edit-2511 (its per-token timestep modulation, which the
 #: constants fitted on Edit do not hold) and 2.1 with three references show
 ESTIMATE_HEADROOM = 0.04
+#: The time model (`plan_seconds`), from the H100 runs of BENCHMARKS.md ("Real size"): pinned host-to-device
+#: copies ran at 54.4 GB/s (`bench.common.h2d_gbps`), the fastest training row at 60% of the 989 TFLOP/s dense
+#: bf16 peak
+H2D_BYTES_PER_S = 54.4e9
+BLOCK_FLOPS_PER_S = 0.60 * 989e12
+#: a block's recompute plus backward in forwards: the recomputed forward, the input gradients through the frozen
+#: base (one forward's matmuls) and attention's backward (about twice its forward)
+BACKWARD_FORWARDS = 3.0
+#: the share of a copy's time the compute it overlaps can hide: half, an assumption until a GPU run measures
+#: it (copies share the device's memory bandwidth with the step; the offloader copies on a side stream)
+COPY_OVERLAP = 0.5
 #: allocator fragmentation: an allowance of this share of the non-weight memory (the caching allocator keeps
 #: and splits freed blocks, so it reserves more than tensors hold) until a GPU run measures it
 MARGIN_FRAGMENTATION = 0.10
@@ -112,12 +125,58 @@ def _working_units(working_factor: dict, activation_factor: float, fp8: bool, n_
     return max(plain, working_factor[(fp8, True)] - n_plain * activation_factor)
 
 
+def block_forward_seconds(*, block_params: int, tokens: int, dim: int) -> float:
+    """One block's forward at `tokens` by the time model: its linears (2 FLOPs a weight and token) and attention
+    (4 x tokens^2 x dim: scores and the weighted sum) at `BLOCK_FLOPS_PER_S`."""
+    return (2 * block_params * tokens + 4 * tokens ** 2 * dim) / BLOCK_FLOPS_PER_S
+
+
+def plan_seconds(*, n_blocks: int, block_params: int, tokens: int, dim: int, fp8: bool, n_checkpointed: int,
+                 n_offloaded: int, **_) -> float:
+    """What recompute and offloading add to a step, in seconds: what `plan_for_budget` ranks the plans that fit
+    by. Each checkpointed block recomputes its forward. Each offloaded block's weights cross the host link twice
+    a step (for its forward, and for its recompute and backward); the offloaded blocks are spread over the
+    checkpointed ones (`checked_plan`), and each copy runs while the blocks since the previous offloaded one
+    compute, which hides up to `COPY_OVERLAP` of it; the rest shows.
+
+    The trade it settles: a block that does not recompute keeps its activations, which more offloaded fp8 blocks
+    must make room for. At 1024^2 Edit with a real prompt (9,601 tokens) a compiled block saves 13.8 x 9,601 x
+    3,072 bf16 values (`ACTIVATION_FACTOR_COMPILED`: 814 MB), the fp8 weights of about 2.4 blocks (339,831,296
+    frozen parameters a block, one byte each); one recompute (13 ms at 9,601 tokens) then weighs against 2.4
+    blocks' copies (6.2 ms each way), of which `COPY_OVERLAP` shows."""
+    if n_offloaded <= 0 and n_checkpointed == 0:
+        return 0.0
+    forward = block_forward_seconds(block_params=block_params, tokens=tokens, dim=dim)
+    checkpointed = n_blocks if n_checkpointed < 0 else min(n_checkpointed, n_blocks)
+    seconds = checkpointed * forward
+    if n_offloaded > 0:
+        copy = block_params * (1 if fp8 else 2) / H2D_BYTES_PER_S
+        between = max(checkpointed, n_offloaded) / n_offloaded  # blocks computing while one copy runs
+        shown = sum(max(copy * (1 - COPY_OVERLAP), copy - between * window * forward)
+                    for window in (1.0, BACKWARD_FORWARDS))
+        seconds += n_offloaded * shown
+    return seconds
+
+
+def _fewest_offloaded(budget: float, fp8: bool, n_ckpt: int, max_offloaded: int, model: dict) -> SpeedPlan | None:
+    """The plan with `n_ckpt` blocks checkpointed and the fewest offloaded blocks (at most `max_offloaded`)
+    whose estimate fits `budget` bytes; None when none does."""
+    for n_off in range(0, max_offloaded + 1):
+        est = estimate_memory(fp8=fp8, n_checkpointed=n_ckpt, n_offloaded=n_off, **model)
+        if est.total <= budget:
+            return SpeedPlan(fp8, n_ckpt, n_off, est, plan_seconds(fp8=fp8, n_checkpointed=n_ckpt,
+                                                                   n_offloaded=n_off, **model))
+    return None
+
+
 def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, *, already_fp8: bool = False,
                     **model) -> SpeedPlan:
-    """The fastest settings whose estimate fits `budget_gb` less `ESTIMATE_HEADROOM`, trying in order of cost: the fewest checkpointed
-    blocks with a bf16 base (skipped when `prefer_fp8`), then with an fp8 base, then fp8 with every block
-    checkpointed and the fewest offloaded blocks. An fp8 base is faster but changes the numbers slightly, so
-    it is taken only when asked for (`train.fp8_base`) or when bf16 does not fit.
+    """The fastest settings by the time model (`plan_seconds`) whose estimate fits `budget_gb` less
+    `ESTIMATE_HEADROOM`: with a bf16 base (skipped when `prefer_fp8`) the fewest checkpointed blocks; then with an
+    fp8 base, every split of recompute and offloading (offloaded blocks are checkpointed ones: an offloaded block's
+    weights must not stay on the device until its backward), ties going to fewer offloaded blocks (less pinned host
+    memory). An fp8 base is faster but changes the numbers slightly, so it is taken only when asked for
+    (`train.fp8_base`) or when bf16 does not fit.
 
     `already_fp8`: the base's block linears are fp8 already (a scaled-fp8 file kept in fp8): they take one byte a
     weight and the fp8 working set whatever the plan says, so only fp8 settings are estimated.
@@ -138,14 +197,11 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
                          f"with every block checkpointed each needs about {est.total / 2**30:.1f} GiB (an fp8 base "
                          "and offloading are not available under FSDP); add processes or raise the budget")
     for fp8 in ((True,) if prefer_fp8 or already_fp8 else (False, True)):
-        for n_ckpt in range(0, n + 1):
-            est = estimate_memory(fp8=fp8, n_checkpointed=n_ckpt, n_offloaded=0, **model)
-            if est.total <= budget:
-                return SpeedPlan(fp8, n_ckpt, 0, est)
-    for n_off in range(1, n + 1):
-        est = estimate_memory(fp8=True, n_checkpointed=-1, n_offloaded=n_off, **model)
-        if est.total <= budget:
-            return SpeedPlan(True, -1, n_off, est)
+        fits = [plan for n_ckpt in range(0, n + 1)
+                if (plan := _fewest_offloaded(budget, fp8, -1 if n_ckpt == n else n_ckpt, n_ckpt if fp8 else 0,
+                                              model)) is not None]
+        if fits:
+            return min(fits, key=lambda p: (p.seconds, p.offload_blocks))
     est = estimate_memory(fp8=True, n_checkpointed=-1, n_offloaded=n, **model)
     raise ValueError(f"train.memory_budget_gb {budget_gb} is too small: even an fp8 base with every block "
                      f"checkpointed and offloaded needs about {est.total / 2**30:.1f} GiB; raise the budget or "

@@ -80,8 +80,9 @@ def checked_plan(device: torch.device, dtype: torch.dtype, n_blocks: int, *, fp8
                  n_checkpointed: int | None, n_offloaded: int, fp8_backward: bool = False,
                  already_fp8: bool = False, training: bool = False) -> WeightPlan:
     """A consistent plan: fp8 only where the fp8 kernel runs (refused where the device has no fp8 matmuls,
-    dropped with a warning where the kernel fails), offloaded blocks always checkpointed (their weights must
-    not stay on the device until the backward pass), offloading refused without checkpointing."""
+    dropped with a warning where the kernel fails), offloading refused without checkpointing, and offloaded
+    blocks among the checkpointed ones (an offloaded block's weights must not stay on the device until the
+    backward pass): spread over them, with at least as many blocks checkpointed as are offloaded."""
     device = torch.device(device)
     if fp8 and not already_fp8 and not fp8_matmul_supported(device):
         raise ValueError(f"fp8 base weights need fp8 matmuls (CUDA compute capability >= 8.9); {device} has "
@@ -92,12 +93,15 @@ def checked_plan(device: torch.device, dtype: torch.dtype, n_blocks: int, *, fp8
             log.warning("the fp8 kernel fails on %s (%s): the base stays in %s (fp8 turned off)", device, error,
                         str(dtype).removeprefix("torch."))
             fp8 = False
-    offloaded = tuple(offload_indices(n_blocks, n_offloaded))
-    if offloaded and n_checkpointed is None:
+    n_offloaded = max(0, min(n_offloaded, n_blocks))
+    if n_offloaded and n_checkpointed is None:
         raise ValueError("train.offload_blocks needs train.gradient_checkpointing: an offloaded block's weights "
                          "must not stay on the device until the backward pass")
-    if offloaded and checkpointed_indices(n_blocks, n_checkpointed) != list(range(n_blocks)):
-        log.info("offloaded blocks are always checkpointed: checkpointing every block")
-        n_checkpointed = -1
+    checkpointed = len(checkpointed_indices(n_blocks, n_checkpointed)) if n_offloaded else n_blocks
+    if checkpointed < n_offloaded:
+        log.info("offloaded blocks are checkpointed ones: checkpointing %d blocks (not %d) for %d offloaded",
+                 n_offloaded, checkpointed, n_offloaded)
+        n_checkpointed = checkpointed = n_offloaded
+    offloaded = tuple(offload_indices(checkpointed, n_offloaded))  # the first `checkpointed` blocks recompute
     return WeightPlan(device=device, dtype=dtype, fp8=fp8, offloaded=offloaded, checkpoint_blocks=n_checkpointed,
                       fp8_backward=fp8_backward, training=training)

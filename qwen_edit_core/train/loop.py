@@ -193,7 +193,7 @@ def micro_step(run: RunState, micro: int) -> torch.Tensor:
     dtype = run.autocast_dtype
     with dist.no_sync(run.model, micro == accum - 1), \
             torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None), \
-            speed.attention_kernel(config.train.attention):  # around backward too: checkpoint recompute
+            speed.attention_kernel(config.train.attention, run.device):  # around backward too: checkpoint recompute
         loss, _ = flow_loss(run.model, batch, config, run.scheduler_config)
         # Each rank averages its share; DDP averages ranks; equal shares make it the global mean.
         run.scaler.scale(loss * len(mine) * dist.world / len(indices) / accum).backward()

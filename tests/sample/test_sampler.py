@@ -68,6 +68,28 @@ def test_progress_every_step_and_cancel(comps):
                        cancel=token)
 
 
+def test_batched_cfg_of_different_lengths_runs_varlen_and_equals_the_key_mask(tiny_edit_dir, monkeypatch):
+    """Cond and uncond of different lengths in one batched call: variable-length attention over each prompt's
+    valid tokens (no padded key mask), the latents of the key-mask path up to float32 rounding."""
+    settings = sampler.SampleSettings(cfg_mode="batched", negative_prompt="a much longer negative prompt than x",
+                                      **SMALL)
+
+    def run(packed: bool):
+        fresh = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
+        if not packed:
+            monkeypatch.setattr(sampler, "_packed_cfg", lambda *a: None)
+        cond = sampler.build_conditioning(fresh, "x", [_image()], settings)
+        assert cond.cond.lengths[0] != cond.uncond.lengths[0]
+        latents = sampler.denoise(fresh, cond, settings)
+        processor = next(iter(fresh.transformer.attn_processors.values()))
+        return latents, getattr(processor, "calls", None)
+
+    varlen, calls = run(packed=True)
+    assert calls is not None and calls["packed"] > 0 and calls["masked"] == 0 and calls["fused"] == 0, calls
+    masked, _ = run(packed=False)
+    assert_close_fp32(varlen, masked, ops=TINY_SAMPLER_ROUNDINGS, what="batched CFG latents, varlen vs key mask")
+
+
 def test_cfg_off_when_scale_at_most_one(comps):
     calls = []
     handle = comps.transformer.register_forward_hook(lambda *a: calls.append(1))

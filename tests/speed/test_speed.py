@@ -182,12 +182,58 @@ def test_memory_planner_picks_the_fastest_settings_that_fit():
     roomy = perf.plan_for_budget(78, **REAL)
     assert not roomy.offload_blocks and roomy.estimate.total <= 78 * 2**30
     small = perf.plan_for_budget(16, **REAL)
-    assert small.fp8 and small.checkpoint_blocks == -1 and small.offload_blocks > 0
+    assert small.fp8 and small.offload_blocks > 0
+    assert small.offload_blocks <= (60 if small.checkpoint_blocks < 0 else small.checkpoint_blocks)
     assert small.estimate.total <= 16 * 2**30
     tighter = perf.plan_for_budget(12, **REAL)
     assert tighter.offload_blocks > small.offload_blocks
     with pytest.raises(ValueError, match="memory_budget_gb 2 is too small"):
         perf.plan_for_budget(2, **REAL)
+
+
+REAL_BLOCK = {"n_blocks": 60, "block_params": 339_831_296, "other_params": 40_523_328, "dim": 3072,
+              "trainable_params": 23_592_960}
+
+
+def test_the_time_model_weighs_a_recompute_against_the_copies_that_make_room_for_its_activations(monkeypatch):
+    """One compiled block's activations at 1024^2 Edit with a real prompt are the fp8 weights of about 2.4 blocks
+    (`plan_seconds`' docstring); a plan costs its recomputes plus its copies' exposed share. Where copies hide
+    behind compute, a 40 GiB budget offloads and recomputes less than the default plan; where the link is slow, a
+    budget that fits without offloading never offloads; offloaded blocks are always among the checkpointed ones."""
+    from qwen_edit_core.speed import planner
+    sizes, tokens = planner.compiled_sizes(REAL_BLOCK, True), 9601
+    activations = planner.ACTIVATION_FACTOR_COMPILED * tokens * REAL_BLOCK["dim"] * 2
+    assert 2.3 < activations / REAL_BLOCK["block_params"] < 2.5
+    forward = planner.block_forward_seconds(block_params=REAL_BLOCK["block_params"], tokens=tokens, dim=3072)
+    common = dict(tokens=tokens, fp8=True, **sizes)
+    assert perf.plan_seconds(n_checkpointed=7, n_offloaded=0, **common) == pytest.approx(7 * forward)
+    assert perf.plan_seconds(n_checkpointed=0, n_offloaded=0, **common) == 0
+    copy = REAL_BLOCK["block_params"] / planner.H2D_BYTES_PER_S
+    assert perf.plan_seconds(n_checkpointed=60, n_offloaded=10, **common) == pytest.approx(
+        60 * forward + 10 * 2 * copy * (1 - planner.COPY_OVERLAP))  # copies shorter than a forward: their share
+    default = perf.plan_for_budget(40, prefer_fp8=True, tokens=tokens, **sizes)
+    assert default.offload_blocks == 0 and default.checkpoint_blocks > 0
+    monkeypatch.setattr(planner, "COPY_OVERLAP", 1.0)  # copies hidden entirely
+    hidden = perf.plan_for_budget(40, prefer_fp8=True, tokens=tokens, **sizes)
+    assert 0 < hidden.offload_blocks <= hidden.checkpoint_blocks < default.checkpoint_blocks
+    assert hidden.seconds < default.seconds and hidden.estimate.total <= 40 * 2**30
+    monkeypatch.setattr(planner, "H2D_BYTES_PER_S", 1e9)  # and a slow link: every copy shows
+    monkeypatch.setattr(planner, "COPY_OVERLAP", 0.0)
+    slow = perf.plan_for_budget(40, prefer_fp8=True, tokens=tokens, **sizes)
+    assert slow.offload_blocks == 0 and slow.checkpoint_blocks == default.checkpoint_blocks
+
+
+def test_offloaded_blocks_are_checkpointed_ones_without_checkpointing_every_block(caplog):
+    plan = perf.checked_plan("cpu", torch.float32, 10, fp8=False, n_checkpointed=6, n_offloaded=3)
+    assert plan.checkpoint_blocks == 6 and set(plan.offloaded) <= set(range(6)) and len(plan.offloaded) == 3
+    with caplog.at_level("INFO"):
+        raised = perf.checked_plan("cpu", torch.float32, 10, fp8=False, n_checkpointed=2, n_offloaded=4)
+    assert raised.checkpoint_blocks == 4 and set(raised.offloaded) == {0, 1, 2, 3}
+    assert "checkpointing 4 blocks (not 2) for 4 offloaded" in caplog.text
+    every = perf.checked_plan("cpu", torch.float32, 10, fp8=False, n_checkpointed=-1, n_offloaded=5)
+    assert every.checkpoint_blocks == -1 and len(every.offloaded) == 5
+    with pytest.raises(ValueError, match="needs train.gradient_checkpointing"):
+        perf.checked_plan("cpu", torch.float32, 10, fp8=False, n_checkpointed=None, n_offloaded=1)
 
 
 def test_a_compiled_run_is_planned_with_the_compiled_blocks_activations():
