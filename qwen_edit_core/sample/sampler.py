@@ -341,7 +341,10 @@ class _Denoiser:
             self.predict_cond = cond.branch(transformer, "cond", settings)
         if self.mode == "sequential":
             self.predict_uncond = cond.branch(transformer, "uncond", settings)
+        self.restore_attention = None
         if self.mode == "batched":
+            # the varlen path installs the multi-resolution processor; the caller's model gets its own back
+            self.restore_attention = _attention_restorer(transformer)
             self.predict_both = cond.branch(transformer, "both", settings)
         if self.mode == "split":
             if uncond_transformer is None:
@@ -372,6 +375,24 @@ class _Denoiser:
     def close(self) -> None:
         if self.mode == "split":
             self.pool.shutdown(wait=True)
+        if self.restore_attention is not None:
+            self.restore_attention()
+
+
+def _attention_restorer(transformer):
+    """A call that puts back `transformer`'s attention processors and position embedding as they are now (a
+    sampling run must not leave the graph's model on another processor: context parallel and a job's checks read
+    them); None for anything that is not a diffusers transformer."""
+    if not isinstance(transformer, torch.nn.Module) or not hasattr(transformer, "attn_processors"):
+        return None
+    processors, pos_embed = transformer.attn_processors, getattr(transformer, "pos_embed", None)
+
+    def restore() -> None:
+        if transformer.attn_processors != processors:
+            transformer.set_attn_processor(processors)
+        if pos_embed is not None and transformer.pos_embed is not pos_embed:
+            transformer.pos_embed = pos_embed
+    return restore
 
 
 @torch.no_grad()

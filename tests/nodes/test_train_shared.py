@@ -105,7 +105,9 @@ def test_the_train_node_defaults_are_the_safe_ones():
     on_cpu = types.SimpleNamespace(components=types.SimpleNamespace(transformer=torch.nn.Linear(1, 1)))
     assert train_nodes._precision("auto", on_gpu) == "bf16" and train_nodes._precision("auto", on_cpu) == "no"
     assert train_nodes._precision("bf16", on_cpu) == "bf16"
-    assert list(optional)[-3:-1] == ["gradient_checkpointing", "mixed_precision"]  # new inputs go last
+    names = list(optional)  # new inputs go last: these two, then only the inputs added after them
+    assert names[names.index("gradient_checkpointing"):] == ["gradient_checkpointing", "mixed_precision",
+                                                             "validation_pairs", "overwrite"]
 
 
 def _sampled(model) -> torch.Tensor:
@@ -160,7 +162,8 @@ def test_a_second_loader_instance_is_a_separate_model_the_sampler_may_use_while_
     """ComfyUI gives loaders with equal inputs one cached model; the refusal's advice (another `instance`) makes
     the second loader's inputs differ, and its model is a separate copy that samples while the job trains."""
     for loader in (nodes.QwenEditModelLoader, nodes.QwenEditTransformerLoader):
-        assert list(loader.INPUT_TYPES()["optional"])[-1] == "instance"  # added last
+        names = list(loader.INPUT_TYPES()["optional"])  # added last, followed only by later inputs
+        assert names[names.index("instance"):] == ["instance", "transformer_fp8"]
     with torch.inference_mode():
         (first,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32")
         (second,) = nodes.QwenEditModelLoader().load(TINY_MODEL, "cpu", "cpu", "cpu", "float32", instance=1)

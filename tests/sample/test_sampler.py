@@ -80,9 +80,12 @@ def test_batched_cfg_of_different_lengths_runs_varlen_and_equals_the_key_mask(ti
             monkeypatch.setattr(sampler, "_packed_cfg", lambda *a: None)
         cond = sampler.build_conditioning(fresh, "x", [_image()], settings)
         assert cond.cond.lengths[0] != cond.uncond.lengths[0]
-        latents = sampler.denoise(fresh, cond, settings)
-        processor = next(iter(fresh.transformer.attn_processors.values()))
-        return latents, getattr(processor, "calls", None)
+        before = dict(fresh.transformer.attn_processors)
+        during = []
+        latents = sampler.denoise(fresh, cond, settings, progress=lambda event: during.append(
+            next(iter(fresh.transformer.attn_processors.values()))))
+        assert fresh.transformer.attn_processors == before  # the model's own processors back after sampling
+        return latents, getattr(during[-1], "calls", None)
 
     varlen, calls = run(packed=True)
     assert calls is not None and calls["packed"] > 0 and calls["masked"] == 0 and calls["fused"] == 0, calls
