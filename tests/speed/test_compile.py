@@ -168,15 +168,18 @@ def test_a_cuda_graph_mode_is_refused_before_anything_is_compiled(mode):
 @pytest.mark.parametrize("batching", [False, True], ids=["stock-attention", "batching-adapter"])
 def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_many_lengths(batching, dynamo_reset):
     """The sampler's prompts reach compiled blocks at their exact length (no padding, no mask: attention stays on
-    the fused kernels), and fourteen caption lengths, cond and uncond run one by one, compile one graph
-    (dynamic lengths; dynamo alone, the `eager` backend: the graphs are what is counted)."""
+    the fused kernels), and fourteen caption lengths, cond and uncond run one by one, compile no graph after the
+    first length's (dynamic lengths; dynamo alone, the `eager` backend: the graphs are what is counted)."""
     from qwen_edit_core.sample import sampler
     model = _model(batching)
     speed.compile_blocks(model, backend="eager")
     g = torch.Generator().manual_seed(2)
     shapes = [(1, 4, 5), (1, 4, 5)]
     settings = sampler.SampleSettings(true_cfg_scale=3.0, negative_prompt="", cfg_mode="sequential")
+    first = None
     for n in range(7, 35, 2):
+        if first is None and n > 7:
+            first = speed.compile_stats(model).graphs
         cond = sampler.Conditioning(pad_embeddings([torch.randn(n, 32, generator=g)]),
                                     pad_embeddings([torch.randn(n // 2 + 3, 32, generator=g)]),
                                     torch.randn(1, 20, 64, generator=g), shapes, 80, 64)
@@ -186,4 +189,6 @@ def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_man
         with torch.no_grad():
             denoiser(torch.randn(1, 20, 64, generator=g), torch.tensor([500.0]))
     stats = speed.compile_stats(model)
-    assert stats.fallback is None and stats.graphs == 1, stats
+    # one graph per block structure (the last block has no LoRA on its discarded text stream: its own graph),
+    # compiled at the first length; the thirteen lengths after it compile nothing more
+    assert stats.fallback is None and stats.graphs == first == 2, stats
