@@ -311,7 +311,8 @@ def test_loader_nodes_take_a_text_encoder_file_and_the_running_comfyuis_tokenize
 
     for node, tail in ((nodes.QwenEditTextEncoderLoader, ["text_encoder_file"]),
                        (nodes.QwenEditModelLoader, ["text_encoder_file", "instance", "transformer_fp8"])):
-        names = list(node.INPUT_TYPES()["optional"])  # new inputs go last: this one, then only later ones
+        optional = node.INPUT_TYPES()["optional"]
+        names = list(optional)  # new inputs go last: this one, then only the ones added after it
         assert names[names.index("text_encoder_file"):] == tail
         assert optional["text_encoder_file"][0][1:] == ["qwen_2.5_vl_7b.safetensors"]
     with torch.inference_mode():
