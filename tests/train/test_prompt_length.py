@@ -55,7 +55,7 @@ def test_the_training_plan_estimates_the_runs_real_sequence(tiny_edit_dir, pairs
                       run.lora_spec(config))
     (tokens, estimate, kwargs), = calls
     assert tokens == 2 * 96 * 96 + 55 * 55 + CAPTION_TOKENS == 21497
-    sizes = {k: v for k, v in kwargs.items() if k not in ("tokens", "prefer_fp8", "shards")}
+    sizes = {k: v for k, v in kwargs.items() if k not in ("tokens", "prefer_fp8", "shards", "already_fp8")}
     chosen = speed.plan_for_budget(16, tokens=2 * 96 * 96 + 1409, **sizes)
     fixed = speed.estimate_memory(fp8=chosen.fp8, n_checkpointed=chosen.checkpoint_blocks,
                                   n_offloaded=chosen.offload_blocks, tokens=2 * 96 * 96 + 1409, **sizes)
