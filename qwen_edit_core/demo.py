@@ -137,8 +137,8 @@ def one_thread():
 
 
 def run_demo(out_dir: Path, steps: int = STEPS, variant: str = variants.DEFAULT, progress=None) -> dict:
-    """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` ("edit", or
-    "image-2.1": the toy Qwen-Image-2.1, the control as reference 1); returns the metrics (also in
+    """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` (a variant
+    whose family ships a toy, `Family.toy`; with in-text references the control is reference 1); returns the metrics (also in
     metrics.json). Each phase is logged as it starts; `progress` (a common.progress.ProgressFn) receives the
     cache and training stages' step events, as for `QwenImageEditTrainer.cache` and `.fit`."""
     with one_thread():

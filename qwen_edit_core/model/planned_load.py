@@ -146,8 +146,8 @@ def _check(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool) -
 
 def load_transformer_planned(source, plan: speed.WeightPlan, *,
                              skeleton: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The frozen transformer of `source`'s family (model/weight_source.py: QwenImageTransformer2DModel or
-    QwenImage21Transformer2DModel) from its weights, in the form and place `plan`
+    """The frozen transformer of `source`'s family (model/weight_source.py: the family's
+    `transformer_class`) from its weights, in the form and place `plan`
     says: built on the meta device, then streamed module by module onto `plan.device` (resident blocks) or the
     host (offloaded blocks, handed to a `speed.BlockOffloader`), fp8 where planned. The model carries `plan`
     (`speed.loaded_plan`), so `speed.configure_training` applies it without planning again.
@@ -174,8 +174,8 @@ def load_transformer_planned(source, plan: speed.WeightPlan, *,
 
 
 def load_transformer_file(path, *, device: torch.device, dtype: torch.dtype, fp8: str = "auto"):
-    """A frozen transformer of the file's family (QwenImageTransformer2DModel or QwenImage21Transformer2DModel, read
-    from its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
+    """A frozen transformer of the file's family (its `transformer_class`, read from
+    its keys) from one safetensors file, on `device` in `dtype`; a scaled-fp8 file's block linears stay in
     fp8 or are upcast by `fp8` ("auto", "keep", "upcast"; see the module doc).
 
     The planned loader with a plan of `device` and `dtype` and no lever: the architecture comes from the file's

@@ -34,11 +34,6 @@ import torch
 SCHEDULES = ("diffusers", "comfyui", "lightning")
 #: ComfyUI's default model-sampling shift for Qwen-Image (ModelSamplingFlux: used as mu, exponential shift)
 COMFYUI_QWEN_MU = 1.15
-#: ComfyUI's model-sampling mu for Qwen-Image-2.1, the same at every resolution (comfy/supported_models.py
-#: ``QwenImage21.sampling_settings = {"multiplier": 1.0, "shift": 0.69}`` on ``ModelType.FLUX``, Comfy-Org/ComfyUI
-#: commit 01f03bbdc7df9462d3fc4c0918f80049333450f3: diffusers' 2.1 pipeline's mu at 1024x1024); the official
-#: scheduler computes mu from the target's token count instead
-COMFYUI_QWEN21_MU = 0.69
 COMFYUI_FLUX_TABLE = 10000
 COMFYUI_AURAFLOW_TABLE = 1000
 #: the Lightning LoRAs' fixed shift (their scheduler config's base_shift = max_shift = ln 3)
@@ -84,7 +79,7 @@ def lightning_scheduler_config(scheduler_config: dict, shift: float = LIGHTNING_
 
 def comfyui_sigma_table(shift: float | None = None, mu: float = COMFYUI_QWEN_MU) -> torch.Tensor:
     """ComfyUI's model-sampling table (float32, ascending): the default ModelSamplingFlux of the model (`mu`:
-    1.15 for Qwen-Image, `COMFYUI_QWEN21_MU` for Qwen-Image-2.1; 10000 entries) when `shift` is None, else
+    1.15 for Qwen-Image, the other family's own `mu`; 10000 entries) when `shift` is None, else
     ModelSamplingAuraFlow(shift) (1000 entries)."""
     if shift is None:
         t = torch.arange(1, COMFYUI_FLUX_TABLE + 1, 1) / COMFYUI_FLUX_TABLE

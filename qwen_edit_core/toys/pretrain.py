@@ -65,7 +65,7 @@ class Recipe:
     vae_steps: int = 300
     vae_batch: int = 4
     vae_lr: float = 5e-4
-    #: the variant of the toy's family (`Toy.variant`: "edit" for the 2025 toy, "image-2.1"); the family's pretrain
+    #: the variant of the toy's family (`Toy.variant`); the family's pretrain
     #: stage module supplies its VAE, transformer settings, data and batches
     variant: str = variants.DEFAULT
     #: the share of pairs with one or two more references after the edited picture, for a family that takes several

@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
 from qwen_edit_core.model.components import load_components
 from qwen_edit_core.model.devices import DevicePlan
 from qwen_edit_core.sample import sampler, schedules
@@ -75,7 +76,7 @@ def test_comfyuis_21_schedule_is_its_simple_scheduler_at_mu_069():
     t = np.arange(1, 10001, dtype=np.float64) / 10000
     table = math.exp(0.69) / (math.exp(0.69) + 1 / t - 1)
     expected = [table[-(1 + int(i * 10000 / 6))] for i in range(6)] + [0.0]
-    got = schedules.comfyui_sigmas(6, mu=schedules.COMFYUI_QWEN21_MU)
+    got = schedules.comfyui_sigmas(6, mu=sampler21.COMFYUI_QWEN21_MU)
     assert_close_fp32(got, torch.tensor(expected, dtype=torch.float32), ops=4, what="ComfyUI 2.1 sigmas")
     assert not torch.allclose(got, schedules.comfyui_sigmas(6))  # not the 2025 family's mu of 1.15
 
@@ -87,7 +88,7 @@ def test_the_comfyui_schedule_runs_its_sigmas_with_eulers_step(tiny_21_dir):
     steps = 3
     comfy = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, seed=2, vae_area=SIDE * SIDE,
                                    schedule="comfyui")
-    grid = schedules.comfyui_sigmas(steps, mu=schedules.COMFYUI_QWEN21_MU)[:-1].tolist()
+    grid = schedules.comfyui_sigmas(steps, mu=sampler21.COMFYUI_QWEN21_MU)[:-1].tolist()
     official = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=1.0, seed=2, vae_area=SIDE * SIDE,
                                       sigmas=tuple(grid), shift=1.0)
     a = sampler.sample(comps, "p", _refs(), comfy)[0]

@@ -39,8 +39,15 @@ from qwen_edit_core.families.qwen_image_21.encode import PromptWithSlots
 
 log = logging.getLogger(__name__)
 
+#: ComfyUI's model-sampling mu for Qwen-Image-2.1, the same at every resolution (comfy/supported_models.py
+#: ``QwenImage21.sampling_settings = {"multiplier": 1.0, "shift": 0.69}`` on ``ModelType.FLUX``, Comfy-Org/ComfyUI
+#: commit 01f03bbdc7df9462d3fc4c0918f80049333450f3: diffusers' 2.1 pipeline's mu at 1024x1024); the official
+#: scheduler computes mu from the target's token count instead
+COMFYUI_QWEN21_MU = 0.69
+
+
 #: the schedules of sample/schedules.py this family samples with: the official pipeline's, and stock ComfyUI's
-#: (its fixed mu, schedules.COMFYUI_QWEN21_MU, through ComfyUI's simple scheduler and Euler)
+#: (its fixed mu, COMFYUI_QWEN21_MU, through ComfyUI's simple scheduler and Euler)
 SCHEDULES = ("diffusers", "comfyui")
 #: calculate_shift's defaults in the 2.1 pipeline, used where the scheduler config lacks a key
 SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
@@ -158,9 +165,9 @@ def make_timesteps(scheduler_config: dict, sigmas: Sequence[float] | None, steps
     ComfyUI's Euler step."""
     if schedule == "comfyui":
         grid = torch.tensor([*sigmas, 0.0]) if sigmas else schedules.comfyui_sigmas(
-            steps, shift, mu=schedules.COMFYUI_QWEN21_MU)
+            steps, shift, mu=COMFYUI_QWEN21_MU)
         scheduler = schedules.ComfyEuler(grid, device)
-        return scheduler, scheduler.timesteps, math.log(shift) if shift else schedules.COMFYUI_QWEN21_MU
+        return scheduler, scheduler.timesteps, math.log(shift) if shift else COMFYUI_QWEN21_MU
     c = {**SHIFT_DEFAULTS, **{k: v for k, v in scheduler_config.items() if k in SHIFT_DEFAULTS}}
     slope = (c["max_shift"] - c["base_shift"]) / (c["max_image_seq_len"] - c["base_image_seq_len"])
     mu = image_seq_len * slope + c["base_shift"] - slope * c["base_image_seq_len"]
