@@ -103,7 +103,10 @@ class _Loan:
 
 
 def host_copy(data: torch.Tensor) -> torch.Tensor:
-    """The pageable host copy a parked tensor waits in."""
+    """The pageable host copy a parked tensor waits in (of a meta tensor, the memory simulator's stand-in for the
+    device, which holds no values: an uninitialised one)."""
+    if data.is_meta:
+        return torch.empty_like(data, device="cpu")
     return data.detach().to("cpu", copy=True)
 
 
