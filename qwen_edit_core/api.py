@@ -40,18 +40,20 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
     the measures are kept by content hash; `text_encoder`: an already loaded TextEncoder (`load_text_encoder`) asked
-    whether each target shows its caption's edit (optional: nothing is loaded for it)."""
+    whether each target shows its caption's edit (optional: nothing is loaded for it). Each picture is read and
+    decoded once: the doctor measures it from the dataset reader's decode."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
+    from qwen_edit_core.data.doctor.runner import PairMeasurer
     from qwen_edit_core.train.heldout import split_heldout
-    examples = list(load_dataset(folder, skip_invalid=True, convert_modes=True).examples)
-    held: list = []
+    measured = PairMeasurer(cache_dir)
+    read = lambda path: load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples  # noqa: E731
+    examples, held = list(read(folder)), []
     if held_out:
-        examples, held = split_heldout(examples, held_out, lambda path: load_dataset(
-            path, skip_invalid=True, convert_modes=True).examples)
+        examples, held = split_heldout(examples, held_out, read)
     settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
-    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, cache_dir=cache_dir,
-                         workers=workers, text_encoder=text_encoder)
+    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
+                         text_encoder=text_encoder, measured=measured)
 
 
 class QwenImageEditTrainer:

@@ -249,7 +249,8 @@ def cmd_doctor(args) -> None:
     from qwen_edit_core.data.doctor.runner import default_workers
     held = int(args.held_out) if args.held_out and args.held_out.isdigit() else args.held_out
     run = doctor_dataset(args.dataset, held, pixel_aligned=args.pixel_aligned, area=args.area,
-                         batch_size=args.batch_size, out_dir=args.out, fix_dir=args.fix, cache_dir=args.cache,
+                         batch_size=args.batch_size, out_dir=args.out, fix_dir=args.fix,
+                         cache_dir=args.cache or Path(args.out) / "cache",
                          workers=args.workers or default_workers())
     if args.json:
         if run.report.findings:
@@ -278,7 +279,8 @@ def add_doctor_command(sub) -> None:
                    "(data.pixel_aligned): --fix realigns shifted and zoomed targets")
     p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
     p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
-    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
+    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes, so that a "
+                                   "second run measures only changed pairs (default: OUT/cache)")
     p.add_argument("--workers", type=int, help="processes measuring pairs (default: the CPUs, at most 4)")
     p.set_defaults(func=cmd_doctor)
 
