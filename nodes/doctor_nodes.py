@@ -44,6 +44,7 @@ class QwenEditDatasetDoctor:
         held = int(held_out) if held_out.strip().isdigit() else held_out.strip() or None
         out = comfy_runtime.output_dir() / "qwen_edit_doctor" / dataset.folder.name
         run = doctor_dataset(dataset.folder, held, pixel_aligned=pixel_aligned, out_dir=out, cache_dir=out / "cache",
-                             fix_dir=_folder(fix_folder) if fix_folder.strip() else None)
+                             fix_dir=_folder(fix_folder) if fix_folder.strip() else None,
+                             comfyui_dir=comfy_runtime.comfyui_dir())  # its bundled tokenizer counts the captions
         summary = run.report.summary() + (f"\nfixed copy: {len(run.fixes)} fix(es) applied" if run.fixes else "")
         return {"ui": {"text": [summary]}, "result": (files_to_image([run.picture] if run.picture else []), summary)}

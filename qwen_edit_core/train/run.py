@@ -87,13 +87,20 @@ def lora_spec(config: Config, family=None) -> lora_mod.LoraSpec:
                              dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
 
 
+def caption_counter(config: Config):
+    """`count(text) -> tokens` of the configured text encoder's tokenizer alone (model.components
+    .caption_token_counter: read locally, no weights), None when the model has none to read."""
+    model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
+    return comp.caption_token_counter(model_dir, model_files(config)["comfyui_dir"])
+
+
 def load_examples(config: Config, on_pair=None):
     """The validated dataset of `data.folder` (data.dataset.load_dataset), every caption's tokens counted by the
     model's tokenizer alone, before any weight loads; `on_pair`: load_dataset's (the doctor's `PairMeasurer`)."""
     from qwen_edit_core.data.dataset import DatasetError, Problem, load_dataset
     d = config.data
     model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
-    count = comp.caption_token_counter(model_dir, model_files(config)["comfyui_dir"])
+    count = caption_counter(config)
     report = load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, count_tokens=count,
                           on_pair=on_pair)
     spec = variants.get(config.model.variant or comp.detect_variant(model_dir))
@@ -450,7 +457,8 @@ def run_doctor(config: Config, examples: Sequence, held: Sequence, measured=None
     from qwen_edit_core.data.doctor import DoctorSettings, diagnose
     d = config.data
     settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.pixel_aligned_edit, batch_size=d.batch_size)
-    report = diagnose(examples, held, settings, measured=measured or doctor_measurer(config))
+    report = diagnose(examples, held, settings, measured=measured or doctor_measurer(config),
+                      count_tokens=caption_counter(config))
     if report.findings and d.doctor == "refuse":
         raise ValueError(f"{report.summary()}\ndata.doctor is 'refuse': fix the pairs (qwen-edit doctor "
                          f"{d.folder} --fix NEW_FOLDER writes a fixed copy) or set data.doctor: warn")

@@ -158,19 +158,22 @@ def measure_all(examples: Sequence[EditExample], measured: PairMeasurer, workers
 def diagnose(examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
              settings: DoctorSettings = DoctorSettings(), *, cache_dir: Optional[Path] = None, workers: int = 1,
              progress: Optional[Callable[[int, int], None]] = None, text_encoder=None,
-             measured: Optional[PairMeasurer] = None) -> DoctorReport:
+             measured: Optional[PairMeasurer] = None,
+             count_tokens: Optional[Callable[[str], int]] = None) -> DoctorReport:
     """Every check on the training pairs `examples` and the `held_out` pairs (validated dataset examples):
     a DoctorReport, its findings worst first. `measured`: the PairMeasurer the dataset reader handed the pairs to
-    (its cache folder, not `cache_dir`, is used); without it each picture is read here, once. With an already loaded
-    `text_encoder` (model.components.TextEncoder) it also asks it whether each target shows its caption's edit
-    (`vlm`)."""
+    (its cache folder, not `cache_dir`, is used); without it each picture is read here, once. `count_tokens`: the
+    text encoder's tokenizer, for the captions' lengths (None: a note says they were not checked). With an already
+    loaded `text_encoder` (model.components.TextEncoder) it also asks it whether each target shows its caption's
+    edit (`vlm`)."""
     measured = measured if measured is not None else PairMeasurer(cache_dir)
     measures = measure_all([*examples, *held_out], measured, workers, progress)
     pairs = [Measured(e.name, e, m) for e, m in zip(examples, measures)]
     held = [Measured(e.name, e, m) for e, m in zip(held_out, measures[len(examples):])]
     results = [swapped.check(pairs, settings), alignment.check(pairs, settings),
                references.check(pairs, settings), duplicates.check(pairs, held, settings),
-               regions.check(pairs, settings), captions.check(pairs, settings), sizes.check(pairs, settings)]
+               regions.check(pairs, settings), captions.check(pairs, settings, count_tokens),
+               sizes.check(pairs, settings)]
     if text_encoder is not None:
         from qwen_edit_core.data.doctor import vlm
         results.append(vlm.check(pairs, text_encoder))
@@ -197,11 +200,12 @@ class DoctorRun:
 
 def doctor_folder(folder, examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
                   settings: DoctorSettings = DoctorSettings(), *, out_dir=None, fix_dir=None, cache_dir=None,
-                  workers: int = 1, text_encoder=None, measured: Optional[PairMeasurer] = None) -> DoctorRun:
+                  workers: int = 1, text_encoder=None, measured: Optional[PairMeasurer] = None,
+                  count_tokens: Optional[Callable[[str], int]] = None) -> DoctorRun:
     """`diagnose` the pairs of dataset `folder`, then write the report (report.txt; report.png and report.html of
     the worst pairs) into `out_dir` and a fixed copy of the folder into `fix_dir`, when given."""
     report = diagnose(examples, held_out, settings, cache_dir=cache_dir, workers=workers, text_encoder=text_encoder,
-                      measured=measured)
+                      measured=measured, count_tokens=count_tokens)
     picture = write_report(report, out_dir) if out_dir is not None else None
     fixes = apply_fixes(report, folder, fix_dir, settings) if fix_dir is not None else []
     return DoctorRun(report, picture, tuple(fixes), html_path(picture) if picture else None)
