@@ -80,6 +80,27 @@ def doctor_tokenizer(model=None, comfyui_dir=None):
     return comp.caption_token_counter(path, comfyui_dir) if path is not None or comfyui_dir else None
 
 
+def doctor_text_encoder(model=None, *, text_encoder_file=None, comfyui_dir=None, device: str = "cpu"):
+    """The text encoder the doctor's optional vision-language check asks (data/doctor/vlm.py), from local files only:
+    `model` a diffusers model directory (or a hub id already in the local cache) or a text-encoder file (its
+    tokenizer: ComfyUI's bundled one, in `comfyui_dir` or beside the file's models folder); float32 on the CPU,
+    bfloat16 elsewhere."""
+    from qwen_edit_core.model import components as comp
+    from qwen_edit_core.model.components import load_text_encoder
+    path = Path(str(model)).expanduser() if model else None
+    model_dir = None
+    if path is not None and path.is_file():
+        text_encoder_file, comfyui_dir = path, comfyui_dir or comp.comfyui_dir_near(path.parent.parent)
+    elif model:
+        model_dir = resolve_model_dir(model)
+    if model_dir is None and not text_encoder_file:
+        raise ValueError("the vision-language check needs the model's text encoder: give the model directory or a "
+                         "text-encoder file (qwen-edit doctor --model), or a training --config")
+    where = resolve_device(device, component="the doctor's text encoder device")
+    return load_text_encoder(model_dir, device=where, dtype=torch.float32 if where.type == "cpu" else torch.bfloat16,
+                             text_encoder_file=text_encoder_file, comfyui_dir=comfyui_dir)
+
+
 class QwenImageEditTrainer:
     """Load a Qwen-Image-Edit model on a device plan, then predict (and, later stages, cache and fit)."""
 

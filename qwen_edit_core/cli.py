@@ -253,7 +253,8 @@ def cmd_doctor(args) -> None:
     run = doctor_dataset(options["dataset"], held, pixel_aligned=options["pixel_aligned"], area=options["area"],
                          batch_size=options["batch_size"], out_dir=args.out, fix_dir=args.fix,
                          cache_dir=options["cache"], workers=args.workers or default_workers(),
-                         count_tokens=options["count_tokens"] or doctor_tokenizer(args.model, args.comfyui_dir))
+                         count_tokens=options["count_tokens"] or doctor_tokenizer(args.model, args.comfyui_dir),
+                         text_encoder=_doctor_text_encoder(args) if args.vlm else None)
     if args.json:
         if run.report.findings:
             print(run.report.json_lines())  # noqa: T201  (the command's output)
@@ -263,6 +264,19 @@ def cmd_doctor(args) -> None:
         log.info("report of the worst pairs: %s (picture: %s)", run.page, run.picture)
     for line in run.fixes:
         log.info("fixed %s", line)
+
+
+def _doctor_text_encoder(args):
+    """The text encoder `--vlm` asks: --model's (or --config's model and text-encoder file), on --vlm-device."""
+    from qwen_edit_core.api import doctor_text_encoder
+    if args.model or not args.config:
+        return doctor_text_encoder(args.model, comfyui_dir=args.comfyui_dir, device=args.vlm_device)
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.train import run
+    config = load_config(args.config)
+    files = run.model_files(config)
+    return doctor_text_encoder(config.model.pretrained_model_name_or_path, device=args.vlm_device,
+                               text_encoder_file=files["text_encoder_file"], comfyui_dir=files["comfyui_dir"])
 
 
 def _doctor_options(args) -> dict:
@@ -315,6 +329,10 @@ def add_doctor_command(sub) -> None:
                                    "file whose tokenizer counts the captions' tokens (nothing is downloaded)")
     p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer counts the captions' "
                                          "tokens")
+    p.add_argument("--vlm", action="store_true", help="also ask the model's own text encoder (Qwen2.5-VL, from "
+                   "--model or --config, local files only) whether each target shows its caption's edit applied to "
+                   "its control; a no is a caption finding with its description as the proposed caption (slow)")
+    p.add_argument("--vlm-device", default="cpu", help="device the --vlm text encoder runs on")
     p.set_defaults(func=cmd_doctor)
 
 
