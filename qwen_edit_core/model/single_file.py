@@ -3,9 +3,9 @@ encoder file is families/qwen_image/text_encoder_file.py, which shares the readi
 
 Layout, learned from ComfyUI's and diffusers' own source:
 - Key names are diffusers' module paths: ComfyUI's `comfy/ldm/qwen_image/model.py` names its modules like
-  diffusers' Qwen-Image transformer class (the family's `transformer_class`), and diffusers' `loaders/single_file_model.py` maps a Qwen-Image
-  single file with the identity. Files saved from a ComfyUI model carry the `model.diffusion_model.` prefix
-  (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
+  diffusers' Qwen-Image transformer class (the family's `transformer_class`), and diffusers'
+  `loaders/single_file_model.py` maps a Qwen-Image single file with the identity. Files saved from a ComfyUI
+  model carry the `model.diffusion_model.` prefix (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
 - `__index_timestep_zero__` (`variants.ZERO_COND_MARKER`, an empty tensor registered as a buffer in
   comfy/ldm/qwen_image/model.py when `default_ref_method == "index_timestep_zero"`) marks Edit-2511:
   `zero_cond_t=True` in diffusers.
@@ -255,7 +255,8 @@ WAN_VAE_MARKER = "decoder.middle.0.residual.0.gamma"
 
 
 def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
-    """A VAE file's tensors with the diffusers Qwen-Image VAE class's (`vae_class`) names, whichever of the two layouts."""
+    """A VAE file's tensors with the diffusers Qwen-Image VAE class's (`vae_class`) names, whichever of the two
+    layouts."""
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     tensors = _read_tensors(path, "VAE")

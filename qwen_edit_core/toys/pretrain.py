@@ -1,8 +1,9 @@
-"""Build a toy model's weights (`qwen-edit tiny [--variant <the toy's variant>] --pretrained --train`, `Toy.variant`): a VAE, then a
-transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's constructed
-VAE in families/qwen_image/pretrain.py; the Qwen-Image-2.1 toy's VAE, transformer settings and reference-1 batches in
-families/qwen_image_21/pretrain.py); the data, the flow-matching loop, the seeds and the manifest are this module's. The steps below are
-the 2025 toy's; families/qwen_image_21/pretrain.py describes the 2.1 toy's.
+"""Build a toy model's weights (`qwen-edit tiny [--variant V] --pretrained --train`, V a family's `Toy.variant`): a
+VAE, then a transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's
+constructed VAE in families/qwen_image/pretrain.py; the Qwen-Image-2.1 toy's VAE, transformer settings and
+reference-1 batches in families/qwen_image_21/pretrain.py); the data, the flow-matching loop, the seeds and the
+manifest are this module's. The steps below are the 2025 toy's; families/qwen_image_21/pretrain.py describes the
+2.1 toy's.
 
 1. The VAE (the family's `vae_class`: 8 base channels, 16 latent channels, 8x downscale) starts from
    constructed weights (families/qwen_image/pretrain.py `constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
