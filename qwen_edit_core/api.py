@@ -39,15 +39,16 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     folder's last N pairs; a folder); `pixel_aligned`: the edit keeps every pixel in place (realign with
     `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
-    the measures are kept by content hash; `text_encoder`: an already loaded TextEncoder (`load_text_encoder`) asked
-    whether each target shows its caption's edit (optional: nothing is loaded for it). The captions' tokens are
-    counted by `count_tokens`, else by the tokenizer of `model` or `comfyui_dir` (`doctor_tokenizer`). Each picture
-    is read and decoded once: the doctor measures it from the dataset reader's decode."""
+    the measures are kept by content hash; `workers`: processes reading and measuring; `text_encoder`: an already
+    loaded TextEncoder (`load_text_encoder`) asked whether each target shows its caption's edit (optional: nothing
+    is loaded for it). The captions' tokens are counted by `count_tokens`, else by the tokenizer of `model` or
+    `comfyui_dir` (`doctor_tokenizer`). Each picture is read and decoded once: the doctor measures it from the
+    dataset reader's decode."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
     from qwen_edit_core.data.doctor.runner import PairMeasurer
     from qwen_edit_core.train.heldout import split_heldout
-    measured = PairMeasurer(cache_dir)
+    measured = PairMeasurer(cache_dir, workers)
 
     def read(path):
         return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples

@@ -45,7 +45,7 @@ def run(pairs: int = PAIRS, workers: int | None = None) -> dict:
         cpu = {"dataset reader alone": _cpu_seconds() - start_cpu}
         for label in ("reader + doctor, cold", "reader + doctor, warm"):
             start, start_cpu = time.perf_counter(), _cpu_seconds()
-            measured = PairMeasurer(Path(tmp) / "cache")
+            measured = PairMeasurer(Path(tmp) / "cache", workers)
             examples = load_dataset(dataset.train, on_pair=measured).examples
             held = load_dataset(dataset.heldout, on_pair=measured).examples
             report = diagnose(examples, held, DoctorSettings(), workers=workers, measured=measured)

@@ -279,12 +279,24 @@ class _Limits:
     count_tokens: Optional[Callable[[str], int]] = None  # the text encoder's tokenizer (None: not counted)
     #: called with each valid pair and its files' ImageChecks (sha256 and decoded picture) by path
     on_pair: Optional[Callable[[EditExample, dict[Path, ImageCheck]], None]] = None
+    #: each folder's resolved path, resolved once (`_resolved`)
+    folders: dict = field(default_factory=dict, compare=False)
 
 
-def _outside(path: Path, root: Path) -> Problem | None:
+def _resolved(path: Path, folders: dict) -> Path:
+    """`path.resolve()`, its folder resolved once for all its files (`folders` keeps them): only a file that is
+    itself a link is resolved on its own (a dataset of 10,000 pairs: 40,000 files, a few folders)."""
+    if path.is_symlink():
+        return path.resolve()
+    if path.parent not in folders:
+        folders[path.parent] = path.parent.resolve()
+    return folders[path.parent] / path.name
+
+
+def _outside(path: Path, root: Path, folders: dict) -> Problem | None:
     """A problem when `path` is (or lies in a folder that is) a link to a file outside the dataset folder
     `root`: a dataset is what its folder holds, and a link to /etc/passwd must not become a caption."""
-    target = path.resolve()
+    target = _resolved(path, folders)
     if target == root or root in target.parents:
         return None
     return Problem(path, f"is a link to {str(target)!r}, outside the dataset folder {str(root)!r}; copy the file "
@@ -296,7 +308,7 @@ def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | Non
     problems, notes, sizes, checks = [], [], [], {}
     files = (candidate.target, *candidate.controls, *candidate.captions[:1],
              *([candidate.mask] if candidate.mask is not None else []))
-    problems = [p for p in (_outside(path, limits.root) for path in files) if p]
+    problems = [p for p in (_outside(path, limits.root, limits.folders) for path in files) if p]
     if problems:
         return None, problems, notes
     for path in (candidate.target, *candidate.controls):

@@ -223,3 +223,12 @@ def test_the_benchmark_runs_on_a_small_dataset(capsys):
     rates = doctor.run(pairs=30, workers=1)
     assert set(rates) == {"dataset reader alone", "reader + doctor, cold", "reader + doctor, warm"}
     assert "30 pairs of 64 px" in capsys.readouterr().out
+
+
+def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed, monkeypatch):
+    from qwen_edit_core.api import doctor_dataset
+    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helper, a few waiting at a time
+    started, real_pool = [], runner.ProcessPoolExecutor
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **options: started.append(options) or real_pool(**options))
+    report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
+    assert started == [{"max_workers": 1}] and report.findings == fixed[0].report.findings

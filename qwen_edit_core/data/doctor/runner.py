@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +43,16 @@ def pair_key(example: EditExample, hashes: Sequence[str]) -> str:
                           + "|".join(parts).encode()).hexdigest()
 
 
-def _measured(example: EditExample, pictures: Sequence[Picture]) -> dict:
-    """The measures (as a dict) of a pair from its `_files`' Pictures, in that order."""
+def _pair(example: EditExample, pictures: Sequence[Picture]) -> PairPictures:
+    """The PairPictures of a pair from its `_files`' Pictures, in that order."""
     n = len(example.controls)
-    return measure(PairPictures(example, pictures[n], tuple(pictures[:n]),
-                                pictures[n + 1] if example.mask is not None else None)).as_dict()
+    mask = pictures[n + 1] if example.mask is not None else None
+    return PairPictures(example, pictures[n], tuple(pictures[:n]), mask)
+
+
+def _greys(example: EditExample) -> list[bool]:
+    """Whether each of `_files` is read as grey (the mask, last) or RGB."""
+    return [False] * (len(example.controls) + 1) + [True]
 
 
 def measure_pair(example: EditExample, cached: dict) -> tuple[str, dict]:
@@ -56,33 +62,75 @@ def measure_pair(example: EditExample, cached: dict) -> tuple[str, dict]:
     key = pair_key(example, [sha for sha, _ in read])
     if key in cached:
         return key, cached[key]
-    grey = [False] * (len(example.controls) + 1) + [True]
-    return key, _measured(example, [decode(*r, grey=g) for r, g in zip(read, grey)])
+    return key, measure(_pair(example, [decode(*r, grey=g) for r, g in zip(read, _greys(example))])).as_dict()
 
 
 class PairMeasurer:
     """The doctor's measures of a dataset's pairs, taken as the dataset reader validates them: pass it as
     `load_dataset(on_pair=...)` and each pair is measured from the reader's own decode of its files (no second read)
-    unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. `diagnose` takes it as
-    `measured`, measures what it lacks, and `save`s the new measures there."""
+    unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. With `workers` above 1, that
+    many processes less one measure the pairs while this one reads on. `diagnose` takes it as `measured`, measures
+    what it lacks, and `save`s the new measures there."""
 
-    def __init__(self, cache_dir=None):
+    def __init__(self, cache_dir=None, workers: int = 1):
         self.cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
         self.cached = load_cache(self.cache_path)
         self.fresh: dict = {}  # key -> measures of this run's pairs the cache lacked
         self.keys: dict = {}  # EditExample -> its key
+        self.helpers = max(0, workers - 1)
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._batch: list[tuple[str, PairPictures]] = []
+        self._pending: deque = deque()  # (keys, future) of the batches sent to the pool, oldest first
 
     def __call__(self, example: EditExample, checks: dict) -> None:
         """Measure `example` from its files' `images.ImageCheck`s (by path), unless its key is known."""
         key = pair_key(example, [checks[path].sha256 for path in _files(example)])
         self.keys[example] = key
-        if key not in self.cached and key not in self.fresh:
-            grey = [False] * (len(example.controls) + 1) + [True]
-            self.fresh[key] = _measured(example, [picture_of(checks[path].sha256, checks[path].image, grey=g)
-                                                  for path, g in zip(_files(example), grey)])
+        if key in self.cached or key in self.fresh:
+            return
+        pair = _pair(example, [picture_of(checks[path].sha256, checks[path].image, grey=grey)
+                               for path, grey in zip(_files(example), _greys(example))])
+        if not self.helpers:
+            self.fresh[key] = measure(pair).as_dict()
+            return
+        self.fresh[key] = None  # sent: its measures arrive with `finish`
+        self._batch.append((key, pair))
+        if len(self._batch) >= _BATCH:
+            self._send()
+
+    def _send(self) -> None:
+        """Send the gathered pairs to the pool; at most two batches a helper wait there (the pictures held in
+        memory stay bounded however fast the reader is)."""
+        if not self._batch:
+            return
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.helpers)
+        keys, pairs = zip(*self._batch)
+        self._pending.append((keys, self._pool.submit(_measure_pictures, pairs)))
+        self._batch = []
+        while len(self._pending) > 2 * self.helpers:
+            self._receive()
+
+    def _receive(self) -> None:
+        keys, future = self._pending.popleft()
+        self.fresh.update(zip(keys, future.result()))
+
+    def finish(self) -> None:
+        """Wait for the measures the helper processes are taking, then let them go (a last batch with no pool
+        started yet, a small dataset's, is measured here: starting a process would cost more)."""
+        if self._pool is None and self._batch:
+            keys, pairs = zip(*self._batch)
+            self.fresh.update(zip(keys, _measure_pictures(pairs)))
+            self._batch = []
+        self._send()
+        while self._pending:
+            self._receive()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def get(self, key: str) -> Optional[dict]:
-        """The measures of `key`, cached or measured in this run (None: unknown)."""
+        """The measures of `key`, cached or measured in this run (None: unknown, or not yet `finish`ed)."""
         return self.cached.get(key, self.fresh.get(key))
 
     def save(self) -> None:
@@ -108,6 +156,11 @@ def _keep_cache(cached: dict) -> None:
     _WORKER_CACHE = cached
 
 
+def _measure_pictures(pairs: Sequence[PairPictures]) -> list[dict]:
+    """The measures (as dicts) of pairs already read (a helper process's task)."""
+    return [measure(pair).as_dict() for pair in pairs]
+
+
 def _measure_batch(examples: Sequence[EditExample], cached: Optional[dict] = None) -> list[tuple[str, dict]]:
     cached = _WORKER_CACHE if cached is None else cached
     return [measure_pair(e, cached) for e in examples]
@@ -129,6 +182,7 @@ def measure_all(examples: Sequence[EditExample], measured: PairMeasurer, workers
                 progress: Optional[Callable[[int, int], None]] = None) -> list[Measures]:
     """The measures of each example, in order: those `measured` took from the dataset reader or its cache, the
     others read, hashed and measured here (in `workers` processes when above 1); then `measured.save()`."""
+    measured.finish()
     known = {e: measured.get(measured.keys[e]) for e in examples if e in measured.keys}
     todo = [e for e in examples if known.get(e) is None]
     batches = [todo[i:i + _BATCH] for i in range(0, len(todo), _BATCH)]
