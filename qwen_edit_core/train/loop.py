@@ -29,7 +29,7 @@ from qwen_edit_core.families import family_of
 from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.validation import RegionLosses
-from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
+from qwen_edit_core.train.batch import collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
 from qwen_edit_core.train.distributed import (Distributed, PaddingMeter, image_tokens, local_device,  # noqa: F401
                                               sequence_tokens)
 from qwen_edit_core.train.log import LossLog, plot_loss

@@ -181,8 +181,11 @@ def test_loaded_components_are_comfyuis_loaded_models_and_it_can_offload_them(co
                         lambda self, unpatch_all=True: detached.append(self.module) or real(self, unpatch_all))
     comfy.free_memory(1e30, torch.device("cpu"))  # another model needs the room: ComfyUI unloads ours
     assert comfy.current_loaded_models == [] and {id(m) for m in detached} == set(sizes)
-    nodes.QwenEditEncodeImage().encode(handle, torch.rand(1, 64, 64, 3), 64)  # a node using it loads it again
-    assert set(_ours(comfy)) == {id(handle.components.vae)}
+    assert all(loaded_models.freed(m) for m in modules)  # on the CPU, with nowhere to offload to, freed
+    again, _ = _load()  # its IS_CHANGED changed: ComfyUI runs the loader again
+    comfy.current_loaded_models.clear()
+    nodes.QwenEditEncodeImage().encode(again, torch.rand(1, 64, 64, 3), 64)  # a node using it loads it
+    assert set(_ours(comfy)) == {id(again.components.vae)}
 
 
 def test_comfyui_cannot_offload_a_model_a_training_job_uses(comfy, monkeypatch, caplog):

@@ -1,6 +1,6 @@
 """The Qwen-Image-2.1 sampler: diffusers' `QwenImage21Pipeline` loop in numbers, with the prefix K/V cache.
 
-What differs from the 2025 family's loop (sample/sampler.py), read from diffusers 0.42.1
+What differs from the 2025 family's loop (families/qwen_image/sampler.py), read from diffusers 0.42.1
 pipeline_qwenimage21.py and transformer_qwenimage21.py:
 - reference latents go first, the target's last ([ref 1 | ... | ref n | target]); `img_shapes` lists them in the
   same order, and each reference's tokens replace its vision slots inside the text sequence (the transformer does
