@@ -102,6 +102,8 @@ def test_offloading_k_blocks_of_a_lent_fp8_model_frees_k_blocks_and_gives_them_b
     levers._apply(copy, plan, compile=False)
     assert _held_bytes(model, copy) == total - k * block
     assert copy._qwen_edit_offloader.host_bytes == k * block
+    from qwen_edit_core.bench import memory
+    assert memory.host_bytes(copy) == memory.pinned_host_bytes(copy)  # one host copy, counted once
     with torch.no_grad():  # the copy computes with its offloaded blocks copied in
         copy(hidden_states=torch.randn(1, 48, 64), timestep=torch.tensor([0.6]), encoder_hidden_states=torch.randn(
             1, 12, 32), img_shapes=[[(1, 6, 8)]], return_dict=False)
