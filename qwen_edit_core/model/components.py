@@ -177,8 +177,13 @@ def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None
         source = processor_source(model_dir, comfyui_dir)
     except (ModelNotFoundError, OSError, ValueError):
         return None
+    return token_counter(source)
+
+
+def token_counter(source: Path):
+    """`count(text) -> tokens` of the tokenizer saved in the folder `source` (read locally, never downloaded)."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
