@@ -233,4 +233,4 @@ def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed
     started, real_pool = [], runner.ProcessPoolExecutor
     monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **options: started.append(options) or real_pool(**options))
     report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
-    assert started == [{"max_workers": 1}] and report.findings == fixed[0].report.findings
+    assert started == [{"max_workers": 2}] and report.findings == fixed[0].report.findings
