@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true",
                    help="with --pretrained: train the toy weights from scratch into --weights-dir first")
     p.add_argument("--weights-dir", default=None,
-                   help="with --pretrained: toy weights folder (default: the package's toys/weights/qwen-image, or "
-                        "toys/weights/qwen-image-2.1 with --variant image-2.1)")
+                   help="with --pretrained: toy weights folder (default: the package's toys/weights/<family>, the "
+                        "family of --variant)")
     p.add_argument("--train-vae", action="store_true",
                    help="with --pretrained: retrain only the VAE's decoder into --weights-dir (its transformer and "
                         "the latents stay as they are)")
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
     p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
-                   help="memory: simulated variant; sample: image-2.1 runs only Qwen-Image-2.1's prefix-cache table")
+                   help="memory: simulated variant; sample: a Qwen-Image-2.1 variant runs only its prefix-cache table")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
@@ -527,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
                    help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.add_argument("--sample", action="store_true", help="memory: sampling on a card of --budget-gb GiB (default 24 "
-                   "and 48); image-2.1: with its prefix K/V cache planned, --controls references")
+                   "and 48); Qwen-Image-2.1: with its prefix K/V cache planned, --controls references")
     p.set_defaults(func=cmd_bench)
     return parser
 

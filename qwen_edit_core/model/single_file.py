@@ -3,9 +3,9 @@ encoder file is families/qwen_image/text_encoder_file.py, which shares the readi
 
 Layout, learned from ComfyUI's and diffusers' own source:
 - Key names are diffusers' module paths: ComfyUI's `comfy/ldm/qwen_image/model.py` names its modules like
-  diffusers' `QwenImageTransformer2DModel`, and diffusers' `loaders/single_file_model.py` maps a Qwen-Image
-  single file with the identity. Files saved from a ComfyUI model carry the `model.diffusion_model.` prefix
-  (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
+  diffusers' Qwen-Image transformer class (the family's `transformer_class`), and diffusers'
+  `loaders/single_file_model.py` maps a Qwen-Image single file with the identity. Files saved from a ComfyUI
+  model carry the `model.diffusion_model.` prefix (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
 - `__index_timestep_zero__` (`variants.ZERO_COND_MARKER`, an empty tensor registered as a buffer in
   comfy/ldm/qwen_image/model.py when `default_ref_method == "index_timestep_zero"`) marks Edit-2511:
   `zero_cond_t=True` in diffusers.
@@ -32,7 +32,7 @@ import torch
 from qwen_edit_core.model import file_stream
 
 
-from qwen_edit_core.families import variants
+from qwen_edit_core.families import DEFAULT, variants
 log = logging.getLogger(__name__)
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -248,14 +248,15 @@ def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ComfyUI's qwen_image_vae.safetensors is its Wan 2.1 VAE layout (comfy/sd.py recognises
 # `decoder.middle.0.residual.0.gamma` and builds comfy.ldm.wan.vae.WanVAE with dim 96, z_dim 16,
 # dim_mult [1, 2, 4, 4], num_res_blocks 2). diffusers' loaders/single_file_utils.py
-# `convert_wan_vae_to_diffusers` maps that layout onto AutoencoderKLQwenImage's module names (same architecture;
+# `convert_wan_vae_to_diffusers` maps that layout onto the Qwen-Image VAE class's module names (same architecture;
 # the converter assumes num_res_blocks 2, which the real VAE and our tiny VAE have).
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 WAN_VAE_MARKER = "decoder.middle.0.residual.0.gamma"
 
 
 def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
-    """A VAE file's tensors with diffusers (AutoencoderKLQwenImage) names, whichever of the two layouts."""
+    """A VAE file's tensors with the diffusers Qwen-Image VAE class's (`vae_class`) names, whichever of the two
+    layouts."""
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     tensors = _read_tensors(path, "VAE")
@@ -268,7 +269,7 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
         return tensors
     sample = ", ".join(sorted(tensors)[:4])
     raise SingleFileError(f"{path}: not a Qwen-Image VAE (found keys like {sample}); expected ComfyUI's "
-                          f"qwen_image_vae.safetensors layout ({WAN_VAE_MARKER}) or diffusers' AutoencoderKLQwenImage")
+                          f"qwen_image_vae.safetensors layout ({WAN_VAE_MARKER}) or diffusers' {DEFAULT.vae_class}")
 
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families.qwen_image import encode as family_encode
 from qwen_edit_core.model import encode
 from qwen_edit_core.model.tiny import transformer_config
 from qwen_edit_core.toys.pretrain import cosine, vae_input
@@ -188,11 +189,11 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
     items = []
     for start in range(0, recipe.pictures, 32):
         controls = [synthetic.picture(rng, recipe.size) for _ in range(min(32, recipe.pictures - start))]
-        control_tokens = encode.pack(encode.encode_latents(vae, vae_input(controls)))
+        control_tokens = family_encode.pack(encode.encode_latents(vae, vae_input(controls)))
         for prompt, function in zip(prompts, functions):
             target_tokens = control_tokens if function is synthetic.keep else \
-                encode.pack(encode.encode_latents(vae, vae_input([function(c) for c in controls])))
-            embeds = encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
+                family_encode.pack(encode.encode_latents(vae, vae_input([function(c) for c in controls])))
+            embeds = family_encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
                                            [[c] for c in controls], recipe.variant, device=torch.device("cpu"))
             items += [{"control": control_tokens[i], "target": target_tokens[i], "embeds": embeds[i]}
                       for i in range(len(controls))]
@@ -201,7 +202,7 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
 
 def batch(picked: list[dict], side: int, generators: list):
     """A `TrainBatch` of dataset items: each control after its target, `side` tokens a side."""
-    from qwen_edit_core.train.batch import TrainBatch
+    from qwen_edit_core.families.qwen_image.batch import TrainBatch
 
     return TrainBatch(targets=[it["target"] for it in picked], controls=[it["control"] for it in picked],
                       embeds=encode.pad_embeddings([it["embeds"] for it in picked]),
