@@ -209,13 +209,14 @@ class _RealRun:
 
 
 def _real_run(dev: torch.device, steps: int, layers: int | None, side: int, full: bool):
-    """(the run, the plain sampler settings) of a random real-size transformer at `side`^2."""
+    """(the run, the plain sampler settings) of a random real-size transformer at `side`^2 (the text encoder's
+    image area scaled with it: 384^2 at 1024^2, as the pipeline)."""
     dtype = bench_dtype(dev)
     comps = bench_components(True, dev, dtype, num_layers=layers)
     comps.transformer.eval()
     image = _image(side)
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
-                                      seed=0, vae_area=side * side)
+                                      seed=0, vae_area=side * side, vl_area=384 * 384 * side * side // 1024**2)
     cond = sampler.build_conditioning(comps, PROMPT, [image], settings)
     latents = sampler.initial_noise(0, cond.width, cond.height, comps.transformer.config.in_channels // 4, dev,
                                     dtype)

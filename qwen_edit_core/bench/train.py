@@ -361,7 +361,7 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
     rows = [_row(name, r, ref, flops / peaks["bf16"] / 1e12) for name, r in results]
     return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({2 * (side // 16) ** 2} image + "
                        f"{text_tokens} text tokens), batch 1, "
-                       f"bf16, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
+                       f"{str(dtype).removeprefix('torch.')}, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
                        f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
                        ["implementation", "median s/step", "peak GiB", "reserved GiB", "pinned GiB", "planned GiB",
                         "MFU", "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)",

@@ -13,7 +13,7 @@ RMSNorm, RoPE, GELU, fp8 quantization) is launch- and bandwidth-bound until comp
 """
 
 from qwen_edit_core.speed.attention import (ATTENTION_KERNELS, SDPA_KERNELS, attention_kernel, check_attention_kernel,
-                                            kernels_ran, kernels_text, offered_kernels)
+                                            kernel_shares, kernels_ran, kernels_text, offered_kernels)
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
 from qwen_edit_core.speed.compile import CompileStats, compile_blocks, compile_stats, scales_as_inputs
 from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
