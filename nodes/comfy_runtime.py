@@ -287,6 +287,15 @@ class PatcherMethods:
         elif module is not None and self.offload_device != self.load_device:
             module.to(self.offload_device)
             log.info("ComfyUI offloaded %s to %s", type(module).__name__, self.offload_device)
+        elif module is not None and unpatch_all:
+            # An unload of a model with nowhere to go (on the CPU: "Unload models", "Free model and node cache")
+            # frees its weights: ComfyUI's node cache may hold the loader's output long after (POST /free sets
+            # its two flags one after the other, and the prompt worker can wake for the first and reset the node
+            # cache only after the next prompt). The loader's IS_CHANGED then makes ComfyUI load it again.
+            # (unpatch_all is False when ComfyUI only drops a patcher: its __del__, a clone replacing it.)
+            module.to("meta")
+            log.info("ComfyUI unloaded %s from %s: its weights are freed, its loader loads it again on the next "
+                     "run", type(module).__name__, self.load_device)
         return self.model
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from qwen_edit_core.api import doctor_dataset
 
 from . import comfy_runtime
-from .common import CATEGORY, DATASET, files_to_image
+from .common import CATEGORY, DATASET, TEXT_ENCODER, files_to_image
 from .train_nodes import _folder
 
 
@@ -20,7 +20,7 @@ class QwenEditDatasetDoctor:
         "control, references out of order, pairs with nothing changed, duplicates, held-out pairs that are also "
         "trained on, masks off the edited region, noisy captions and odd sizes. Shows the worst pairs (control, "
         "target, their difference, the finding) and the summary; with fix_folder it writes a fixed copy there "
-        "(the dataset itself is never changed).")
+        "(the dataset itself is never changed); with a text encoder connected it also asks it about each pair.")
     RETURN_TYPES = ("IMAGE", "STRING")
     RETURN_NAMES = ("flagged_pairs", "summary")
     FUNCTION = "check"
@@ -38,12 +38,18 @@ class QwenEditDatasetDoctor:
                                     "validation_pairs: a number N (the last N pairs) or a folder; empty: none"}),
             "fix_folder": ("STRING", {"default": "", "tooltip": "a new folder for a fixed copy of the dataset "
                                       "(absolute, or relative to ComfyUI's input folder); empty: no copy"}),
+            "text_encoder": (TEXT_ENCODER, {"tooltip": "optional: a loaded Qwen2.5-VL (Load Text Encoder) asked "
+                                            "whether each target shows its caption's edit applied to its control; a "
+                                            "no is a caption finding with its own description of the edit as the "
+                                            "proposed caption. Slow: a generation per pair"}),
         }}
 
-    def check(self, dataset, pixel_aligned, held_out="", fix_folder=""):
+    def check(self, dataset, pixel_aligned, held_out="", fix_folder="", text_encoder=None):
         held = int(held_out) if held_out.strip().isdigit() else held_out.strip() or None
         out = comfy_runtime.output_dir() / "qwen_edit_doctor" / dataset.folder.name
-        run = doctor_dataset(dataset.folder, held, pixel_aligned=pixel_aligned, out_dir=out,
-                             fix_dir=_folder(fix_folder) if fix_folder.strip() else None)
+        run = doctor_dataset(dataset.folder, held, pixel_aligned=pixel_aligned, out_dir=out, cache_dir=out / "cache",
+                             fix_dir=_folder(fix_folder) if fix_folder.strip() else None,
+                             comfyui_dir=comfy_runtime.comfyui_dir(),  # its bundled tokenizer counts the captions
+                             text_encoder=text_encoder)
         summary = run.report.summary() + (f"\nfixed copy: {len(run.fixes)} fix(es) applied" if run.fixes else "")
         return {"ui": {"text": [summary]}, "result": (files_to_image([run.picture] if run.picture else []), summary)}

@@ -7,7 +7,9 @@ the new one. So each loader node keeps one live model per workflow: loading anot
 weights (moved to the meta device, so every object still pointing at them holds no memory), and the loader's
 IS_CHANGED makes ComfyUI run it again when a freed model's settings come back, instead of serving the emptied
 cached output. A model a running training job uses (any of its tensors) is never freed; the slots hold their
-models weakly, so ComfyUI's unload and "Free model and node cache" free the pack's models as they free its own.
+models weakly, so ComfyUI's node cache reset frees the pack's models as it frees its own, and ComfyUI's unload of
+a model with nowhere to offload it (the CPU) frees its weights (`comfy_runtime.PatcherMethods.detach`; IS_CHANGED
+then loads it again).
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def use(model) -> None:
     modules = modules_of(model)
     if any(freed(m) for m in modules):
         raise RuntimeError("this model was unloaded: its loader node has since loaded another model (each loader "
-                           "keeps one). Queue the prompt again (the loader loads it again), or use a second "
-                           "loader node for a second model")
+                           "keeps one), or ComfyUI unloaded it (Unload models, Free model and node cache). Queue "
+                           "the prompt again (the loader loads it again), or use a second loader node for a "
+                           "second model")
     # A Sampling Speed fp8 copy and its input take turns holding the block weights; a module a running job uses
     # is left as it is: parking would empty the block weights the job's lent copy shares (the node's own
     # check_free then refuses it, naming the job), as `comfy_runtime.load_models` leaves it where it is.
@@ -110,8 +113,15 @@ class LoaderSlots:
         return tuple(sorted((name, repr(value)) for name, value in widgets.items()))
 
     def token(self, node: tuple, widgets: dict) -> str:
+        key = self._key(widgets)
         with self._lock:
-            return self._tokens.setdefault((node, self._key(widgets)), uuid.uuid4().hex)
+            emptied = [slot for slot, (held, refs) in self._live.items()
+                       if slot[:2] == node and held == key and any(freed(m) for m in _alive(refs))]
+            if emptied:  # ComfyUI unloaded the model loaded with these values: a new token loads it again
+                self._tokens.pop((node, key), None)
+                for slot in emptied:
+                    del self._live[slot]
+            return self._tokens.setdefault((node, key), uuid.uuid4().hex)
 
     def held(self, slot: tuple) -> list[torch.nn.Module]:
         """The modules `slot` holds that are still alive."""

@@ -125,10 +125,10 @@ def preview_due(step: int, total: int) -> bool:
     return step == total or step % max(1, -(-total // PREVIEWS)) == 0
 
 
-def _preview(latents: torch.Tensor, width: int, height: int):
-    """A cheap preview: three latent channels as RGB (no VAE decode per step)."""
+def _preview(latents: torch.Tensor, width: int, height: int, unpack):
+    """A cheap preview: three latent channels as RGB (no VAE decode per step); `unpack`: the family sampler's."""
     from PIL import Image
-    grid = encode.unpack(latents[:1].float().cpu(), height, width)[0, :3, 0]
+    grid = unpack(latents[:1].float().cpu(), width, height)[0, :3, 0]
     lo, hi = grid.amin(dim=(1, 2), keepdim=True), grid.amax(dim=(1, 2), keepdim=True)
     rgb = ((grid - lo) / (hi - lo + 1e-6) * 255).byte().permute(1, 2, 0).numpy()
     return ("JPEG", Image.fromarray(rgb), 256)
@@ -147,7 +147,7 @@ def parallel_components(model, uncond_device: str = "same"):
     return dataclasses.replace(comps, transformer=pool)
 
 
-def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, uncond_device: str, unique_id=None,
+def _run(model, cond, settings: sampler.SampleSettings, uncond_device: str, unique_id=None,
          parallel: bool = False):
     comps = model.components
     jobs.REGISTRY.check_free(comps.transformer, "sample")  # a job may train on this very transformer
@@ -169,9 +169,10 @@ def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, un
         settings = dataclasses.replace(settings, cfg_mode="split")
     bar = comfy_runtime.progress_bar(settings.num_inference_steps, node_id=unique_id)
     token = CancelToken()
+    unpack = sampler.family_sampler(comps).unpack
 
     def progress(event):
-        preview = _preview(event.preview, cond.width, cond.height) if preview_due(event.step, event.total) else None
+        preview = _preview(event.preview, cond.width, cond.height, unpack) if preview_due(event.step, event.total) else None
         bar.update_absolute(event.step, event.total, preview)
         if comfy_runtime.interrupt_requested():
             token.cancel()
@@ -186,7 +187,7 @@ def _run(model, cond: sampler.Conditioning, settings: sampler.SampleSettings, un
 
 def stock_latent(comps, latents: torch.Tensor, cond) -> dict:
     """Packed sampler latents -> a stock ComfyUI LATENT (raw VAE latents, (B, 16, 1, H/8, W/8), on the CPU)."""
-    grid = encode.unpack(latents, cond.height, cond.width)
+    grid = sampler.family_sampler(comps).unpack(latents, cond.width, cond.height)
     return {"samples": encode.to_raw_latents(comps.vae, grid.to(next(comps.vae.parameters()).dtype)).float().cpu()}
 
 

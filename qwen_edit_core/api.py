@@ -33,25 +33,73 @@ log = logging.getLogger(__name__)
 
 def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: int | None = None,
                    batch_size: int = 1, out_dir=None, fix_dir=None, cache_dir=None, workers: int = 1,
-                   text_encoder=None):
+                   text_encoder=None, model=None, comfyui_dir=None, count_tokens=None):
     """The dataset doctor on a folder of pairs (qwen_edit_core.data.doctor): returns its DoctorRun (report, report
     picture, fixes applied). `held_out`: the held-out pairs as `train.validation_pairs` takes them (a number N: the
     folder's last N pairs; a folder); `pixel_aligned`: the edit keeps every pixel in place (realign with
     `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
-    the measures are kept by content hash; `text_encoder`: an already loaded TextEncoder (`load_text_encoder`) asked
-    whether each target shows its caption's edit (optional: nothing is loaded for it)."""
+    the measures are kept by content hash; `workers`: processes reading and measuring; `text_encoder`: an already
+    loaded TextEncoder (`load_text_encoder`) asked whether each target shows its caption's edit (optional: nothing
+    is loaded for it). The captions' tokens are counted by `count_tokens`, else by the tokenizer of `model` or
+    `comfyui_dir` (`doctor_tokenizer`). Each picture is read and decoded once: the doctor measures it from the
+    dataset reader's decode."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
+    from qwen_edit_core.data.doctor.runner import PairMeasurer
     from qwen_edit_core.train.heldout import split_heldout
-    examples = list(load_dataset(folder, skip_invalid=True, convert_modes=True).examples)
-    held: list = []
+    measured = PairMeasurer(cache_dir, workers)
+
+    def read(path):
+        return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples
+
+    examples, held = list(read(folder)), []
     if held_out:
-        examples, held = split_heldout(examples, held_out, lambda path: load_dataset(
-            path, skip_invalid=True, convert_modes=True).examples)
+        examples, held = split_heldout(examples, held_out, read)
     settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
-    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, cache_dir=cache_dir,
-                         workers=workers, text_encoder=text_encoder)
+    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
+                         text_encoder=text_encoder, measured=measured,
+                         count_tokens=count_tokens or doctor_tokenizer(model, comfyui_dir))
+
+
+def doctor_tokenizer(model=None, comfyui_dir=None):
+    """`count(text) -> tokens` of the text encoder's tokenizer for the doctor's caption check, from what the user
+    has, never downloading: `model` a diffusers model directory (or a hub id already in the local cache; its
+    processor/ or tokenizer/), a folder of tokenizer files, or a text-encoder file (then ComfyUI's bundled
+    tokenizer, in `comfyui_dir` or beside the file's models folder); or `comfyui_dir` alone. None when none is given
+    or holds a tokenizer; a `model` that is neither raises ModelNotFoundError."""
+    from qwen_edit_core.model import components as comp
+    path = Path(str(model)).expanduser() if model else None
+    if path is not None and path.is_file():
+        path, comfyui_dir = None, comfyui_dir or comp.comfyui_dir_near(path.parent.parent)
+    elif path is not None and (path / "tokenizer_config.json").is_file():
+        return comp.token_counter(path)
+    elif path is not None:
+        path = comp.resolve_model_dir(model)
+        if not (path / "processor").is_dir() and (path / "tokenizer" / "tokenizer_config.json").is_file():
+            return comp.token_counter(path / "tokenizer")
+    return comp.caption_token_counter(path, comfyui_dir) if path is not None or comfyui_dir else None
+
+
+def doctor_text_encoder(model=None, *, text_encoder_file=None, comfyui_dir=None, device: str = "cpu"):
+    """The text encoder the doctor's optional vision-language check asks (data/doctor/vlm.py), from local files only:
+    `model` a diffusers model directory (or a hub id already in the local cache) or a text-encoder file (its
+    tokenizer: ComfyUI's bundled one, in `comfyui_dir` or beside the file's models folder); float32 on the CPU,
+    bfloat16 elsewhere."""
+    from qwen_edit_core.model import components as comp
+    from qwen_edit_core.model.components import load_text_encoder
+    path = Path(str(model)).expanduser() if model else None
+    model_dir = None
+    if path is not None and path.is_file():
+        text_encoder_file, comfyui_dir = path, comfyui_dir or comp.comfyui_dir_near(path.parent.parent)
+    elif model:
+        model_dir = resolve_model_dir(model)
+    if model_dir is None and not text_encoder_file:
+        raise ValueError("the vision-language check needs the model's text encoder: give the model directory or a "
+                         "text-encoder file (qwen-edit doctor --model), or a training --config")
+    where = resolve_device(device, component="the doctor's text encoder device")
+    return load_text_encoder(model_dir, device=where, dtype=torch.float32 if where.type == "cpu" else torch.bfloat16,
+                             text_encoder_file=text_encoder_file, comfyui_dir=comfyui_dir)
 
 
 class QwenImageEditTrainer:

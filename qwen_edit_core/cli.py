@@ -244,13 +244,17 @@ def cmd_pairs(args) -> None:
 
 def cmd_doctor(args) -> None:
     """`qwen-edit doctor DATASET`: the dataset doctor's findings (one JSON object each with --json), the report
-    picture in --out, the fixed copy in --fix."""
-    from qwen_edit_core.api import doctor_dataset
+    picture in --out, the fixed copy in --fix; a training --config supplies what the options leave unsaid."""
+    from qwen_edit_core.api import doctor_dataset, doctor_tokenizer
     from qwen_edit_core.data.doctor.runner import default_workers
-    held = int(args.held_out) if args.held_out and args.held_out.isdigit() else args.held_out
-    run = doctor_dataset(args.dataset, held, pixel_aligned=args.pixel_aligned, area=args.area,
-                         batch_size=args.batch_size, out_dir=args.out, fix_dir=args.fix, cache_dir=args.cache,
-                         workers=args.workers or default_workers())
+    options = _doctor_options(args)
+    held = options["held_out"]
+    held = int(held) if isinstance(held, str) and held.isdigit() else held
+    run = doctor_dataset(options["dataset"], held, pixel_aligned=options["pixel_aligned"], area=options["area"],
+                         batch_size=options["batch_size"], out_dir=args.out, fix_dir=args.fix,
+                         cache_dir=options["cache"], workers=args.workers or default_workers(),
+                         count_tokens=options["count_tokens"] or doctor_tokenizer(args.model, args.comfyui_dir),
+                         text_encoder=_doctor_text_encoder(args) if args.vlm else None)
     if args.json:
         if run.report.findings:
             print(run.report.json_lines())  # noqa: T201  (the command's output)
@@ -262,11 +266,47 @@ def cmd_doctor(args) -> None:
         log.info("fixed %s", line)
 
 
+def _doctor_text_encoder(args):
+    """The text encoder `--vlm` asks: --model's (or --config's model and text-encoder file), on --vlm-device."""
+    from qwen_edit_core.api import doctor_text_encoder
+    if args.model or not args.config:
+        return doctor_text_encoder(args.model, comfyui_dir=args.comfyui_dir, device=args.vlm_device)
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.train import run
+    config = load_config(args.config)
+    files = run.model_files(config)
+    return doctor_text_encoder(config.model.pretrained_model_name_or_path, device=args.vlm_device,
+                               text_encoder_file=files["text_encoder_file"], comfyui_dir=files["comfyui_dir"])
+
+
+def _doctor_options(args) -> dict:
+    """The doctor's dataset, held-out pairs, size settings, cache folder and tokenizer: the options', else the
+    training --config's (data.folder, train.validation_pairs, data.*, the embedding cache's folder, the model's
+    tokenizer when no --model is given)."""
+    options = {"dataset": args.dataset, "held_out": args.held_out, "pixel_aligned": args.pixel_aligned,
+               "area": args.area, "batch_size": args.batch_size or 1, "count_tokens": None,
+               "cache": args.cache or Path(args.out) / "cache"}
+    if not args.config:
+        if not args.dataset:
+            raise SystemExit("qwen-edit doctor: give the DATASET folder, or a training --config naming data.folder")
+        return options
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.train import run
+    config = load_config(args.config)
+    d = config.data
+    return {"dataset": args.dataset or d.folder, "held_out": args.held_out or config.train.validation_pairs or None,
+            "pixel_aligned": args.pixel_aligned or d.pixel_aligned_edit, "area": args.area or d.vae_area,
+            "batch_size": args.batch_size or d.batch_size,
+            "cache": args.cache or run.doctor_cache_dir(config) or Path(args.out) / "cache",
+            "count_tokens": None if args.model or args.comfyui_dir else run.caption_counter(config)}
+
+
 def add_doctor_command(sub) -> None:
     """The `doctor` subcommand's arguments."""
     p = _command(sub, "doctor", "check what a dataset's pairs mean: swapped, misaligned, references out of order, "
                                 "unchanged, duplicated or leaked pairs, masks, captions, sizes")
-    p.add_argument("dataset", help="dataset folder (the layouts data.folder takes)")
+    p.add_argument("dataset", nargs="?", help="dataset folder (the layouts data.folder takes; default: --config's "
+                                              "data.folder)")
     p.add_argument("--json", action="store_true", help="one JSON object per finding on stdout: pair, kind, figure, "
                                                        "fix, why")
     p.add_argument("--fix", metavar="OUT", help="write a fixed copy of the dataset to this new folder (the original "
@@ -277,9 +317,22 @@ def add_doctor_command(sub) -> None:
     p.add_argument("--pixel-aligned", action="store_true", help="the edit keeps every pixel in place "
                    "(data.pixel_aligned): --fix realigns shifted and zoomed targets")
     p.add_argument("--area", type=int, help="training pixel area (data.vae_area) for the upscale and bucket checks")
-    p.add_argument("--batch-size", type=int, default=1, help="data.batch_size: buckets holding fewer pairs are flagged")
-    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes")
+    p.add_argument("--batch-size", type=int, help="data.batch_size: buckets holding fewer pairs are flagged "
+                                                  "(default: --config's, else 1)")
+    p.add_argument("--cache", help="folder where the measures are kept by the files' content hashes, so that a "
+                                   "second run measures only changed pairs (default: --config's embedding cache "
+                                   "folder, else OUT/cache)")
     p.add_argument("--workers", type=int, help="processes measuring pairs (default: the CPUs, at most 4)")
+    p.add_argument("--config", help="a training config: its data.folder, held-out pairs, data settings, cache folder "
+                                    "and model's tokenizer serve where the options say nothing")
+    p.add_argument("--model", help="model directory (or hub id already downloaded), tokenizer folder or text-encoder "
+                                   "file whose tokenizer counts the captions' tokens (nothing is downloaded)")
+    p.add_argument("--comfyui-dir", help="ComfyUI installation whose bundled Qwen2.5 tokenizer counts the captions' "
+                                         "tokens")
+    p.add_argument("--vlm", action="store_true", help="also ask the model's own text encoder (Qwen2.5-VL, from "
+                   "--model or --config, local files only) whether each target shows its caption's edit applied to "
+                   "its control; a no is a caption finding with its description as the proposed caption (slow)")
+    p.add_argument("--vlm-device", default="cpu", help="device the --vlm text encoder runs on")
     p.set_defaults(func=cmd_doctor)
 
 
@@ -331,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true",
                    help="with --pretrained: train the toy weights from scratch into --weights-dir first")
     p.add_argument("--weights-dir", default=None,
-                   help="with --pretrained: toy weights folder (default: the package's toys/weights/qwen-image, or "
-                        "toys/weights/qwen-image-2.1 with --variant image-2.1)")
+                   help="with --pretrained: toy weights folder (default: the package's toys/weights/<family>, the "
+                        "family of --variant)")
     p.add_argument("--train-vae", action="store_true",
                    help="with --pretrained: retrain only the VAE's decoder into --weights-dir (its transformer and "
                         "the latents stay as they are)")
@@ -462,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
     p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
-                   help="memory: simulated variant; sample: image-2.1 runs only Qwen-Image-2.1's prefix-cache table")
+                   help="memory: simulated variant; sample: a Qwen-Image-2.1 variant runs only its prefix-cache table")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
     p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
@@ -474,7 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file-dtype", choices=("fp8", "bf16"), default="fp8",
                    help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.add_argument("--sample", action="store_true", help="memory: sampling on a card of --budget-gb GiB (default 24 "
-                   "and 48); image-2.1: with its prefix K/V cache planned, --controls references")
+                   "and 48); Qwen-Image-2.1: with its prefix K/V cache planned, --controls references")
+    p.add_argument("--fp8-copy", action="store_true", help="memory: the device bytes of the Sampling Speed node's "
+                   "fp8 copy of the real-size --variant transformer, parking its input's bf16 linears and not")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -79,7 +79,7 @@ class LoraConfig:
 class ModelConfig:
     #: a local diffusers-layout directory (or a hub id already in the local HF cache)
     pretrained_model_name_or_path: str = ""
-    #: a families/variants.py name (edit, edit-plus = 2509, edit-2511, image-2.1); empty = detected from the model
+    #: a variant name (`families.variants.NAMES`, listed in docs/MODEL.md); empty = detected from the model
     variant: VariantName = ""
     #: weight dtype of the frozen base and the encoders
     dtype: str = "float32"
@@ -113,8 +113,8 @@ class DataConfig:
     convert_modes: bool = False
     #: pixel area of the target and of each control image as the VAE sees them (sides rounded to 32)
     vae_area: int = 1024 * 1024
-    #: pixel area of the control images as the vision-language encoder sees them (edit-plus only;
-    #: "edit" feeds the VL the VAE-sized image, as the pipeline does)
+    #: pixel area of the control images as the vision-language encoder sees them (variants whose `vl_own_area` is
+    #: set, Edit Plus; the others feed the VL the VAE-sized image, as their pipelines do)
     vl_area: int = 384 * 384
     batch_size: int = 1
     #: "equal": a batch holds one bucket (no padding); "similar": neighbouring sizes share a batch (padded,

@@ -79,60 +79,18 @@ class JobStatus:
 Listener = Callable[["TrainingJob", str], None]
 
 
-class DeviceUse:
-    """What a running job holds on its device beyond its model's weights, measured in its own thread at the end
-    of every step: `steady` (the LoRA, its optimizer state, offload buffers, fp8 copies: the device's allocated
-    bytes now minus those when the job started) and `working` (the most a step allocated above that: activations
-    and gradients, which the caching allocator keeps reserved between steps). CUDA devices only (torch's
-    allocator statistics); elsewhere both stay 0. `stats(device)` -> (allocated bytes, peak allocated bytes since
-    the last `reset(device)`) may be replaced (tests)."""
-
-    def __init__(self, device: str, stats=None, reset=None) -> None:
-        import torch
-        self.device = torch.device(device_key(device))
-        cuda = self.device.type == "cuda"
-        self._stats = stats or (_cuda_stats if cuda else lambda device: (0, 0))
-        self._reset = reset or (torch.cuda.reset_peak_memory_stats if cuda else lambda device: None)
-        self._baseline: int | None = None
-        self.weights = self.steady = self.working = 0
-
-    def started(self, weights: int = 0) -> None:
-        """The job starts (its model's `weights` bytes are on the device already): the baseline of `steady`."""
-        self.weights = weights
-        self._baseline = self._stats(self.device)[0]
-        self._reset(self.device)
-
-    def held(self) -> int:
-        """Bytes the job holds on its device: its model's weights as it started plus `steady` (negative when the
-        job parks or offloads more of the lender's weights than it adds) plus `working`."""
-        return max(0, self.weights + self.steady + self.working)
-
-    def step_ended(self) -> None:
-        """A step ended: measure `steady` now and the step's `working` peak (the largest seen so far)."""
-        if self._baseline is None:
-            return
-        allocated, peak = self._stats(self.device)
-        # signed: fp8 and offload park the lender's weights (freed here) while adding their own buffers
-        self.steady = allocated - self._baseline
-        self.working = max(self.working, peak - allocated)
-        self._reset(self.device)
-
-
-def _cuda_stats(device) -> tuple[int, int]:
+def storages_of(value, device: str) -> dict[int, int]:
+    """{storage data pointer: bytes} of the weights `value` holds (a module, or what `weight_keys` follows) that
+    live on `device`, each storage once."""
     import torch
-    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    from qwen_edit_core.speed.device_use import storages_on
+    target = torch.device(device_key(device))
+    return storages_on((t for module in _modules(value) for t in (*module.parameters(), *module.buffers())), target)
 
 
 def module_bytes_on(value, device: str) -> int:
-    """Bytes of the weights `value` holds (a module, or what `weight_keys` follows) that live on `device`, each
-    storage once."""
-    import torch
-    target, sizes = torch.device(device_key(device)), {}
-    for module in _modules(value):
-        for tensor in (*module.parameters(), *module.buffers()):
-            if tensor.device == target and tensor.numel():
-                sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(sizes.values())
+    """Bytes of the weights `value` holds that live on `device`, each storage once (`storages_of`)."""
+    return sum(storages_of(value, device).values())
 
 
 def _modules(value):
@@ -179,7 +137,8 @@ class TrainingJob:
         self._result, self._delivered = None, None
         self._on_finish, self._fit, self._preflight = on_finish, fit, Preflight.of(preflight)
         self._thread = threading.Thread(target=self._run, name=f"qwen-edit-train-{self.name}", daemon=True)
-        self.memory = DeviceUse(self.device)
+        from qwen_edit_core.speed.device_use import DeviceUse
+        self.memory = DeviceUse(device_key(self.device))
 
     def start(self) -> "TrainingJob":
         """Run the preflight's checks (they write nothing), then take the output directory's lock (it creates
@@ -207,9 +166,13 @@ class TrainingJob:
                 log.exception("job listener %r failed on %s", listener, event)
 
     def _progress(self, event: Progress) -> None:
+        if event.stage == "device":  # not news for the listeners
+            self.memory.release()
+            return
         with self._lock:
             if event.stage == "train":
-                self.memory.step_ended()  # in the job's thread, at the end of its step
+                # in the job's thread, at the end of its step: its own bytes, and the next step's held back
+                self.memory.step_ended(storages_of(self.model, self.device), event.device_storages)
                 self._state, self._step = "training", event.step
                 if event.loss is not None:  # the loss is read every `logging.every` steps
                     self._loss = event.loss
@@ -227,7 +190,7 @@ class TrainingJob:
         try:
             # pinned in this thread: two threads per operation on a small or busy machine ran each step several
             # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
-            self.memory.started(module_bytes_on(self.model, self.device) if self.model is not None else 0)
+            self.memory.started(storages_of(self.model, self.device))
             with torch_threads(self.config.train.cpu_threads):
                 result = self._fit(self.config, resume=self._resume, progress=self._progress,
                                    cancel=self._cancel, lock=self._output_lock, model=self.model, **self._overwrite)
@@ -240,6 +203,7 @@ class TrainingJob:
             with self._lock:
                 self._state, self._error = "failed", f"{type(err).__name__}: {err}"
         finally:
+            self.memory.release()
             self.model = None  # the registry keeps finished jobs: it must not keep the caller's model alive
             self._output_lock.release()
             if self._on_finish is not None:
@@ -273,13 +237,12 @@ class TrainingJob:
         return not weight_keys(module).isdisjoint(weight_keys(shared))
 
     def device_bytes(self) -> int:
-        """Bytes this job holds on its device while it runs: its model's weights there as it started, counted
-        tensor by tensor, plus what it measured since (`memory`: optimizer state, fp8 and offload buffers less the
-        lender's weights they parked, a step's activations); 0 once it finished."""
+        """Bytes this job holds on its device while it runs, its own only (speed.device_use.DeviceUse): its
+        lender's weights still there and the run's tensors (LoRA, optimizer state, fp8 and offload buffers) as of
+        its last step, each storage once, plus a step's working bytes; 0 once it finished."""
         shared = self.model
         if shared is None or self.finished:
             return 0
-        # the weights as the job started: those it parked since are in `steady`'s drop (counted once)
         return self.memory.held()
 
     @property

@@ -47,7 +47,7 @@ def _size(node: dict, sizes: dict[str, dict]) -> tuple[int, int]:
     return max(w, low_w), max(h, low_h)
 
 
-def note_size(text: str, width: int = 520) -> tuple[int, int]:
+def note_size(text: str, width: int = 460) -> tuple[int, int]:
     """Room for a Note's text without scrolling: the frontend's textarea (14 px sans-serif) takes about 7 px
     per character and 17 px per line at 100% zoom; 20 px of padding; the browser check shows no overflow."""
     per_line = (width - 20) // 7
@@ -107,9 +107,12 @@ def stack_columns(stages: list, sizes: dict[str, dict], height: float) -> list:
     return columns
 
 
-#: the screen a shipped workflow is opened on, and the part of it the frontend's menus leave to the graph
+#: the screen a shipped workflow is opened on, and the part of the frontend's canvas element that its menus leave
+#: to the graph, in the canvas element's pixels (what the saved view maps the graph to) under both frontends:
+#: 1.27.10 (ComfyUI 0.3.64's) puts a 1856x1002 canvas right of its 64 px side bar and below its 78 px menus,
+#: 1.58.1 spans the screen with menus floating over its left 60 and top 50 px (tools/comfy_test/view_check.py)
 SCREEN = (1920, 1080)
-CANVAS = (60, 50, 1900, 1060)  # left, top, right, bottom in screen pixels
+CANVAS = (60, 50, 1856, 1002)  # left, top, right, bottom
 #: below 0.6 the frontend draws no text (LiteGraph's low-quality threshold); 0.8 keeps 14 px text legible
 MIN_SCALE, MAX_SCALE = 0.8, 1.0
 #: the graph height the saved view shows at MIN_SCALE (less 2 units for the view's rounding)

@@ -21,6 +21,7 @@ import torch
 from qwen_edit_core.adapters.lycoris_files import (CONV_ONLY_KEYS, LOHA_KEYS, LOKR_KEYS, LohaLayer, LokrLayer,
                                                    dora_scale_for, dora_weight, lycoris_layer)
 from qwen_edit_core.common.files import save_safetensors
+from qwen_edit_core.common.names import rename
 
 if TYPE_CHECKING:
     from qwen_edit_core.adapters.lora import LoraSpec
@@ -202,17 +203,11 @@ def map_to_modules(weights: LoraWeights, module_names: Sequence[str]) -> LoraWei
     for name in module_names:
         key = name.replace(".", "_")
         lookup[key] = None if key in lookup and lookup[key] != name else name
-    layers, unknown = {}, []
-    for name, layer in weights.layers.items():
-        dotted = lookup.get(name.replace(".", "_"))
-        if dotted is None:
-            unknown.append(name)
-        else:
-            layers[dotted] = layer
+    dotted, unknown = rename(weights.layers, lambda name: lookup.get(name.replace(".", "_")))
     if unknown:
         raise ValueError(f"LoRA modules {unknown[:4]} match no module of this transformer (or several): a LoRA "
                          "for another model?")
-    return LoraWeights(layers, weights.metadata, False)
+    return LoraWeights({dotted[name]: weights.layers[name] for name in dotted}, weights.metadata, False)
 
 
 #: ComfyUI's Qwen-Image-2.1 model fuses each block's SwiGLU input projections into one `img_mlp.gate_up` weight,

@@ -227,7 +227,7 @@ def _prompt(n_tokens: int, mode):
 def _conditioning(variant: str, side: int, controls: int, mode, share: int = 1):
     """A true-CFG edit's conditioning (cond prompt, the " " negative with the same images, control latents);
     `share` > 1: one process's 1/share of every token sequence (context parallelism)."""
-    from qwen_edit_core.sample.sampler import Conditioning
+    Conditioning = variants.get(variant).family.stage("sampler").Conditioning
     n_text = fm.text_tokens(variant, side, controls)
     h, w = side // 16 // share, side // 16
     with mode:

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from qwen_edit_core import speed
+from qwen_edit_core.families import DEFAULT
 from qwen_edit_core.model import encode
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.devices import resolve_device
@@ -134,15 +135,16 @@ def step_hygiene(fn, device: torch.device) -> tuple[int, int]:
     return syncs, torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
 
 
-#: the stages of one edit with our sampler: (label, module, function name); whatever else the edit spends
-#: (scheduler, noise, host copies, recompiles) is "other"
-STAGES = (("prompt encoding", "qwen_edit_core.model.encode", "encode_prompts"),
+#: the stages of one edit with our sampler: (label, module, function name), the module a dotted path or the name
+#: of a stage module of the bench model's family (`Family.stage`); whatever else the edit spends (scheduler,
+#: noise, host copies, recompiles) is "other"
+STAGES = (("prompt encoding", "encode", "encode_prompts"),
           ("VAE encode", "qwen_edit_core.model.encode", "encode_latents"),
-          ("denoising", "qwen_edit_core.sample.sampler", "denoise"),
-          ("VAE decode", "qwen_edit_core.sample.sampler", "decode"))
+          ("denoising", "sampler", "denoise"),
+          ("VAE decode", "sampler", "decode"))
 
 
-def stage_times(fn, device: torch.device) -> tuple[object, dict[str, float]]:
+def stage_times(fn, device: torch.device, family=DEFAULT) -> tuple[object, dict[str, float]]:
     """(fn's result, seconds per stage of `STAGES` plus "other") of one call of `fn` (an edit with our sampler).
     Each stage's function is wrapped for the call alone (the device synchronised around it, four syncs in all)
     and restored afterwards."""
@@ -161,7 +163,7 @@ def stage_times(fn, device: torch.device) -> tuple[object, dict[str, float]]:
                 spent[label] += time.perf_counter() - start
         return call
     for label, module, name in STAGES:
-        mod = importlib.import_module(module)
+        mod = importlib.import_module(module) if "." in module else family.stage(module)
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, timed(label, getattr(mod, name)))
     sync(device)
@@ -218,8 +220,8 @@ def _real_run(dev: torch.device, steps: int, layers: int | None, side: int, full
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
                                       seed=0, vae_area=side * side, vl_area=384 * 384 * side * side // 1024**2)
     cond = sampler.build_conditioning(comps, PROMPT, [image], settings)
-    latents = sampler.initial_noise(0, cond.width, cond.height, comps.transformer.config.in_channels // 4, dev,
-                                    dtype)
+    latents = sampler.family_sampler(comps).initial_noise(0, cond.width, cond.height,
+                                                          comps.transformer.config.in_channels // 4, dev, dtype)
     return _RealRun(dev, dtype, comps, image, cond, latents, full), settings
 
 
@@ -286,8 +288,8 @@ def _aligned_row(run: "_RealRun", settings, t, repeats: int) -> list:
 def _euler_hygiene(run: _RealRun, settings) -> tuple[int, int]:
     """Host syncs and new CUDA segments of the whole Euler step as the loop runs it (guided velocity +
     scheduler update), with every lever on."""
-    scheduler, timesteps, _ = sampler.make_timesteps(run.comps.scheduler_config, settings, run.latents.shape[1],
-                                                     run.dev)
+    scheduler, timesteps, _ = sampler.family_sampler(run.comps).make_timesteps(run.comps.scheduler_config, settings,
+                                                                               run.latents.shape[1], run.dev)
     denoiser = sampler._Denoiser(run.comps.transformer, run.cond, settings)
     state = {"latents": run.latents, "i": 0}
 

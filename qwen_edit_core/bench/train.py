@@ -25,6 +25,7 @@ from diffusers.training_utils import cast_training_params
 from qwen_edit_core import speed
 from qwen_edit_core.model.devices import resolve_device
 
+from qwen_edit_core.families import DEFAULT
 from qwen_edit_core.bench.common import (bench_dtype, gib_text, peak_gib, pinned_gib, print_table, reserved_gib,
                                          reset_peak, sync, top_kernels)
 
@@ -97,9 +98,9 @@ def real_item(text_tokens: int = 1408, side: int = 1024, dtype: torch.dtype = to
 
 
 def _model_inputs(item, device, dtype):
-    from qwen_edit_core.model import encode
-    x0 = encode.pack(item["target_latents"][None]).to(device, dtype)
-    control = encode.pack(item["control_latents_0"][None]).to(device, dtype)
+    pack = DEFAULT.stage("sampler").pack  # the bench model is the default family's
+    x0 = pack(item["target_latents"][None]).to(device, dtype)
+    control = pack(item["control_latents_0"][None]).to(device, dtype)
     text = item["prompt_embeds"][None].to(device, dtype)
     shapes = [[tuple(s) for s in item["img_shapes"].tolist()]]
     return x0, control, text, shapes

@@ -1,5 +1,6 @@
 """The one rule for names that become file names (a LoRA's name, a job's name, a dataset's pair prefix) and the
-rule for labels drawn as text (validation preview labels).
+rule for labels drawn as text (validation preview labels), and renaming a file's keys onto a model's names
+(`rename`).
 
 A name is joined to a folder the user chose (`output_dir / f"{name}.safetensors"`); a name holding a folder
 separator, `..`, a drive or an absolute path would write outside that folder, so such names are refused before
@@ -7,6 +8,8 @@ anything runs rather than sanitised (a silently changed name is a file the user 
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterable
 
 #: characters never accepted in a file name: folder separators, the Windows drive/stream separator, NUL
 _FORBIDDEN = "/\\:\0"
@@ -50,3 +53,16 @@ def label_problem(label: str) -> str | None:
     if len(label) > MAX_LABEL_CHARS:
         return f"is longer than {MAX_LABEL_CHARS} characters; give a short label"
     return None
+
+
+def rename(names: Iterable[str], new_name: Callable[[str], str | None]) -> tuple[dict[str, str], list[str]]:
+    """Each of `names` -> `new_name(name)`: ({name: its new name} in the order given, [the names `new_name` has no
+    new name for (None)]), so a caller refuses every unknown name at once."""
+    renamed, unknown = {}, []
+    for name in names:
+        new = new_name(name)
+        if new is None:
+            unknown.append(name)
+        else:
+            renamed[name] = new
+    return renamed, unknown

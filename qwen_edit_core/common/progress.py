@@ -28,7 +28,9 @@ class Cancelled(RuntimeError):
 class Progress:
     """One step of a stage ("sample", "cache", "train"); `preview` is the current latent for previews. A training
     run also reports each file it wrote: stage "checkpoint" (`path`: the checkpoint directory of `step`) and
-    "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it)."""
+    "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it); stage "device"
+    when it is about to use its device (a step or a validation starts), and with each "train" step the storages
+    it holds there (`device_storages`: speed.device_use.run_storages)."""
 
     stage: str
     step: int
@@ -36,6 +38,7 @@ class Progress:
     loss: Optional[float] = None
     preview: Optional[torch.Tensor] = None
     path: Optional[Path] = None
+    device_storages: Optional[dict] = None
 
 
 ProgressFn = Callable[[Progress], None]

@@ -19,7 +19,7 @@ On-disk format (format version 1).
     `img_shapes`            (1 + n, 3) int64, packed units: (1, h // 2, w // 2) of each latent above
     `loss_mask`             (h // 2 * w // 2,) float32, only when the pair has a mask (key field mask_hash):
                             the mask area-averaged onto the target's token grid
-  A Qwen-Image-2.1 entry (key field `family` "qwen-image-2.1") has C = 64, `img_shapes` in latent tokens
+  A Qwen-Image-2.1 entry (key field `family`: its family's `cache_name`) has C = 64, `img_shapes` in latent tokens
   ((1, h, w): 2.1 reads latents unpatched) and two more tensors: `prompt_slots` (S,) and `empty_prompt_slots`
   (S0,) bool, True at the vision slots the transformer fills with the controls' (references') latent tokens.
   No mask is stored: only valid tokens are kept, so the mask is rebuilt from the lengths at batching time

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import logging
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -30,11 +32,15 @@ _TRUNCATION_LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class ImageCheck:
-    """What validating one image found: its displayed size, mode and EXIF orientation, or a problem."""
+    """What validating one image found: its displayed size, mode and EXIF orientation, or a problem; with the
+    sha256 of the file's bytes (`identity.hash_file`'s value) and the decoded picture as stored (EXIF orientation
+    not applied), so that a consumer of the validation (the dataset doctor) needs no second read or decode."""
     size: tuple[int, int] | None = None  # (w, h) as displayed
     mode: str = ""
     orientation: int = 1
     problem: str | None = None
+    sha256: str = ""
+    image: Image.Image | None = field(default=None, repr=False, compare=False)
 
 
 @contextlib.contextmanager
@@ -56,20 +62,23 @@ def _orientation(img: Image.Image) -> int:
 
 
 def _decode(path: Path, max_pixels: int) -> ImageCheck:
-    """Open and fully decode `path` (the size check comes first, before any pixel is allocated)."""
+    """Read `path` once, hash its bytes and fully decode them (the size check comes first, before any pixel is
+    allocated); the check keeps the decoded picture."""
     try:
+        data = Path(path).read_bytes()
         with _truncated_images_fail(), warnings.catch_warnings():
             # Our own max_pixels check below replaces PIL's bomb warning; its hard error (at twice
             # Image.MAX_IMAGE_PIXELS) still fires inside open() and is reported below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
-                w, h = img.size
-                if w * h > max_pixels:
-                    return ImageCheck(problem=f"{w}x{h} is {w * h} pixels, over the {max_pixels} pixel limit "
-                                              "(decompression bomb guard); accepted: at most that many pixels "
-                                              "(raise max_pixels if the image is genuine)")
-                img.load()
-                return ImageCheck(size=(w, h), mode=img.mode, orientation=_orientation(img))
+            img = Image.open(io.BytesIO(data))  # from memory: nothing to close, the loaded picture is kept
+            w, h = img.size
+            if w * h > max_pixels:
+                return ImageCheck(problem=f"{w}x{h} is {w * h} pixels, over the {max_pixels} pixel limit "
+                                          "(decompression bomb guard); accepted: at most that many pixels "
+                                          "(raise max_pixels if the image is genuine)")
+            img.load()
+            return ImageCheck(size=(w, h), mode=img.mode, orientation=_orientation(img),
+                              sha256=hashlib.sha256(data).hexdigest(), image=img)
     except Image.DecompressionBombError as err:
         return ImageCheck(problem=f"image is absurdly large ({err}); accepted: at most {max_pixels} pixels")
     except UnidentifiedImageError:
@@ -96,7 +105,7 @@ def inspect_image(path: Path, *, min_side: int, max_pixels: int, convert_modes: 
     size = (h, w) if check.orientation in _ROTATED_ORIENTATIONS else (w, h)
     if min(size) < min_side:
         return ImageCheck(problem=f"{size[0]}x{size[1]} is too small; accepted: at least {min_side} px on each side")
-    return ImageCheck(size=size, mode=check.mode, orientation=check.orientation)
+    return replace(check, size=size)
 
 
 def check_image(path: Path, *, min_side: int, max_pixels: int,

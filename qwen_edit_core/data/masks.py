@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from PIL import ImageOps
 
-from qwen_edit_core.data.images import _decode
+from qwen_edit_core.data.images import ImageCheck, _decode
 from qwen_edit_core.model.geometry import open_bounded
 
 MASKS_DIR = "masks"
@@ -47,7 +47,12 @@ def split_mask_stems(images: dict[str, Path]) -> tuple[dict[str, Path], dict[str
 def _grey_array(path: Path) -> tuple[np.ndarray | None, str | None]:
     """The mask as float32 (H, W) in [0, 1] as displayed, or the problem with it."""
     with open_bounded(path, "mask") as img:
-        img = ImageOps.exif_transpose(img)
+        return _grey_of(img)
+
+
+def _grey_of(img) -> tuple[np.ndarray | None, str | None]:
+    """`_grey_array` of an opened (or already decoded) mask picture."""
+    img = ImageOps.exif_transpose(img)
     if img.mode not in _GREY_MODES and not img.mode.startswith("I;16"):
         return None, (f"mask mode {img.mode} cannot be read as greyscale; save it as a black-and-white (greyscale) "
                       "PNG, white = the edited region")
@@ -65,19 +70,25 @@ def _grey_array(path: Path) -> tuple[np.ndarray | None, str | None]:
 
 def check_mask(path: Path, target_size: tuple[int, int], max_pixels: int = 64_000_000) -> str | None:
     """What is wrong with a mask for a target of `target_size` (w, h, as displayed), or None."""
+    return inspect_mask(path, target_size, max_pixels).problem
+
+
+def inspect_mask(path: Path, target_size: tuple[int, int], max_pixels: int = 64_000_000) -> ImageCheck:
+    """`check_mask`'s verdict as an ImageCheck: the problem, or the mask's sha256 and picture (decoded once)."""
     check = _decode(Path(path), max_pixels)
     if check.problem:
-        return check.problem
-    grey, problem = _grey_array(Path(path))
+        return check
+    grey, problem = _grey_of(check.image)
     if problem:
-        return problem
+        return ImageCheck(problem=problem)
     (h, w), (tw, th) = grey.shape, target_size
     if abs((w / h) / (tw / th) - 1) > ASPECT_TOLERANCE:
-        return (f"mask is {w}x{h}, its aspect differs from its target's {tw}x{th}; accepted: the target's size or "
-                "a scaled copy of it")
+        return ImageCheck(problem=f"mask is {w}x{h}, its aspect differs from its target's {tw}x{th}; accepted: "
+                                  "the target's size or a scaled copy of it")
     if float(grey.max(initial=0)) <= 0:
-        return "mask is all black (no edited region); paint the edited region white, or remove the mask"
-    return None
+        return ImageCheck(problem="mask is all black (no edited region); paint the edited region white, or "
+                                  "remove the mask")
+    return check
 
 
 def mask_tokens(path: Path, width: int, height: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ def detect_variant(model_dir: Path) -> str:
 
 def model_identity(model_dir: Path | None, variant: str = "") -> str:
     """What a LoRA file records of the model it was trained on: the variant and the model folder's own name
-    (`edit-plus:Qwen-Image-Edit-2509`), never a path of this machine."""
+    (`<variant>:<folder>`, e.g. `<the Edit Plus variant>:Qwen-Image-Edit-2509`), never a path of this machine."""
     if model_dir is None:
         return variant or "unknown"
     return f"{variant or detect_variant(Path(model_dir))}:{Path(model_dir).name}"
@@ -111,7 +111,7 @@ def family_of(model_dir: Path) -> Family:
 
 def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtype, quantize: str = "none",
                      family: Family | None = None):
-    """The family's transformer (QwenImageTransformer2DModel, ...) from `model_dir/transformer`, frozen, on
+    """The family's transformer (its `transformer_class`) from `model_dir/transformer`, frozen, on
     `device` in `dtype`; the family defaults to the directory's."""
     cls = (family or family_of(model_dir)).class_of("transformer")
     qconfig = _quantization(quantize, device, "transformer", "diffusers")
@@ -125,7 +125,7 @@ def load_transformer(model_dir: Path, *, device: torch.device, dtype: torch.dtyp
 
 def load_vae(model_dir: Path, *, device: torch.device, dtype: torch.dtype, family: Family | None = None,
              vae_file: str | Path | None = None):
-    """The family's VAE (AutoencoderKLQwenImage, ...) from `model_dir/vae`, or from `vae_file` (ComfyUI's layouts;
+    """The family's VAE (its `vae_class`) from `model_dir/vae`, or from `vae_file` (ComfyUI's layouts;
     one of the other family than the directory's is refused), frozen, on `device` in `dtype`; the family
     defaults to the directory's."""
     family = family or family_of(model_dir)
@@ -177,13 +177,18 @@ def caption_token_counter(model_dir: Path | None, comfyui_dir: str | Path | None
         source = processor_source(model_dir, comfyui_dir)
     except (ModelNotFoundError, OSError, ValueError):
         return None
+    return token_counter(source)
+
+
+def token_counter(source: Path):
+    """`count(text) -> tokens` of the tokenizer saved in the folder `source` (read locally, never downloaded)."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def load_processor(model_dir: Path | None, comfyui_dir: str | Path | None = None, family: Family = DEFAULT):
-    """The family's processor (Qwen2VLProcessor, ...: tokenizer + image processor) from `processor_source`."""
+    """The family's processor (its `processor_class`: tokenizer + image processor) from `processor_source`."""
     return read_processor(processor_source(model_dir, comfyui_dir), family)
 
 

@@ -3,9 +3,9 @@ encoder file is families/qwen_image/text_encoder_file.py, which shares the readi
 
 Layout, learned from ComfyUI's and diffusers' own source:
 - Key names are diffusers' module paths: ComfyUI's `comfy/ldm/qwen_image/model.py` names its modules like
-  diffusers' `QwenImageTransformer2DModel`, and diffusers' `loaders/single_file_model.py` maps a Qwen-Image
-  single file with the identity. Files saved from a ComfyUI model carry the `model.diffusion_model.` prefix
-  (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
+  diffusers' Qwen-Image transformer class (the family's `transformer_class`), and diffusers'
+  `loaders/single_file_model.py` maps a Qwen-Image single file with the identity. Files saved from a ComfyUI
+  model carry the `model.diffusion_model.` prefix (stripped by `comfy/sd.py` load_diffusion_model); both are accepted.
 - `__index_timestep_zero__` (`variants.ZERO_COND_MARKER`, an empty tensor registered as a buffer in
   comfy/ldm/qwen_image/model.py when `default_ref_method == "index_timestep_zero"`) marks Edit-2511:
   `zero_cond_t=True` in diffusers.
@@ -16,15 +16,15 @@ Layout, learned from ComfyUI's and diffusers' own source:
   per-channel scales (the same effective weights), and run fp8 matmuls. `fp8="auto"` keeps them where the
   device computes in fp8 (CUDA, compute capability >= 8.9) and upcasts elsewhere; the log says which, with
   the weights' memory (the real transformer's sizes: docs/MODEL.md, "The real model's sizes").
-The architecture is read from the shapes and matched against the configs shipped in
-`model/architectures/transformer_architectures.json`.
+The architecture is read from the shapes by the family's layout (`Family.file_layout`, families/<family>/
+single_file.py: the 2025 family's matches the configs shipped in `model/architectures/
+transformer_architectures.json`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from qwen_edit_core.model import file_stream
 
 
-from qwen_edit_core.families import variants
+from qwen_edit_core.families import DEFAULT, variants
 log = logging.getLogger(__name__)
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -142,39 +142,6 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
     return out
 
 
-def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
-    """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
-    from qwen_edit_core.families import DEFAULT, family_of_file
-    other = family_of_file(tensors)
-    if other.file_layout != __name__:  # another family's file (its `file_marker`)
-        raise SingleFileError(f"{source}: a {other.file_title} transformer, not a {DEFAULT.file_title} one: give it with "
-                              f"a {other.file_title} model directory, which loads it as its family's")
-    needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
-    missing = [k for k in needed if k not in tensors]
-    if missing:
-        sample = ", ".join(sorted(tensors)[:4])
-        raise SingleFileError(f"{source}: not a Qwen-Image transformer (missing {missing}; found keys like {sample}); "
-                              "expected a Qwen-Image/-Edit diffusion model from ComfyUI's diffusion_models folder")
-    width, in_channels = tensors["img_in.weight"].shape
-    head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-    layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k)))
-    shapes = {"in_channels": in_channels, "attention_head_dim": head_dim, "num_attention_heads": width // head_dim,
-              "joint_attention_dim": tensors["txt_in.weight"].shape[1],
-              "out_channels": tensors["proj_out.weight"].shape[0] // 4}
-    known = {n: c for n, c in json.loads(ARCHITECTURES.read_text()).items() if "_family" not in c}  # 2025 family
-    for name, config in known.items():
-        if all(config[k] == v for k, v in shapes.items()):
-            config = {k: v for k, v in config.items() if not k.startswith("_")}
-            config.update(num_layers=layers, zero_cond_t=flags["zero_cond_t"],
-                          use_additional_t_cond="time_text_embed.addition_t_embedding.weight" in tensors)
-            config["axes_dims_rope"] = tuple(config["axes_dims_rope"])
-            log.info("%s: %s architecture, %d blocks%s", source, name, layers,
-                     ", zero_cond_t (Edit-2511)" if flags["zero_cond_t"] else "")
-            return config
-    raise SingleFileError(f"{source}: unknown Qwen-Image architecture {shapes}; known: {', '.join(known)} "
-                          f"(shipped in {ARCHITECTURES.name})")
-
-
 def check_state_dict(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], problem: str) -> None:
     """Raise SingleFileError(`problem`: the first missing and unexpected keys and wrong shapes) unless
     `tensors` has exactly the keys and shapes of `expected`."""
@@ -234,28 +201,19 @@ def _bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-#: the 2025 family's file layout (families.Family.layout): its text encoder is read from ComfyUI's single file
-TEXT_ENCODER_REFUSAL = ""
-
-
-#: a file's keys are diffusers' already
-def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A module's file tensors under the model's keys: unchanged (the 2025 files use diffusers' module names)."""
-    return tensors
-
-
 # -- VAE ----------------------------------------------------------------------------------------------------
 # ComfyUI's qwen_image_vae.safetensors is its Wan 2.1 VAE layout (comfy/sd.py recognises
 # `decoder.middle.0.residual.0.gamma` and builds comfy.ldm.wan.vae.WanVAE with dim 96, z_dim 16,
 # dim_mult [1, 2, 4, 4], num_res_blocks 2). diffusers' loaders/single_file_utils.py
-# `convert_wan_vae_to_diffusers` maps that layout onto AutoencoderKLQwenImage's module names (same architecture;
+# `convert_wan_vae_to_diffusers` maps that layout onto the Qwen-Image VAE class's module names (same architecture;
 # the converter assumes num_res_blocks 2, which the real VAE and our tiny VAE have).
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 WAN_VAE_MARKER = "decoder.middle.0.residual.0.gamma"
 
 
 def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
-    """A VAE file's tensors with diffusers (AutoencoderKLQwenImage) names, whichever of the two layouts."""
+    """A VAE file's tensors with the diffusers Qwen-Image VAE class's (`vae_class`) names, whichever of the two
+    layouts."""
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     tensors = _read_tensors(path, "VAE")
@@ -268,7 +226,7 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
         return tensors
     sample = ", ".join(sorted(tensors)[:4])
     raise SingleFileError(f"{path}: not a Qwen-Image VAE (found keys like {sample}); expected ComfyUI's "
-                          f"qwen_image_vae.safetensors layout ({WAN_VAE_MARKER}) or diffusers' AutoencoderKLQwenImage")
+                          f"qwen_image_vae.safetensors layout ({WAN_VAE_MARKER}) or diffusers' {DEFAULT.vae_class}")
 
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):

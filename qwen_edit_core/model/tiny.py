@@ -45,8 +45,9 @@ _EXTRA_WORDS = ("make turn add remove the a an sky cat dog red green blue purple
 
 
 def transformer_config(size: str = "tiny", num_layers: int | None = None) -> dict:
-    """QwenImageTransformer2DModel config: "tiny" (2 layers, 2x16 heads), "real-width" (real widths, one
-    block) or "real" (the real 60-block, 20 B-parameter model; build it in memory for benchmarks)."""
+    """The Qwen-Image transformer's config (the default family's `transformer_class`): "tiny" (2 layers, 2x16
+    heads), "real-width" (real widths, one block) or "real" (the real 60-block, 20 B-parameter model; build it in
+    memory for benchmarks)."""
     if size == "tiny":
         cfg = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
                    num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))

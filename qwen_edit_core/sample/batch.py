@@ -11,11 +11,11 @@ from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 from qwen_edit_core.model import encode
 from qwen_edit_core.model.encode import PromptEmbeds
+from qwen_edit_core.families import variants
 from qwen_edit_core.sample import sampler
-from qwen_edit_core.sample.sampler import Conditioning
 
 
-def _forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditioning], embeds: list[PromptEmbeds],
+def _forward_many(transformer, latents: list[torch.Tensor], conds: list, embeds: list[PromptEmbeds],
                   timesteps: list[torch.Tensor]) -> list[torch.Tensor]:
     """One transformer call over several samples of any sizes (batching adapter); per-sample predictions."""
     from qwen_edit_core.adapters import multires
@@ -38,25 +38,32 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
     """Several edits in one transformer call per step (cond and uncond batched together), each with its own
     size, control images, seed and schedule; equals running `sample` on each. Returns (1, H, W, 3) images."""
     from qwen_edit_core.adapters import multires
+    family = variants.get(components.variant).family
+    if not family.padded_batches:
+        raise ValueError(f"sample_batch packs samples of any size into one call, which a {family.title} model does "
+                         "not take (its transformer reads one token layout per call): sample each edit on its own")
+    family_sampler = family.stage("sampler")
     if settings.cfg_mode == "split":
         raise ValueError("sample_batch batches CFG on one device; use cfg_mode 'sequential' or 'batched'")
     transformer = components.transformer
     multires.install(transformer)
     seeds = list(seeds) if seeds is not None else [settings.seed if settings.seed is not None else 0] * len(prompts)
-    conds = [sampler.build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
+    conds = [family_sampler.build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
     device = next(transformer.parameters()).device
     channels = transformer.config.in_channels // 4
-    latents = [sampler.initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype,
+    latents = [family_sampler.initial_noise(s, c.width, c.height, channels, device, c.cond.embeds.dtype,
                                      settings.schedule) for s, c in zip(seeds, conds)]
-    schedules = [sampler.make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2]
+    schedules = [family_sampler.make_timesteps(components.scheduler_config, settings, x.shape[1], device)[:2]
                  for x in latents]
     with speed.attention_kernel(settings.attention, device):
-        latents = _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel)
-    return [sampler.decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
+        latents = _denoise_many(transformer, conds, latents, schedules, settings, family_sampler.guide, progress,
+                                 cancel)
+    return [family_sampler.decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
 
 
-def _denoise_many(transformer, conds, latents, schedules, settings, progress, cancel) -> list[torch.Tensor]:
-    """The Euler loop of `sample_batch`: one transformer call per step for every sample and CFG branch."""
+def _denoise_many(transformer, conds, latents, schedules, settings, guide, progress, cancel) -> list[torch.Tensor]:
+    """The Euler loop of `sample_batch`: one transformer call per step for every sample and CFG branch, each
+    sample's velocity guided by the family's `guide`."""
     total = settings.num_inference_steps
     for i in range(total):
         if cancel is not None:
@@ -65,7 +72,7 @@ def _denoise_many(transformer, conds, latents, schedules, settings, progress, ca
         if settings.do_cfg:
             both = _forward_many(transformer, latents * 2, conds * 2, [c.cond for c in conds] +
                                  [c.uncond for c in conds], ts * 2)
-            preds = [sampler.guide(c, u, settings.true_cfg_scale, settings.schedule)
+            preds = [guide(c, u, settings.true_cfg_scale, settings.schedule)
                      for c, u in zip(both[: len(conds)], both[len(conds):])]
         else:
             preds = _forward_many(transformer, latents, conds, [c.cond for c in conds], ts)

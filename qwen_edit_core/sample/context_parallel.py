@@ -2,7 +2,7 @@
 
 Each process holds the whole transformer and 1/N of the image and text tokens; attention exchanges them with
 diffusers' own context-parallel machinery (the `_cp_plan` that diffusers 0.42 declares for
-`QwenImageTransformer2DModel`, Ulysses all-to-all or ring attention over the native SDPA backend). It helps at any
+the 2025 family's transformer class, Ulysses all-to-all or ring attention over the native SDPA backend). It helps at any
 CFG, CFG 1 (few-step Lightning edits) included, where the two-device CFG split has nothing to split.
 
 Why not `ModelMixin.enable_parallelism`: diffusers 0.42 picks the device as `rank % torch.accelerator.

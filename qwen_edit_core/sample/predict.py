@@ -96,7 +96,12 @@ def encode_prompt(components, prompt: str, image, *, area: int | None, vae_area:
     area = area or variants.get(components.variant).vl_area(vae_area, vl_area)
     vl = [encode.resize(i, *encode.image_size_at_area(i, area)) for i in images]
     te = components.text_encoder
-    (emb,) = encode.encode_prompts(te.model, te.processor, [prompt], [vl], components.variant, device=te.device)
+    family = variants.get(components.variant).family
+    encode_prompts = getattr(family.stage("encode"), "encode_prompts", None)
+    if encode_prompts is None:
+        raise encode.EncodeError(f"{family.title} prompts are encoded with their reference images' vision slots, "
+                                 "inside sampling: sample with `predict` instead")
+    (emb,) = encode_prompts(te.model, te.processor, [prompt], [vl], components.variant, device=te.device)
     embeds = encode.pad_embeddings([emb])
     return embeds.embeds, embeds.mask
 

@@ -1,8 +1,10 @@
-"""True-CFG flow-matching sampler for Qwen-Image-Edit (Edit and Edit Plus).
+"""The true-CFG flow-matching sampler every model family shares: the settings, the Euler/CFG driver (`euler`) and
+the entry points (`sample`, `build_conditioning`, `denoise`, `decode`) that hand a run to the components'
+family's sampler (`Family.stage("sampler")`, families/<family>/sampler.py: its conditioning, noise, schedule and
+guidance).
 
-The diffusers pipelines' loop in numbers (sizes, noise, schedule, CFG, norm rescale), plus pixel areas as
-parameters, components on different devices (tensors cross each boundary once), three CFG modes, a progress
-callback per step and cancellation between steps.
+The driver runs the diffusers pipelines' loop with components on different devices (tensors cross each boundary
+once), three CFG modes, a progress callback per step and cancellation between steps.
 
 CFG modes:
 - ``sequential``: cond then uncond, two transformer calls per step (as diffusers).
@@ -12,31 +14,25 @@ CFG modes:
   under context parallelism over 2N processes, cond on the first N and uncond on the other N
   (sample.context_parallel.CfgSplit), the two predictions swapped once per step.
 
-`transformer` is anything called like diffusers' QwenImageTransformer2DModel that carries its `config`; the
+`transformer` is anything called like the family's diffusers transformer that carries its `config`; the
 device of every call is the conditioning's (so a pool of worker processes, sample.workers, stands in for it).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qwen_edit_core import speed
 from qwen_edit_core.common.progress import CancelToken, Progress, ProgressFn
 from qwen_edit_core.model import encode, geometry
 from qwen_edit_core.families import variants
-from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.families.templates import EMPTY_PROMPT
 from qwen_edit_core.sample import schedules
-from qwen_edit_core.sample.flow import mu_from_scheduler_config
 
 log = logging.getLogger(__name__)
 
@@ -113,40 +109,6 @@ class SampleSettings:
         return self.true_cfg_scale > 1 and self.negative_prompt is not None
 
 
-@dataclass(frozen=True)
-class Conditioning:
-    """Everything the denoising loop needs, already on the transformer's device; its `branch`, `to` and `guide`
-    are the 2025 family's hooks of the Euler/CFG driver (`euler`)."""
-
-    cond: PromptEmbeds
-    uncond: PromptEmbeds | None
-    control_tokens: torch.Tensor  # (1, N_control, 64) packed control latents, all images concatenated
-    img_shapes: list[tuple[int, int, int]]  # [target, control 1, ...] in packed units
-    width: int
-    height: int
-
-    def branch(self, transformer, which: str, settings: "SampleSettings"):
-        """`predict(latents, t)` of the target tokens for the "cond" or "uncond" prompt, or "both" as one batch of 2
-        (cond first; text of different lengths run as variable-length attention, `_packed_cfg`); `settings` change
-        nothing here."""
-        del settings
-        if which != "both":
-            embeds = getattr(self, which)
-            return lambda latents, t: _forward(transformer, latents, self, embeds, t)
-        both = _stack_embeds(self.cond, self.uncond)
-        packed = _packed_cfg(transformer, self, both)  # varlen attention where the two lengths differ
-        return lambda latents, t: _forward(transformer, latents, self, both, t, packed)
-
-    def to(self, device) -> "Conditioning":
-        """This conditioning on `device` (the uncond replica's, cfg_mode split)."""
-        return Conditioning(self.cond.to(device), None if self.uncond is None else self.uncond.to(device),
-                            self.control_tokens.to(device), self.img_shapes, self.width, self.height)
-
-    def guide(self, cond_pred: torch.Tensor, uncond_pred: torch.Tensor, settings: "SampleSettings") -> torch.Tensor:
-        """The pipelines' true CFG with its per-token norm rescale (`guide`)."""
-        return guide(cond_pred, uncond_pred, settings.true_cfg_scale, settings.schedule)
-
-
 def check_controls(images: Sequence, variant: str | None) -> list:
     """The control images as PIL images, or EncodeError (a ValueError) naming each problem: how many the
     variant takes (Edit: one, Edit Plus: 1 to 3) and the image limits (geometry.check_image_size). Needs no
@@ -167,157 +129,9 @@ def check_controls(images: Sequence, variant: str | None) -> list:
     return pils
 
 
-def prepare_images(images: Sequence, variant: str, settings: SampleSettings):
-    """Resize control images as the pipelines do: returns (vl_images, vae_pixels, vae_sizes, (out_w, out_h))."""
-    pils = check_controls(images, variant)
-    if settings.control_size == "target":
-        out = aligned_size(pils[0], settings)
-        vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
-                                                                   vl_area=settings.vl_area, sizes=[out] * len(pils))
-        return vl_images, vae_pixels, vae_sizes, out
-    vl_images, vae_pixels, vae_sizes = encode.prepare_controls(pils, variant, vae_area=settings.vae_area,
-                                                               vl_area=settings.vl_area)
-    # Output size: the given one, else the last control image's VAE size (Edit has only one), then
-    # rounded down to a multiple of 16 like the pipelines (logged when it changes a given size).
-    out_w = settings.width or vae_sizes[-1][0]
-    out_h = settings.height or vae_sizes[-1][1]
-    return vl_images, vae_pixels, vae_sizes, geometry.round_output_size(out_w, out_h)
-
-
-def aligned_size(control, settings: SampleSettings) -> tuple[int, int]:
-    """The output size of pixel-aligned sampling: width/height when given (rounded down to 16), else the
-    control's own size when both sides are multiples of 16, else its size at the VAE area."""
-    m = encode.LATENT_MULTIPLE
-    if settings.width or settings.height:
-        w, h = settings.width or control.width, settings.height or control.height
-        return w // m * m, h // m * m
-    if control.width % m == 0 and control.height % m == 0:
-        return control.width, control.height
-    return encode.image_size_at_area(control, settings.vae_area)
-
-
-def build_conditioning(components, prompt: str, images: Sequence, settings: SampleSettings) -> Conditioning:
-    """Encode prompt(s) on the text encoder's device and control image(s) on the VAE's, then move the results
-    to the transformer's device once."""
-    components.require("transformer", "vae", "text_encoder")
-    settings.validate()
-    te = components.text_encoder
-    vl_images, vae_pixels, vae_sizes, (width, height) = prepare_images(images, components.variant, settings)
-    param = next(components.transformer.parameters())
-    device, dtype = param.device, _compute_dtype(components.transformer)
-
-    def text(p: str) -> PromptEmbeds:
-        (emb,) = encode.encode_prompts(te.model, te.processor, [p], [vl_images], components.variant,
-                                       device=te.device)
-        return encode.pad_embeddings([emb]).to(device, dtype)
-
-    cond = text(prompt)
-    uncond = text(settings.negative_prompt) if settings.do_cfg else None
-    control = [encode.pack(encode.encode_latents(components.vae, px)) for px in vae_pixels]
-    control_tokens = torch.cat(control, dim=1).to(device, dtype)
-    shapes = [encode.packed_shape(width, height)] + [encode.packed_shape(w, h) for w, h in vae_sizes]
-    return Conditioning(cond, uncond, control_tokens, shapes, width, height)
-
-
-def _compute_dtype(transformer) -> torch.dtype:
-    # A quantized transformer stores int8/uint8 weights; its activations run in the dtype of its embeddings.
-    dtype = transformer.img_in.weight.dtype
-    return dtype if dtype.is_floating_point else torch.bfloat16
-
-
-def initial_noise(seed: int, width: int, height: int, channels: int, device, dtype,
-                  schedule: str = "diffusers") -> torch.Tensor:
-    """Packed Gaussian noise drawn on the CPU from `seed` (device-independent, as diffusers does with a CPU
-    generator), then moved to `device`: in `dtype` (diffusers), or in float32 then cast ("comfyui", as
-    ComfyUI's prepare_noise draws for a float32 latent)."""
-    h, w = height // encode.VAE_SCALE, width // encode.VAE_SCALE
-    generator = torch.Generator("cpu").manual_seed(seed)
-    # diffusers draws (B, 1, C, h, w), ComfyUI (B, C, h, w) or (B, C, 1, h, w); all hold the same numbers in
-    # the same memory order as (B, C, 1, h, w).
-    draw_dtype = torch.float32 if schedule == "comfyui" else dtype
-    noise = torch.randn((1, channels, 1, h, w), generator=generator, dtype=draw_dtype).to(dtype)
-    return encode.pack(noise).to(device)
-
-
-def make_timesteps(scheduler_config: dict, settings: SampleSettings, image_seq_len: int, device):
-    """A fresh scheduler set to the run's schedule (schedules.PRESETS), sigmas and shift; returns (scheduler,
-    timesteps, mu) (mu: the exponential shift's log, for the log line)."""
-    n = len(settings.sigmas) if settings.sigmas else settings.num_inference_steps
-    if settings.schedule == "comfyui":
-        grid = torch.tensor([*settings.sigmas, 0.0]) if settings.sigmas else schedules.comfyui_sigmas(n, settings.shift)
-        scheduler = schedules.ComfyEuler(grid, device)
-        mu = math.log(settings.shift) if settings.shift else schedules.COMFYUI_QWEN_MU
-        return scheduler, scheduler.timesteps, mu
-    if settings.schedule == "lightning":
-        scheduler_config = schedules.lightning_scheduler_config(scheduler_config,
-                                                                settings.shift or schedules.LIGHTNING_SHIFT)
-    if n == 1:
-        # shift_terminal stretches the schedule so its last sigma hits the terminal value; with one sigma that
-        # divides by zero (diffusers returns NaN). One step goes straight from sigma 1 to 0 instead.
-        scheduler_config = {**scheduler_config, "shift_terminal": None}
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    if settings.shift is not None:
-        mu = math.log(settings.shift)
-    elif settings.shift_mode == "dynamic":
-        mu = mu_from_scheduler_config(scheduler_config, image_seq_len)
-    else:
-        mu = settings.fixed_mu
-    grid = list(settings.sigmas) if settings.sigmas else np.linspace(1.0, 1 / n, n)
-    scheduler.set_timesteps(sigmas=grid, mu=mu, device=device)
-    scheduler.set_begin_index(0)
-    return scheduler, scheduler.timesteps, mu
-
-
-def _forward(transformer, latents, cond: Conditioning, embeds: PromptEmbeds, t: torch.Tensor,
-             attention_kwargs: dict | None = None) -> torch.Tensor:
-    """One transformer call; returns the prediction for the target tokens only. `attention_kwargs`: the packed
-    layout of a batch whose prompts differ in length (`_packed_cfg`)."""
-    batch = embeds.embeds.shape[0]
-    device = embeds.embeds.device
-    hidden = torch.cat([latents, cond.control_tokens.to(device)], dim=1)
-    if hidden.shape[0] != batch:
-        hidden = hidden.expand(batch, -1, -1)
-    timestep = t.expand(batch).to(device=device, dtype=latents.dtype)
-    mask = embeds.mask_or_none()
-    out = transformer(hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states=embeds.embeds,
-                      encoder_hidden_states_mask=mask, img_shapes=[cond.img_shapes] * batch,
-                      attention_kwargs=attention_kwargs, return_dict=False)[0]
-    return out[:, : latents.shape[1]]
-
-
-def _stack_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
-    """Cond and uncond as one right-padded batch of 2 (no mask when their lengths are equal)."""
-    return encode.pad_embeddings([a.valid(0), b.valid(0)])
-
-
-def _packed_cfg(transformer, cond: Conditioning, both: PromptEmbeds) -> dict | None:
-    """The attention kwargs that run cond and uncond of different lengths (`both`, stacked) as variable-length
-    attention over each one's valid tokens (`multires.packed_layout`; the multi-resolution processor installed on
-    `transformer`, as the trainer and `sample_batch` do), equal to the key-mask path; None when nothing is padded
-    or `transformer` is no module of a family that packs batches, or runs context-parallel (a worker pool, or
-    diffusers' parallel attention processors: the key mask then)."""
-    from qwen_edit_core.adapters import multires
-    if both.mask_or_none() is None or not isinstance(transformer, torch.nn.Module) \
-            or getattr(transformer, "_parallel_config", None) is not None or multires.install(transformer) is None:
-        return None
-    n_image = multires.image_lengths([cond.img_shapes])[0]
-    return multires.packed_layout(both.lengths, both.embeds.shape[1], [n_image] * len(both.lengths), n_image,
-                                  both.embeds.device)
-
-
-def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
-          schedule: str = "diffusers") -> torch.Tensor:
-    """True CFG with the pipelines' per-token norm rescale: comb * ||cond|| / ||comb|| (norm over channels);
-    plain CFG uncond + scale * (cond - uncond) with schedule "comfyui" (ComfyUI's cfg_function)."""
-    if schedule == "comfyui":
-        return uncond_pred + (cond_pred - uncond_pred) * scale
-    comb = uncond_pred + scale * (cond_pred - uncond_pred)
-    return comb * (torch.norm(cond_pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
-
-
 class _Denoiser:
     """Predicts the guided velocity for one step in the chosen CFG mode, for any family: its conditioning `cond`
-    supplies the hooks (`Conditioning` is the 2025 family's):
+    supplies the hooks (its family's `Conditioning`, families/<family>/sampler.py):
     - `cond.branch(transformer, which, settings)`: `predict(latents, t)` of the target's tokens for the "cond" or
       "uncond" prompt, or "both" (one batch of 2, cfg_mode batched); a branch may keep state between steps (Qwen-Image-2.1's
       prefix K/V cache fills on its first call);
@@ -425,49 +239,40 @@ def euler(transformer, cond, settings: SampleSettings, latents: torch.Tensor, sc
     return latents
 
 
+def family_sampler(components):
+    """The sampler module of `components`' family (families/<family>/sampler.py)."""
+    return variants.get(components.variant).family.stage("sampler")
+
+
+def build_conditioning(components, prompt: str, images: Sequence, settings: SampleSettings):
+    """The family's conditioning of one edit: prompt(s) encoded on the text encoder's device and image(s) on the
+    VAE's, then moved to the transformer's device once."""
+    return family_sampler(components).build_conditioning(components, prompt, images, settings)
+
+
 @torch.no_grad()
-def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
+def denoise(components, cond, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
             progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
-    """The 2025 family's noise and schedule through `euler`; returns packed latents (1, N, 64) on the
-    conditioning's device (the transformer's)."""
-    transformer = components.transformer
-    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
-    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-    channels = transformer.config.in_channels // 4
-    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
-    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
-    log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
-             len(timesteps), settings.schedule, settings.true_cfg_scale,
-             settings.cfg_mode if settings.do_cfg else "off", mu, seed)
-    return euler(transformer, cond, settings, latents, scheduler, timesteps, uncond_transformer=uncond_transformer,
-                 cfg_split=cfg_split, progress=progress, cancel=cancel)
+    """The family's noise and schedule through `euler` from `cond` (`build_conditioning`); returns the target's
+    latent tokens on the conditioning's device (the transformer's)."""
+    return family_sampler(components).denoise(components, cond, settings, uncond_transformer=uncond_transformer,
+                                              cfg_split=cfg_split, progress=progress, cancel=cancel)
 
 
 def decode(components, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """Packed latents -> (B, H, W, 3) float32 image in [0, 1] on the CPU (decoded on the VAE's device)."""
-    check_finite(latents, "the denoised latent")
-    pixels = encode.decode_latents(components.vae, encode.unpack(latents, height, width))
-    return encode.postprocess(pixels).cpu()
+    """The target's latent tokens -> (1, H, W, C) float32 image in [0, 1] on the CPU (decoded on the VAE's device;
+    C = 4, RGBA, for a family whose VAE decodes alpha)."""
+    return family_sampler(components).decode(components, latents, width, height)
 
 
 def sample(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
            uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
            cancel: CancelToken | None = None) -> torch.Tensor:
-    """Edit `images` (one control image, or 1-3 for Edit Plus; 0-10 references for Qwen-Image-2.1) by `prompt`;
-    returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
-    family = variants.get(components.variant).family
-    return family.stage("sampler").sample(components, prompt, images, settings, uncond_transformer=uncond_transformer,
-                                          cfg_split=cfg_split, progress=progress, cancel=cancel)
-
-
-def sample_packed(components, prompt: str, images: Sequence, settings: SampleSettings = SampleSettings(), *,
-                  uncond_transformer=None, cfg_split=None, progress: ProgressFn | None = None,
-                  cancel: CancelToken | None = None) -> torch.Tensor:
-    """`sample` for a family whose controls follow the target's packed tokens (the 2025 family's `sample`)."""
-    cond = build_conditioning(components, prompt, images, settings)
-    latents = denoise(components, cond, settings, uncond_transformer=uncond_transformer, cfg_split=cfg_split,
-                      progress=progress, cancel=cancel)
-    return decode(components, latents, cond.width, cond.height)
+    """Edit `images` (the control or reference images the variant takes: `variants.Variant.controls_text`) by
+    `prompt`; returns (1, H, W, 3) in [0, 1], (1, H, W, 4) RGBA for a model whose VAE decodes alpha."""
+    return family_sampler(components).sample(components, prompt, images, settings,
+                                             uncond_transformer=uncond_transformer, cfg_split=cfg_split,
+                                             progress=progress, cancel=cancel)
 
 
 class NonFiniteError(ValueError):

@@ -3,7 +3,7 @@
 - ``diffusers`` (the default): diffusers' Qwen-Image-Edit pipelines. FlowMatchEulerDiscreteScheduler from the
   model's scheduler config, sigmas ``linspace(1, 1/n, n)`` shifted with a dynamic mu from the target token count
   (`flow.mu_from_scheduler_config`) and stretched to ``shift_terminal``; true CFG with the per-token norm
-  rescale (`sampler.guide`).
+  rescale (the family sampler's `guide`, families/<family>/sampler.py).
 - ``lightning``: the few-step "Lightning" LoRAs' recipe (4 or 8 steps at CFG 1): the same scheduler with
   ``base_shift = max_shift = ln 3`` (a fixed shift of 3 through the exponential time shift) and
   ``shift_terminal = None`` (no terminal stretch).

@@ -1,8 +1,8 @@
 """Speed and memory levers for the transformer: fp8 base weights, selective checkpointing, regional compile,
 block offloading, and the planner that picks them for a memory budget.
 
-Each lever is a small function over a diffusers `QwenImageTransformer2DModel` (with or without peft LoRA
-layers) that changes only this model instance, through public APIs: module replacement, diffusers'
+Each lever is a small function over a family's diffusers transformer (`Family.transformer_class`, with or
+without peft LoRA layers) that changes only this model instance, through public APIs: module replacement, diffusers'
 `enable_gradient_checkpointing(gradient_checkpointing_func=...)`, `torch.compile` per block, forward hooks.
 
 Why these (the reference timings of BENCHMARKS.md, one H100 at 1024^2 Edit, and the commands there

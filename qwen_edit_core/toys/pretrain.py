@@ -1,10 +1,11 @@
-"""Build a toy model's weights (`qwen-edit tiny [--variant image-2.1] --pretrained --train`): a VAE, then a
-transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's constructed
-VAE in families/qwen_image/pretrain.py; the Qwen-Image-2.1 toy's VAE, transformer settings and reference-1 batches in
-families/qwen_image_21/pretrain.py); the data, the flow-matching loop, the seeds and the manifest are this module's. The steps below are
-the 2025 toy's; families/qwen_image_21/pretrain.py describes the 2.1 toy's.
+"""Build a toy model's weights (`qwen-edit tiny [--variant V] --pretrained --train`, V a family's `Toy.variant`): a
+VAE, then a transformer. One build for both families: `Recipe.variant` picks the family's pieces (the 2025 toy's
+constructed VAE in families/qwen_image/pretrain.py; the Qwen-Image-2.1 toy's VAE, transformer settings and
+reference-1 batches in families/qwen_image_21/pretrain.py); the data, the flow-matching loop, the seeds and the
+manifest are this module's. The steps below are the 2025 toy's; families/qwen_image_21/pretrain.py describes the
+2.1 toy's.
 
-1. The VAE (AutoencoderKLQwenImage: 8 base channels, 16 latent channels, 8x downscale) starts from
+1. The VAE (the family's `vae_class`: 8 base channels, 16 latent channels, 8x downscale) starts from
    constructed weights (families/qwen_image/pretrain.py `constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
    its decoder upsamples the cell colours smoothly. The encoder is kept as constructed (`latents_mean`/
    `latents_std` are its latents' measured per-channel statistics, so normalized latents have unit scale as
@@ -12,7 +13,7 @@ the 2025 toy's; families/qwen_image_21/pretrain.py describes the 2.1 toy's.
    on synthetic pictures (`train_vae_decoder`), starting at the constructed output. (Training the whole
    architecture from random weights barely moved in the CPU time available: 300 Adam steps, pixel MSE
    0.17 -> 0.15 in [-1, 1] units.)
-2. The transformer (QwenImageTransformer2DModel: 2 blocks, 2 heads of 32) learns the edits of
+2. The transformer (the family's `transformer_class`: 2 blocks, 2 heads of 32) learns the edits of
    `synthetic.EDITS` from (control, prompt) -> target pairs in that VAE's latent space with the trainer's own
    flow-matching loss (train/batch.py `flow_loss`: the sampler's shifted timesteps, per-sample generators).
    Prompts are embedded by the random tiny text encoder of `build_tiny(seed=0)`, which is kept as it is:
@@ -71,6 +72,10 @@ class Recipe:
     #: the share of pairs with one or two more references after the edited picture, for a family that takes several
     #: (families/qwen_image_21/pretrain.py `_distractors`; the 2025 family refuses it)
     extra_references: float = 0.0
+    #: the 2.1 toy's VAE: latent channels after the colours that hold a constant, and the colour channels' basis
+    #: (families/qwen_image_21/pretrain.py `constructed_vae`; the 2025 family refuses other values)
+    constant_latents: int = 0
+    latent_basis: str = "squares"
 
     @property
     def family(self):

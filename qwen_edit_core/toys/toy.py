@@ -1,11 +1,10 @@
 """The pretrained toy Qwen-Image-Edit: the tiny architecture with trained VAE and transformer weights.
 
-The weights ship with the package, one folder per family named after it (`weights_of`: `weights/qwen-image/`,
-`weights/qwen-image-2.1/`): `vae.safetensors`, `transformer.safetensors` and `toy.json` with both configs, the
-build command, seed, variant and the files' sha256. `build_toy(dir)` writes a
-complete diffusers-layout directory: the random tiny model of `tiny.build_tiny` (tokenizer, processor,
-scheduler and the random tiny text encoder, seed 0) with the trained VAE and transformer in place of the
-random ones. The classes are diffusers' own, so every code path is the real one.
+The weights ship with the package, one folder per family named after it (`weights_of`: `weights/<Family.name>/`):
+`vae.safetensors`, `transformer.safetensors` and `toy.json` with both configs, the build command, seed, variant and
+the files' sha256. `build_toy(dir)` writes a complete diffusers-layout directory: the random tiny model of
+`tiny.build_tiny` (tokenizer, processor, scheduler and the random tiny text encoder, seed 0) with the trained VAE
+and transformer in place of the random ones. The classes are diffusers' own, so every code path is the real one.
 
 The weights come from `qwen-edit tiny --pretrained` (qwen_edit_core/toys/pretrain.py); see docs/TOY_MODEL.md.
 """

@@ -12,38 +12,16 @@ equally whatever its resolution, so a batch equals the average of one-by-one ste
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qwen_edit_core.adapters import multires
 from qwen_edit_core.data import masks
 from qwen_edit_core.config import Config
 from qwen_edit_core.families import DEFAULT, Family, family_of
-from qwen_edit_core.model import encode
-from qwen_edit_core.model.encode import PromptEmbeds
 from qwen_edit_core.sample import flow
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """A batch on the transformer's device: per-sample packed target tokens in float32 (the flow target and
-    the noisy input are formed in fp32; only the model input is cast), control tokens in the model's dtype
-    (samples may differ in size; `flow_loss` pads them), right-padded prompt embeddings, and each sample's
-    generator."""
-
-    targets: list[torch.Tensor]          # (N_target_b, 64)
-    controls: list[torch.Tensor]         # (N_control_b, 64), all control images concatenated
-    embeds: PromptEmbeds
-    img_shapes: list[list[tuple[int, int, int]]]
-    generators: list[torch.Generator]
-    #: per sample: its mask's fractions per target token (float32), or None (no mask)
-    loss_masks: list[torch.Tensor | None] = field(default_factory=list)
-    #: the model family whose `predict` runs it (families/<family>/batch.py)
-    family: Family = DEFAULT
 
 
 def sample_generator(seed: int, step: int, micro: int, index: int) -> torch.Generator:
@@ -67,30 +45,6 @@ def collate(items: Sequence[dict], generators: Sequence[torch.Generator], *, cap
     return batch if batch.family is family else dataclasses.replace(batch, family=family)
 
 
-def collate_packed(items: Sequence[dict], generators: Sequence[torch.Generator], *, caption_dropout: float,
-                   control_dropout: float, device: torch.device, dtype: torch.dtype) -> TrainBatch:
-    """`collate` for a family whose controls follow the target's packed tokens (the 2025 family's).
-
-    Caption dropout swaps in the cached empty-caption embeddings; control dropout zeroes the control latents
-    (the mean image in normalized latent space). Each draw uses the sample's own generator. Prompts are padded
-    (with the mask) to the batch's longest only: one prompt, or prompts of one length, have no mask.
-    """
-    embeds, controls, targets, shapes, masks = [], [], [], [], []
-    for item, gen in zip(items, generators):
-        drop_caption = torch.rand((), generator=gen).item() < caption_dropout
-        drop_control = torch.rand((), generator=gen).item() < control_dropout
-        embeds.append(item["empty_prompt_embeds"] if drop_caption else item["prompt_embeds"])
-        n_controls = len(item["img_shapes"]) - 1
-        control = torch.cat([encode.pack(item[f"control_latents_{i}"][None])[0] for i in range(n_controls)])
-        controls.append((torch.zeros_like(control) if drop_control else control).to(device, dtype))
-        targets.append(encode.pack(item["target_latents"][None])[0].to(device, torch.float32))
-        shapes.append([tuple(s) for s in item["img_shapes"].tolist()])
-        masks.append(item["loss_mask"].to(device, torch.float32) if "loss_mask" in item else None)
-    text = encode.pad_embeddings(embeds).to(device, dtype)
-    return TrainBatch(targets=targets, controls=controls, embeds=text, img_shapes=shapes, generators=list(generators),
-                      loss_masks=masks)
-
-
 def _padded(rows: Sequence[torch.Tensor], n_max: int) -> torch.Tensor:
     """Stack (N_b, ...) rows into (B, n_max, ...), zero-padded at the end of each."""
     return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, n_max - r.shape[0])) for r in rows])
@@ -103,31 +57,7 @@ def predict(transformer, batch, config: Config, scheduler_config: dict):
     return batch.family.stage("batch").predict(transformer, batch, config, scheduler_config)
 
 
-def predict_packed(transformer, batch: TrainBatch, config: Config, scheduler_config: dict):
-    """`predict` for a family whose controls follow the target's packed tokens (the 2025 family's).
-
-    Samples of different sizes are padded into one call (multires.pack_samples); attention runs over each
-    sample's valid tokens alone (`PackedBatch.packed_kwargs`: variable-length attention, no padded mask), so each
-    sample's prediction equals its one-by-one prediction.
-    """
-    noisy, velocities, sigmas = noised_targets(batch.targets, batch.generators, batch.controls[0].dtype, config,
-                                               scheduler_config)
-    packed = multires.pack_samples(noisy, batch.controls, batch.img_shapes)
-    sig = torch.cat(sigmas).to(packed.hidden.device)
-    pred = transformer(hidden_states=packed.hidden, timestep=sig.to(packed.hidden.dtype),
-                       encoder_hidden_states=batch.embeds.embeds,
-                       encoder_hidden_states_mask=batch.embeds.mask_or_none(), img_shapes=packed.img_shapes,
-                       attention_kwargs=packed.packed_kwargs(batch.embeds.lengths, batch.embeds.embeds.shape[1]),
-                       return_dict=False)[0]
-    n_max = max(packed.n_target)
-    token_mask = None
-    if any(n != n_max for n in packed.n_target):
-        token_mask = torch.arange(n_max, device=pred.device)[None] < torch.tensor(packed.n_target,
-                                                                                   device=pred.device)[:, None]
-    return pred[:, :n_max], _padded(velocities, n_max), token_mask, sig
-
-
-def region_weights(batch: TrainBatch, n_max: int, mask_weight: float, unmasked_weight: float,
+def region_weights(batch, n_max: int, mask_weight: float, unmasked_weight: float,
                    device) -> torch.Tensor | None:
     """(B, n_max) per-token loss weights from the samples' masks (1 for samples without one), or None when no
     sample has a mask (the plain loss, bit for bit)."""
@@ -156,8 +86,7 @@ def noised_targets(targets, generators, dtype, config, scheduler_config: dict):
     return noisy, velocities, sigmas
 
 
-def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
+def flow_loss(transformer, batch, config: Config, scheduler_config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
 
     Padding is masked out of the loss, so each sample's loss equals its one-by-one loss. A Qwen-Image-2.1 batch
@@ -172,7 +101,7 @@ def flow_loss(transformer, batch: TrainBatch, config: Config, scheduler_config: 
 
 
 @torch.no_grad()
-def region_losses(transformer, batch: TrainBatch, config: Config, scheduler_config: dict) -> tuple[float, float]:
+def region_losses(transformer, batch, config: Config, scheduler_config: dict) -> tuple[float, float]:
     """(masked, unmasked): the plain squared error averaged inside each sample's edited region (weighted by
     its mask) and outside it, then over the samples; every sample of `batch` needs a mask."""
     if any(m is None for m in batch.loss_masks):

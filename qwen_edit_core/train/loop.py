@@ -29,11 +29,12 @@ from qwen_edit_core.families import family_of
 from qwen_edit_core.train import checkpoint as ckpt
 from qwen_edit_core.train.ema import LoraEma
 from qwen_edit_core.train.validation import RegionLosses
-from qwen_edit_core.train.batch import TrainBatch, collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
+from qwen_edit_core.train.batch import collate, flow_loss, sample_generator  # noqa: F401 (re-exported)
 from qwen_edit_core.train.distributed import (Distributed, PaddingMeter, image_tokens, local_device,  # noqa: F401
                                               sequence_tokens)
 from qwen_edit_core.train.log import LossLog, plot_loss
 from qwen_edit_core.train.prefetch import Prefetcher
+from qwen_edit_core.speed.device_use import run_storages
 from qwen_edit_core.train.optim import SCHEDULES, make_lr_scheduler, make_optimizer, trainable_parameters  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -302,8 +303,11 @@ def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: Progress
     if run.losslog is not None and loss is not None:
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
-        progress(Progress("train", step, t.max_steps, loss=loss))
+        progress(Progress("train", step, t.max_steps, loss=loss,
+                          device_storages=run_storages(run.transformer, run.optimizer, run.device)))
     if t.validation_every and step % t.validation_every == 0:
+        if progress is not None:
+            progress(Progress("device", step, t.max_steps))
         if run.dist.is_main or run.dist.fsdp:
             # With FSDP the sharded forward passes need every process; only the first one writes.
             ema = run.ema is not None and t.ema_validation
@@ -414,6 +418,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
             # Capture the data position before drawing this step's batches: a checkpoint saved at the end of
             # the step must resume at the position after them, one saved on cancel at the position before.
             run.position, run.drawn = run.batches.state_dict(), []
+            if progress is not None:  # what the caller held back for this step is the step's now
+                progress(Progress("device", run.step + 1, config.train.max_steps))
             total = None
             for micro in range(config.train.gradient_accumulation_steps):
                 if stop_requested(run, cancel):

@@ -87,14 +87,22 @@ def lora_spec(config: Config, family=None) -> lora_mod.LoraSpec:
                              dropout=lora.dropout, init=lora.init, type=lora.type, dora=lora.dora)
 
 
-def load_examples(config: Config):
+def caption_counter(config: Config):
+    """`count(text) -> tokens` of the configured text encoder's tokenizer alone (model.components
+    .caption_token_counter: read locally, no weights), None when the model has none to read."""
+    model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
+    return comp.caption_token_counter(model_dir, model_files(config)["comfyui_dir"])
+
+
+def load_examples(config: Config, on_pair=None):
     """The validated dataset of `data.folder` (data.dataset.load_dataset), every caption's tokens counted by the
-    model's tokenizer alone, before any weight loads."""
+    model's tokenizer alone, before any weight loads; `on_pair`: load_dataset's (the doctor's `PairMeasurer`)."""
     from qwen_edit_core.data.dataset import DatasetError, Problem, load_dataset
     d = config.data
     model_dir = comp.resolve_model_dir(config.model.pretrained_model_name_or_path)
-    count = comp.caption_token_counter(model_dir, model_files(config)["comfyui_dir"])
-    report = load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, count_tokens=count)
+    count = caption_counter(config)
+    report = load_dataset(d.folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, count_tokens=count,
+                          on_pair=on_pair)
     spec = variants.get(config.model.variant or comp.detect_variant(model_dir))
     if spec.max_controls is not None:
         over = [Problem(e.target, f"has {len(e.controls)} control images; a {spec.title} model takes "
@@ -314,13 +322,14 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
-    examples, held = _split_heldout(config, list(load_examples(config).examples))
+    measured = doctor_measurer(config)  # the doctor measures each picture from the reader's one decode
+    examples, held = _split_heldout(config, list(load_examples(config, measured).examples), measured)
     model_dir, settings = _model(config)
     resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
     plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
     stack = lora_stack(config.model.lora.stack, resume_path)
     val_example = _validation_example(config, examples, held)
-    _checked(config, check, model_dir, examples, held)
+    _checked(config, check, model_dir, examples, held, measured)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,
@@ -399,8 +408,9 @@ def _validators(config: Config, inputs: FitInputs, held: list, plan: DevicePlan,
     return comps, validator, metrics
 
 
-def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
-    """(training pairs, held-out pairs) of `train.validation_pairs` (which needs train.validation_every)."""
+def _split_heldout(config: Config, examples: list, on_pair=None) -> tuple[list, list]:
+    """(training pairs, held-out pairs) of `train.validation_pairs` (which needs train.validation_every); a held-out
+    folder is read with load_dataset's `on_pair`."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.train.heldout import split_heldout
     t, d = config.train, config.data
@@ -410,27 +420,45 @@ def _split_heldout(config: Config, examples: list) -> tuple[list, list]:
         raise ValueError(f"train.validation_pairs {t.validation_pairs!r} needs train.validation_every > 0 (the "
                          "held-out pairs are sampled at each validation step)")
     train_pairs, held = split_heldout(examples, t.validation_pairs, lambda folder: load_dataset(
-        folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes).examples)
+        folder, skip_invalid=d.skip_invalid, convert_modes=d.convert_modes, on_pair=on_pair).examples)
     log.info("validation: %d held-out pair(s) kept out of training (%s)", len(held), ", ".join(e.name for e in held))
     return train_pairs, held
 
 
-def _checked(config: Config, check: Callable[[Path, int], None], model_dir: Path, examples: list, held: list):
+def _checked(config: Config, check: Callable[[Path, int], None], model_dir: Path, examples: list, held: list,
+             measured=None):
     """The caller's preflight `check`, then the dataset doctor (`run_doctor`): all before any weight loads."""
     check(model_dir, len(examples))
-    run_doctor(config, examples, held)
+    run_doctor(config, examples, held, measured)
 
 
-def run_doctor(config: Config, examples: Sequence, held: Sequence):
+def doctor_cache_dir(config: Config) -> Path | None:
+    """Where the dataset doctor keeps its measures: the embedding cache's folder (`open_cache`; None with the cache
+    off), which `qwen-edit doctor --config` shares."""
+    return open_cache(config).root if config.cache.enabled else None
+
+
+def doctor_measurer(config: Config):
+    """The doctor's PairMeasurer for `load_dataset(on_pair=...)` (its cache: `doctor_cache_dir`), None when
+    data.doctor is off."""
+    if config.data.doctor == "off":
+        return None
+    from qwen_edit_core.data.doctor.runner import PairMeasurer
+    return PairMeasurer(doctor_cache_dir(config))
+
+
+def run_doctor(config: Config, examples: Sequence, held: Sequence, measured=None):
     """The dataset doctor on the training and held-out pairs (`data.doctor`): its summary logged ("warn"), or the
-    run refused when it flags a pair ("refuse"); measures kept beside the embedding cache. Returns its report."""
+    run refused when it flags a pair ("refuse"); measures kept beside the embedding cache. `measured`: the
+    `doctor_measurer` the dataset reader handed the pairs to (without it each picture is read again). Returns its
+    report."""
     if config.data.doctor == "off":
         return None
     from qwen_edit_core.data.doctor import DoctorSettings, diagnose
     d = config.data
     settings = DoctorSettings(area=d.vae_area, pixel_aligned=d.pixel_aligned_edit, batch_size=d.batch_size)
-    cache_dir = open_cache(config).root if config.cache.enabled else None
-    report = diagnose(examples, held, settings, cache_dir=cache_dir)
+    report = diagnose(examples, held, settings, measured=measured or doctor_measurer(config),
+                      count_tokens=caption_counter(config))
     if report.findings and d.doctor == "refuse":
         raise ValueError(f"{report.summary()}\ndata.doctor is 'refuse': fix the pairs (qwen-edit doctor "
                          f"{d.folder} --fix NEW_FOLDER writes a fixed copy) or set data.doctor: warn")

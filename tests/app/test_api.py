@@ -121,7 +121,7 @@ def test_a_1mp_controls_vision_tokens_do_not_count_against_the_prompt_limit(tiny
     """With the real model's image-processor settings a 1024^2 Edit control is 1,369 vision tokens, so a short
     prompt is about 1,380 tokens after the template prefix: encoded (diffusers truncates nothing), while the
     limit still refuses a prompt whose own text is over 1,024 tokens, before the text encoder runs."""
-    from qwen_edit_core.model import encode
+    from qwen_edit_core.families.qwen_image import encode
     from qwen_edit_core.model.components import load_processor, load_text_encoder
     from qwen_edit_core.families.qwen_image.text_encoder_file import QWEN_IMAGE_PROCESSOR
     processor = load_processor(tiny_edit_dir)

@@ -2,7 +2,8 @@
 two controls each, with 3 swapped, 3 shifted by 6 to 12 px, 2 zoomed by 5 %, 2 near-duplicates, a mask on the wrong
 half, the references of one pair reversed, and a held-out pair that repeats a training pair): every planted fault
 found with its kind, at most one clean pair flagged, the fixes applied into a new folder (the shifted targets
-realigned to within a pixel), each picture read once, the measures cached by content."""
+realigned to within a pixel), each picture read and decoded once (the dataset reader's decode is the doctor's), the
+measures cached by content."""
 
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def test_findings_name_the_pair_the_kind_the_figure_and_the_fix(fixed):
     shifted = {f.pair: f.figure for f in fixed[0].report.of_kind("misaligned")}
     assert shifted["pair003"] == {"dx": -6.0, "dy": 0.0, "zoom": pytest.approx(1.0, abs=0.01)}
     assert shifted["pair012"]["zoom"] == pytest.approx(1.05, abs=0.01)
+    histogram = fixed[0].report.stats["shift_px"]  # the dataset's shifts: the 3 shifted pairs by 6 to 12 px
+    assert sum(histogram.values()) == 24 and histogram["4-8"] + histogram["8-16"] == 3
 
 
 def test_fix_realigns_the_shifted_and_zoomed_targets_to_within_a_pixel(faulty, fixed):
@@ -109,7 +112,32 @@ def test_the_html_report_beside_the_picture_shows_every_flagged_pair(fixed):
     assert "invert the mask" in dict(rows)["pair018"]
 
 
-def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tmp_path, monkeypatch):
+def _count_decodes(monkeypatch) -> list:
+    """Every picture PIL opens from now on (the dataset reader's, the doctor's), one entry each."""
+    from PIL import Image
+    opened, real_open = [], Image.open
+    monkeypatch.setattr(Image, "open", lambda fp, *a, **k: opened.append(fp) or real_open(fp, *a, **k))
+    return opened
+
+
+def _pictures(*folders: Path) -> list[Path]:
+    return [p for folder in folders for p in folder.iterdir() if p.suffix == ".png"]
+
+
+def test_the_command_decodes_each_picture_once_and_a_second_run_measures_nothing(faulty, tmp_path, monkeypatch):
+    from qwen_edit_core.api import doctor_dataset
+    files = _pictures(faulty.train, faulty.heldout)
+    opened = _count_decodes(monkeypatch)
+    first = doctor_dataset(faulty.train, str(faulty.heldout), cache_dir=tmp_path).report
+    assert len(opened) == len(files)  # the reader's decode is the doctor's: no second read
+    assert (tmp_path / runner.CACHE_FILE).is_file()
+    opened.clear()
+    monkeypatch.setattr(runner, "measure", lambda pair: pytest.fail(f"{pair.example.name} measured again"))
+    second = doctor_dataset(faulty.train, str(faulty.heldout), cache_dir=tmp_path).report
+    assert len(opened) == len(files) and second.findings == first.findings
+
+
+def test_without_the_reader_each_picture_is_read_once_and_keyed_by_its_content_hash(examples, tmp_path, monkeypatch):
     train, held = examples
     reads = []
     real_read = runner.read_bytes
@@ -118,6 +146,9 @@ def test_each_picture_is_read_once_and_measures_come_from_the_cache(examples, tm
     files = [p for e in (*train, *held) for p in (*e.controls, e.target, *([e.mask] if e.mask else []))]
     assert sorted(reads) == sorted(files)
     assert runner.read_bytes(files[0])[0] == hash_file(files[0])  # the embedding cache's content hash
+    measured = runner.PairMeasurer(tmp_path)
+    load_dataset(train[0].target.parent, on_pair=measured)  # the reader's hashes give the same keys
+    assert set(measured.keys.values()) <= set(measured.cached) and not measured.fresh
     monkeypatch.setattr(runner, "measure", lambda pair: pytest.fail(f"{pair.example.name} measured again"))
     second = diagnose(train, held, SETTINGS, cache_dir=tmp_path)
     assert second.findings == first.findings
@@ -192,5 +223,14 @@ def test_an_edit_without_a_common_direction_says_so_instead_of_guessing():
 def test_the_benchmark_runs_on_a_small_dataset(capsys):
     from qwen_edit_core.bench import doctor
     rates = doctor.run(pairs=30, workers=1)
-    assert set(rates) == {"dataset reader", "doctor, cold", "doctor, warm (cache)"}
+    assert set(rates) == {"dataset reader alone", "reader + doctor, cold", "reader + doctor, warm"}
     assert "30 pairs of 64 px" in capsys.readouterr().out
+
+
+def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed, monkeypatch):
+    from qwen_edit_core.api import doctor_dataset
+    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helper, a few waiting at a time
+    started, real_pool = [], runner.ProcessPoolExecutor
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **options: started.append(options) or real_pool(**options))
+    report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
+    assert started == [{"max_workers": 2}] and report.findings == fixed[0].report.findings

@@ -1,15 +1,20 @@
 """The dataset doctor's optional vision-language check, on the tiny model's text encoder: plumbing only (the tiny
 model's answers are noise). The prompt carries both pictures, the model answers, and each pair ends up either
-judged or counted as unclear; "yes"/"no" are read from the answer's first word."""
+judged or counted as unclear; "yes"/"no" are read from the answer's first word; `qwen-edit doctor --vlm` loads the
+model's text encoder from its local files and asks it."""
 
 from __future__ import annotations
 
+import logging
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from qwen_edit_core import cli
 from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
 from qwen_edit_core.data.doctor import diagnose, vlm
 from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
 from qwen_edit_core.data.doctor.findings import Measured
@@ -32,8 +37,19 @@ def test_the_tiny_text_encoder_answers_about_both_pictures(encoder, tmp_path):
                      vlm.QUESTION.format(examples[0].caption), max_new_tokens=3)
     assert isinstance(answer, str)
     result = vlm.check([Measured(e.name, e, SimpleNamespace(source=0)) for e in examples], encoder)
-    judged = {f.pair for f in result.findings}
-    unclear = int(result.notes[0].split(" of ")[0].split()[-1]) if result.notes else 0
-    assert len(judged) + unclear == 2 and all(f.kind == "caption" for f in result.findings)
+    asked, yes, no, neither = map(int, re.search(r"(\d+) pair\(s\) asked, (\d+) yes, (\d+) no, (\d+) neither",
+                                                  result.notes[0]).groups())
+    assert asked == yes + no + neither == 2 and no == len(result.findings)
+    assert all(f.kind == "caption" for f in result.findings)
     report = diagnose(examples, (), text_encoder=encoder)
     assert set(report.notes) >= set(result.notes)  # the same greedy answers through the doctor
+
+
+def test_the_command_asks_the_models_text_encoder_with_vlm(tiny_plus_dir, tmp_path, caplog, capsys):
+    write_pairs(tmp_path / "pairs", 2, 0, DEMO_EDIT[0], 64)
+    with caplog.at_level(logging.INFO, logger="qwen_edit_core.cli"):
+        assert cli.main(["doctor", str(tmp_path / "pairs"), "--model", str(tiny_plus_dir), "--vlm",
+                         "--out", str(tmp_path / "report")]) == 0
+    assert "note: vision-language check: 2 pair(s) asked" in caplog.text
+    assert cli.main(["doctor", str(tmp_path / "pairs"), "--vlm", "--out", str(tmp_path / "report")]) == 2
+    assert "the vision-language check needs the model's text encoder" in capsys.readouterr().err

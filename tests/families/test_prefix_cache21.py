@@ -143,3 +143,31 @@ def test_int8_cache_is_close_and_its_guard_turns_it_off(edit, caplog, monkeypatc
             first = guarded[0](hidden, 0, t, cond, n)
         assert "exceeds" in caplog.text and guarded[0].place == "off" and guarded[0].cache is None
         assert torch.equal(first, exact[0]) and torch.equal(guarded[0](hidden, 1, t, cond, n), exact[0])
+
+
+def test_cfg_split_plans_each_branch_on_the_device_it_runs_on(edit):
+    """cfg_mode split runs the uncond branch on a replica's device: each device's plan counts its own branch's
+    cache and forward, so a budget that holds one branch's cache but not both keeps each on its device (one device
+    running both would send them to the host), and a pair group's process plans only its own branch."""
+    import copy
+    import dataclasses
+    comps, cond, settings, n = edit
+    shape = prefix_cache.cache_shape(comps.transformer.config, torch.float32)
+    tokens = tuple(prefix_cache.prefix_tokens(p.slots, n) for p in (cond.cond, cond.uncond))
+    from qwen_edit_core import speed
+    weights = speed.resident_bytes(comps.transformer, "cpu")
+    one = max(prefix_cache.peak_bytes("device", weights=weights, shape=shape, tokens=(k,), target_tokens=n,
+                                      dim=shape.heads * shape.head_dim) for k in tokens)
+    both = _peak(comps, cond, settings, n, "device")
+    assert one < both
+    split = dataclasses.replace(settings, cfg_mode="split", memory_budget_gb=one / 2**30)
+    replica = copy.deepcopy(comps.transformer)
+    planned = sampler21.plan_branches(comps.transformer, cond, split, n, uncond_transformer=replica, host_budget=2**40)
+    assert (planned.cache_plan.place, planned.uncond_cache_plan.place) == ("device", "device")
+    assert (planned.cache_plan.tokens, planned.uncond_cache_plan.tokens) == ((tokens[0],), (tokens[1],))
+    assert planned.uncond_cache_plan.bytes == shape.bytes(tokens[1])
+    sequential = dataclasses.replace(split, cfg_mode="sequential")
+    assert sampler21.plan_branches(comps.transformer, cond, sequential, n, host_budget=2**40).cache_plan.place != "device"
+    pair = sampler21.plan_branches(comps.transformer, cond, split, n, cfg_split=type("Member", (), {"uncond": True}),
+                                   host_budget=2**40)
+    assert pair.cache_plan.tokens == (tokens[1],) and pair.uncond_cache_plan is None

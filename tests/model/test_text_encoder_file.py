@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from qwen_edit_core.model import encode
+from qwen_edit_core.families.qwen_image import encode
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import (ModelNotFoundError, load_components, load_processor, load_text_encoder,
                                        processor_source, resolve_model_file)

@@ -92,7 +92,14 @@ def _management():
     from the list each entry whose `model_unload` returned True."""
     mm = types.ModuleType("comfy.model_management")
     mm.LoadedModel, mm.current_loaded_models, mm.cleanup_models, mm.free_bytes = LoadedModel, [], _cleanup, {}
-    mm.get_free_memory = lambda dev=None, torch_free_too=False: mm.free_bytes.get(str(dev), 0)
+    mm.allocator = None  # a test's `Allocator` stands for torch's on its device
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        if mm.allocator is not None and str(dev) == str(mm.allocator.device):
+            return mm.allocator.free()
+        return mm.free_bytes.get(str(dev), 0)
+
+    mm.get_free_memory = get_free_memory
 
     def load_models_gpu(models, memory_required=0):
         for patcher in models:
@@ -174,8 +181,11 @@ def test_loaded_components_are_comfyuis_loaded_models_and_it_can_offload_them(co
                         lambda self, unpatch_all=True: detached.append(self.module) or real(self, unpatch_all))
     comfy.free_memory(1e30, torch.device("cpu"))  # another model needs the room: ComfyUI unloads ours
     assert comfy.current_loaded_models == [] and {id(m) for m in detached} == set(sizes)
-    nodes.QwenEditEncodeImage().encode(handle, torch.rand(1, 64, 64, 3), 64)  # a node using it loads it again
-    assert set(_ours(comfy)) == {id(handle.components.vae)}
+    assert all(loaded_models.freed(m) for m in modules)  # on the CPU, with nowhere to offload to, freed
+    again, _ = _load()  # its IS_CHANGED changed: ComfyUI runs the loader again
+    comfy.current_loaded_models.clear()
+    nodes.QwenEditEncodeImage().encode(again, torch.rand(1, 64, 64, 3), 64)  # a node using it loads it
+    assert set(_ours(comfy)) == {id(again.components.vae)}
 
 
 def test_comfyui_cannot_offload_a_model_a_training_job_uses(comfy, monkeypatch, caplog):
@@ -243,7 +253,7 @@ def test_comfyui_keeps_counting_a_running_job_and_cannot_unload_it(comfy, monkey
     job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
                               model=handle.components)
     assert started.wait(60)
-    job.memory.steady, job.memory.working = 1000, 5000  # what a CUDA job measures at a step's end
+    job.memory.working = 6000  # what a CUDA job measures at a step's end
     cpu = torch.device("cpu")
     assert comfy_runtime.count_job(job, modules, cpu) and not comfy_runtime.count_job(job, modules, cpu)
     (entry,) = comfy.current_loaded_models  # the modules' own entries left: the job's entry counts them
@@ -263,21 +273,111 @@ def test_comfyui_keeps_counting_a_running_job_and_cannot_unload_it(comfy, monkey
     assert all(p.device.type == "meta" for m in modules for p in m.parameters())
 
 
-def test_a_job_measures_what_it_holds_beyond_its_weights_at_each_steps_end():
-    """steady: allocated now minus at the start; working: the largest step peak above that (CUDA statistics,
-    here a stand-in); both stay 0 on a device without them."""
-    readings = iter([(100, 100), (400, 900), (450, 700)])
-    resets = []
-    use = jobs.DeviceUse("cuda", stats=lambda device: next(readings), reset=resets.append)
-    use.started()
-    use.step_ended()
-    assert (use.steady, use.working) == (300, 500)
-    use.step_ended()
-    assert (use.steady, use.working) == (350, 500) and len(resets) == 3
-    cpu = jobs.DeviceUse("cpu")
-    cpu.started()
-    cpu.step_ended()
-    assert (cpu.steady, cpu.working) == (0, 0)
+class _Block:
+    """One allocation of the stand-in allocator (freed when dropped)."""
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+class Allocator:
+    """torch's caching allocator on one device as ComfyUI's `get_free_memory` reads it (the driver's free bytes
+    plus reserved minus active) and `speed.device_use.Allocator` drives it: `alloc` serves a request from a cached
+    inactive block of its exact size, else reserves new memory; freeing caches the block (reserved, inactive)."""
+
+    def __init__(self, device, total):
+        self.device, self.total = torch.device(device), total
+        self.reserved = self.active = self.peak = 0
+        self.cached: list[int] = []
+
+    def free(self) -> int:
+        return self.total - self.reserved + (self.reserved - self.active)
+
+    def alloc(self, n):
+        if n in self.cached:
+            self.cached.remove(n)
+        else:
+            self.reserved += n
+        self.active += n
+        self.peak = max(self.peak, self.active)
+        block = _Block(n)
+        weakref.finalize(block, self._free, n)
+        return block
+
+    def _free(self, n):
+        self.active -= n
+        self.cached.append(n)
+
+    def stats(self, device):
+        return self.active, self.peak
+
+    def reset(self, device):
+        self.peak = self.active
+
+    def hold(self, device, nbytes):
+        from qwen_edit_core.speed.device_use import pick_blocks
+        return [self.alloc(n) for n in pick_blocks(self.cached, nbytes)]
+
+
+def test_comfyuis_free_memory_leaves_out_what_a_running_jobs_next_step_needs(comfy, monkeypatch):
+    """Between two steps the job's activations are reserved but inactive, which ComfyUI's `get_free_memory` counts
+    as free: the job holds them until its next step starts. Its ledger entry reports its own bytes (its model's
+    weights, the run's storages, a step's working bytes), not the process's: a model another prompt loaded meanwhile
+    is not the job's."""
+    from qwen_edit_core.common.progress import Progress
+    from qwen_edit_core.speed import device_use
+    handle, _ = _load()
+    modules = loaded_models.modules_of(handle)
+    weights = sum(comfy_runtime._nbytes(m) for m in modules)
+    cpu, total = torch.device("cpu"), 100_000
+    comfy.allocator = allocator = Allocator(cpu, total)
+    real = device_use.DeviceUse
+    monkeypatch.setattr(device_use, "DeviceUse", lambda device: real(device, allocator=allocator))
+    between, go_on, stop = threading.Event(), threading.Event(), threading.Event()
+    other = []
+
+    def two_steps(config, *, resume, progress, cancel, lock=None, model=None):
+        for step in (1, 2):
+            progress(Progress("device", step, 2))
+            other.append(allocator.alloc(7000))  # another prompt loads a model while the job trains
+            activations = [allocator.alloc(3000), allocator.alloc(2000)]
+            del activations  # the step is over: reserved, inactive
+            progress(Progress("train", step, 2, device_storages={1: 400}))  # the run's LoRA and optimizer state
+            between.set()
+            go_on.wait()
+            go_on.clear()
+            if stop.is_set():
+                break
+        return TrainResult(state="done", step=2, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=two_steps, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
+                              model=handle.components)
+    try:
+        assert between.wait(60)
+        assert comfy_runtime.count_job(job, modules, cpu)
+        (entry,) = comfy.current_loaded_models
+        working = 5000
+        assert entry.model_memory() == weights + 400 + working  # the other prompt's 7000 bytes are not the job's
+        assert comfy.get_free_memory(cpu) == allocator.total - 7000 - working  # the next step's bytes are held
+        assert comfy.free_memory(working, cpu) == [] and comfy.current_loaded_models == [entry]  # it declines
+        between.clear()
+        go_on.set()  # the second step starts: what was held back is its own
+        assert between.wait(60)
+        assert comfy.get_free_memory(cpu) == allocator.total - 2 * 7000 - working
+        go_on.set()
+    finally:
+        stop.set()
+        go_on.set()
+        job.wait()
+    assert allocator.active == 2 * 7000  # the job let go of everything it held
+
+
+def test_a_hold_takes_only_cached_blocks_that_fit_largest_first():
+    from qwen_edit_core.speed.device_use import pick_blocks
+    assert pick_blocks([4, 16, 8, 2], 13) == [8, 4]
+    assert pick_blocks([4, 16, 8, 2], 100) == [16, 8, 4, 2] and pick_blocks([4], 3) == []
 
 
 def test_the_loaders_fp8_choice_streams_the_block_linears_into_fp8_without_loading_the_whole_model(
@@ -389,21 +489,23 @@ def test_a_jobs_entry_leaves_comfyuis_list_when_a_node_uses_its_model_after_the_
 
 
 def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(monkeypatch, tmp_path):
-    """fp8 parks the lender's bf16 linears (allocated drops below the start) and adds its own fp8 copies and the
-    LoRA: the job reports its weights as it started, less what it parked, plus what it added (stand-in CUDA
-    statistics; the CPU tensors stand for the device's)."""
+    """fp8 parks the lender's bf16 linears and adds its own fp8 copies and the LoRA: the job reports the lender's
+    weights still on the device (none) plus the run's storages, whatever else the process allocated (a stand-in
+    allocator; the CPU tensors stand for the device's)."""
+    from qwen_edit_core.speed import device_use
     monkeypatch.chdir(tmp_path)
     model = torch.nn.Linear(16, 16, bias=False)  # 1024 bytes
-    other, parked, added = 200, 1024, 300  # another model's bytes, the parked linear's, fp8 copy and LoRA's
-    readings = iter([(1024 + other, 0), (1024 + other - parked + added, 1024 + other - parked + added)])
-    real = jobs.DeviceUse
-    monkeypatch.setattr(jobs, "DeviceUse", lambda device: real(
-        device, stats=lambda device: next(readings), reset=lambda device: None))
+    allocator = Allocator("cpu", 10_000)
+    real = device_use.DeviceUse
+    monkeypatch.setattr(device_use, "DeviceUse", lambda device: real(device, allocator=allocator))
     stepped, finish = threading.Event(), threading.Event()
+    fp8_copy = torch.zeros(300, dtype=torch.uint8)  # the fp8 copy and the LoRA
 
     def fp8(config, *, resume, progress, cancel, lock=None, model=None):
         model.weight.data = torch.empty(0)  # parked
-        progress(jobs.Progress(stage="train", step=1, total=1))
+        other = allocator.alloc(200)  # another model, loaded beside the job  # noqa: F841
+        progress(jobs.Progress(stage="train", step=1, total=1,
+                               device_storages=device_use.storages_on([fp8_copy], torch.device("cpu"))))
         stepped.set()
         finish.wait()
         return TrainResult(state="done", step=1, lora_path=None, loss_plot=None)
@@ -413,7 +515,7 @@ def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(mon
     job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}), model=model)
     assert stepped.wait(60)
     try:
-        assert job.device_bytes() == 1024 - parked + added
+        assert job.memory.storages and job.device_bytes() == 300
     finally:
         finish.set()
         job.wait()

@@ -1,5 +1,6 @@
 """Dataset Doctor node: the flagged pairs of the planted-fault dataset as one picture (a row per pair: control,
-target, difference, finding) and the summary; the fixed copy where asked."""
+target, difference, finding) and the summary; the fixed copy where asked; a connected text encoder asked about each
+pair (plumbing, on the tiny model)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,18 @@ def test_the_node_shows_the_flagged_pairs_and_writes_the_fixed_copy(tmp_path, mo
     assert "12 fix(es) applied" in summary and (tmp_path / "fixed" / "pair001.png").is_file()
     assert image.shape[0] == 1 and image.shape[1] == 12 * CELL and image.shape[3] == 3  # the 12 worst of 13
     assert (tmp_path / "output" / "qwen_edit_doctor" / "train" / "report.png").is_file()
+
+
+def test_a_connected_text_encoder_is_asked_about_each_pair(tiny_plus_dir, tmp_path, monkeypatch):
+    import torch
+
+    from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
+    from qwen_edit_core.model.components import load_text_encoder
+    monkeypatch.setenv("QWEN_EDIT_OUTPUT", str(tmp_path / "output"))
+    optional = list(nodes.QwenEditDatasetDoctor.INPUT_TYPES()["optional"])
+    assert optional[-1] == "text_encoder"  # the input added last
+    write_pairs(tmp_path / "pairs", 2, 0, DEMO_EDIT[0], 64)
+    encoder = load_text_encoder(tiny_plus_dir, device=torch.device("cpu"), dtype=torch.float32)
+    handle = DatasetHandle(tmp_path / "pairs", load_dataset(tmp_path / "pairs"))
+    _, summary = nodes.QwenEditDatasetDoctor().check(handle, False, text_encoder=encoder)["result"]
+    assert "note: vision-language check: 2 pair(s) asked" in summary

@@ -33,10 +33,14 @@ SAMPLING = {"1": {"class_type": "QwenEditModelLoader"}, "2": {"class_type": "Loa
             "3": {"class_type": "QwenEditSampler"}, "4": {"class_type": "PreviewImage"}}
 
 
+def _widgets(**widgets) -> dict:
+    return {"model": TINY_MODEL, "transformer_device": "cpu", "vae_device": "cpu", "text_encoder_device": "cpu",
+            "dtype": "float32", **widgets}
+
+
 def _load(prompt, node="1", workflow=None, **widgets):
     """Load Model as ComfyUI runs it in `prompt` (IS_CHANGED first, with no prompt: ComfyUI gives it none)."""
-    widgets = {"model": TINY_MODEL, "transformer_device": "cpu", "vae_device": "cpu", "text_encoder_device": "cpu",
-               "dtype": "float32", **widgets}
+    widgets = _widgets(**widgets)
     extra = {"workflow": {"id": workflow}} if workflow else None
     token = nodes.QwenEditModelLoader.IS_CHANGED(unique_id=node, **widgets)
     with torch.inference_mode():
@@ -131,7 +135,9 @@ def test_another_workflows_loader_of_the_same_node_id_leaves_a_running_jobs_mode
         jobs.REGISTRY.check_free(trained.components.transformer, "sample")
     # with another `instance` (the advice) its loader, node 1 too, loads a copy, and samples on it
     sampling, _ = _load(SAMPLING, workflow="sample-workflow", instance=1)
-    comfy.free_memory(1e30, torch.device("cpu"))  # and ComfyUI makes room for what it runs next
+    sampled = {id(m) for m in loaded_models.modules_of(sampling)}
+    comfy.free_memory(1e30, torch.device("cpu"),  # and ComfyUI makes room for what it runs next
+                      keep_loaded=[e for e in comfy.current_loaded_models if id(e.model.module) in sampled])
     encoded = nodes.QwenEditEncodeImage().encode(sampling, torch.rand(1, 64, 64, 3), 64)
     assert encoded is not None and _intact(sampling)
     assert _intact(trained), "another workflow's load took the running job's model"
@@ -177,6 +183,27 @@ def test_comfyuis_unload_and_cache_free_let_the_packs_model_go_and_the_loader_lo
     assert [ref() for ref in refs] == [None, None, None], "the loader slot still holds the freed model"
     again, token_again = _load(SAMPLING)  # ComfyUI runs the loader again (its cache is empty)
     assert _intact(again) and len(_ours(comfy)) == 3
+
+
+def test_comfyuis_unload_frees_a_cpu_models_weights_while_its_node_cache_still_holds_the_loaders_output(
+        comfy, training):  # noqa: F811
+    """POST /free sets ComfyUI's "unload_models" flag, then "free_memory": its prompt worker can wake for the first
+    and reset the node cache only after the next prompt, so the loader's output (`handle` here) outlives the
+    unload. The unload alone must free the weights of a CPU model (nowhere to offload them), never a running
+    job's, and the loader's IS_CHANGED then makes ComfyUI load the model again."""
+    trained, _ = _load(TRAINING, workflow="train")
+    training[1](trained)
+    handle, token = _load(SAMPLING, instance=1)
+    weights = [weakref.ref(w) for m in loaded_models.modules_of(handle) for w in (*m.parameters(), *m.buffers())]
+    comfy.free_memory(1e30, torch.device("cpu"))  # unload_all_models, on a --cpu server
+    gc.collect()
+    assert all(ref() is None for ref in weights), "ComfyUI's unload left the pack's weights in memory"
+    assert _intact(trained) and not _intact(handle)
+    with pytest.raises(RuntimeError, match="ComfyUI unloaded it"):
+        loaded_models.use(handle)
+    again, token_again = _load(SAMPLING, instance=1)  # IS_CHANGED differs: ComfyUI runs the loader again
+    assert token_again != token and _intact(again)
+    assert nodes.QwenEditModelLoader.IS_CHANGED(unique_id="1", **_widgets(instance=1)) == token_again  # then cached
 
 
 def test_a_transformer_comfyui_knows_pickles_as_the_parallel_pool_sends_it(comfy):  # noqa: F811

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from qwen_edit_core.families.qwen_image import sampler as family_sampler
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.components import load_components, replicate
 from qwen_edit_core.model.devices import DevicePlan
@@ -46,9 +47,9 @@ def test_split_needs_a_replica(comps):
 
 def test_fixed_shift_uses_the_given_mu(comps):
     settings = sampler.SampleSettings(shift_mode="fixed", fixed_mu=1.15, **SMALL)
-    _, timesteps, mu = sampler.make_timesteps(comps.scheduler_config, settings, 64, "cpu")
+    _, timesteps, mu = family_sampler.make_timesteps(comps.scheduler_config, settings, 64, "cpu")
     assert mu == 1.15
-    dynamic = sampler.make_timesteps(comps.scheduler_config, sampler.SampleSettings(**SMALL), 64, "cpu")
+    dynamic = family_sampler.make_timesteps(comps.scheduler_config, sampler.SampleSettings(**SMALL), 64, "cpu")
     assert not torch.allclose(timesteps, dynamic[1])
 
 
@@ -77,7 +78,7 @@ def test_batched_cfg_of_different_lengths_runs_varlen_and_equals_the_key_mask(ti
     def run(packed: bool):
         fresh = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
         if not packed:
-            monkeypatch.setattr(sampler, "_packed_cfg", lambda *a: None)
+            monkeypatch.setattr(family_sampler, "_packed_cfg", lambda *a: None)
         cond = sampler.build_conditioning(fresh, "x", [_image()], settings)
         assert cond.cond.lengths[0] != cond.uncond.lengths[0]
         before = dict(fresh.transformer.attn_processors)
@@ -118,7 +119,8 @@ def test_sampling_refuses_the_controls_training_refuses_and_logs_rounding(tiny_e
     import logging
 
     from qwen_edit_core.model import geometry
-    from qwen_edit_core.sample.sampler import SampleSettings, prepare_images
+    from qwen_edit_core.families.qwen_image.sampler import prepare_images
+    from qwen_edit_core.sample.sampler import SampleSettings
     settings = SampleSettings(num_inference_steps=1, width=100, height=128, vae_area=128 * 128)
     with pytest.raises(ValueError, match=r"control image 1 is 1x1, too small; accepted: at least 64 px"):
         prepare_images([Image.new("RGB", (1, 1))], "edit", settings)

@@ -21,6 +21,8 @@ from PIL import Image
 from qwen_edit_core.adapters import lora
 from qwen_edit_core.model.components import load_components, load_transformer
 from qwen_edit_core.model.devices import DevicePlan
+from qwen_edit_core.families.qwen_image import encode as family_encode
+from qwen_edit_core.families.qwen_image import sampler as family_sampler
 from qwen_edit_core.sample import sampler, schedules
 
 from conftest import random_lora_file
@@ -188,17 +190,17 @@ def test_comfyui_schedule_matches_comfyui_sampling(edit_comps, cfg, shift):
     cond = sampler.build_conditioning(comps, "add snow", [_image(96, 64, 3)], settings)
     if cfg == 1.0:
         assert cond.uncond is None
-        cond = sampler.Conditioning(cond.cond, cond.cond, cond.control_tokens, cond.img_shapes, cond.width,
+        cond = family_sampler.Conditioning(cond.cond, cond.cond, cond.control_tokens, cond.img_shapes, cond.width,
                                     cond.height)
     ours = sampler.denoise(comps, cond, settings)
     ref = _comfy_reference(comps, cond, 5, cfg, 11, shift)
-    ours_unpacked = sampler.encode.unpack(ours, cond.height, cond.width)[:, :, 0]
+    ours_unpacked = family_encode.unpack(ours, cond.height, cond.width)[:, :, 0]
     # the same maths in another order (ComfyUI's denoised/derivative form of the Euler step, CFG on denoised
     # latents): five steps, each one transformer forward's roundings
     assert_close_fp32(ours_unpacked, ref, ops=5 * TINY_FORWARD_ROUNDINGS, what="latent vs ComfyUI's sampling")
     # ComfyUI differs from diffusers' schedule and CFG: the default preset gives another latent
     other = sampler.denoise(comps, cond, sampler.SampleSettings(num_inference_steps=5, true_cfg_scale=cfg, seed=11))
-    assert (sampler.encode.unpack(other, cond.height, cond.width)[:, :, 0] - ref).abs().max() > 1e-2
+    assert (family_encode.unpack(other, cond.height, cond.width)[:, :, 0] - ref).abs().max() > 1e-2
 
 
 # -- CFG 1 runs no negative prompt -----------------------------------------------------------------------------------
@@ -222,8 +224,8 @@ def test_cfg_one_runs_no_negative_pass(edit_comps, replica, monkeypatch, caplog,
     comps = edit_comps
     main, other = _Counter(comps.transformer), _Counter(replica)
     prompts = []
-    encode_prompts = sampler.encode.encode_prompts
-    monkeypatch.setattr(sampler.encode, "encode_prompts",
+    encode_prompts = family_encode.encode_prompts
+    monkeypatch.setattr(family_encode, "encode_prompts",
                         lambda model, proc, texts, *a, **k: prompts.extend(texts) or encode_prompts(model, proc, texts,
                                                                                                     *a, **k))
     settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=1.0, negative_prompt="blurry", seed=0,

@@ -170,6 +170,7 @@ def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_man
     """The sampler's prompts reach compiled blocks at their exact length (no padding, no mask: attention stays on
     the fused kernels), and fourteen caption lengths, cond and uncond run one by one, compile no graph after the
     first length's (dynamic lengths; dynamo alone, the `eager` backend: the graphs are what is counted)."""
+    from qwen_edit_core.families.qwen_image.sampler import Conditioning
     from qwen_edit_core.sample import sampler
     model = _model(batching)
     speed.compile_blocks(model, backend="eager")
@@ -180,9 +181,9 @@ def test_compiled_blocks_get_exact_prompts_without_a_mask_and_one_graph_over_man
     for n in range(7, 35, 2):
         if first is None and n > 7:
             first = speed.compile_stats(model).graphs
-        cond = sampler.Conditioning(pad_embeddings([torch.randn(n, 32, generator=g)]),
-                                    pad_embeddings([torch.randn(n // 2 + 3, 32, generator=g)]),
-                                    torch.randn(1, 20, 64, generator=g), shapes, 80, 64)
+        cond = Conditioning(pad_embeddings([torch.randn(n, 32, generator=g)]),
+                            pad_embeddings([torch.randn(n // 2 + 3, 32, generator=g)]),
+                            torch.randn(1, 20, 64, generator=g), shapes, 80, 64)
         denoiser = sampler._Denoiser(model, cond, settings)
         assert [e.embeds.shape[1] for e in (cond.cond, cond.uncond)] == [n, n // 2 + 3]
         assert all(e.mask_or_none() is None for e in (cond.cond, cond.uncond))

@@ -3,15 +3,19 @@ variant or family name, a family's class names or cache tensor keys as a string,
 constant (`QWEN_IMAGE_21`), an import of a family's subpackage, or an `is_<family>` test. Stages ask the family
 (`families.family_of`, `Family` fields, `Family.stage`) instead, so a new family is one new subpackage.
 
-Docstrings and comments may name families (they explain); node descriptions and messages may mention a family's
-title. A string that only looks like a variant's name (the demo's metric "edit") carries the comment `NOT_A_FAMILY`
-on its line. `ALLOWED` lists modules that still name one, each with why; it only shrinks (it is empty).
+Text is held to the same rule: a docstring, comment, message or help text may name a family by its title, for
+people ("Qwen-Image-2.1", "Edit Plus"), never by a machine string (a variant, encoding or family name such as
+"edit-plus", a class name such as the 2.1 transformer's): those belong to `families/` and reach other text
+through a Family field. A variant name that is an English word ("edit") counts only as a whole string. A string
+that only looks like a variant's name (the demo's metric "edit") carries the comment `NOT_A_FAMILY` on its line. `ALLOWED` lists modules that still name one, each with why; it only shrinks (it is empty).
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,23 @@ def family_identifiers() -> set[str]:
     return constants | classes
 
 
+def machine_names() -> set[str]:
+    """The family strings text may not hold anywhere inside it: variant, encoding and family names and the family
+    classes, except plain lowercase words ("edit"), which only count as a whole string."""
+    names = set(variants.NAMES) | {v.encoding for v in variants.VARIANTS.values()}
+    for family in families.FAMILIES.values():
+        names |= {family.name, family.cache_name, family.transformer_class, family.vae_class,
+                  family.text_encoder_class, family.processor_class, family.block_class}
+    return {n for n in names if n and not (n.isalpha() and n.islower())}
+
+
+def _in_text(names: set[str]) -> re.Pattern:
+    """Any of `names` as a word of its own in text (not part of a longer name, a path or a title: "image-2.1" is
+    found in "use image-2.1" and "qwen-image-2.1", not in "Qwen-Image-2.1")."""
+    alternatives = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+    return re.compile(rf"(?<![\w.])({alternatives})(?![\w-]|\.\d)")
+
+
 FAMILY_TEST = re.compile(r"(^|_)is_\d+")
 #: the comment that marks a string on its line as not a family's or variant's name
 NOT_A_FAMILY = "# not a family name"
@@ -61,14 +82,24 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
+def _texts(source: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, text) of every string (docstrings, messages, f-string parts) and comment of a module."""
+    found = [(node.lineno, node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    return found + [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if token.type == tokenize.COMMENT]
+
+
 def names_of_families(path: Path) -> list[tuple[int, str]]:
     """(line, what) for each place `path` names a family."""
     source = path.read_text()
     tree = ast.parse(source, filename=str(path))
     strings, identifiers, docs = family_strings(), family_identifiers(), _docstrings(tree)
     marked = {n for n, line in enumerate(source.splitlines(), start=1) if line.rstrip().endswith(NOT_A_FAMILY)}
+    in_text = _in_text(machine_names())
+    found = [(line, match.group(1)) for line, text in _texts(source, tree) if line not in marked
+             for match in in_text.finditer(text)]
     subpackages = {p.name for p in FAMILIES_DIR.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             if node.value in strings and node.lineno not in marked:
@@ -99,16 +130,18 @@ def _stage_modules() -> list[Path]:
 
 def test_the_check_sees_each_way_of_naming_a_family(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text('"""image-2.1 in a docstring is fine."""\n'
+    probe.write_text('"""Qwen-Image-2.1 and the edit variant in a docstring are fine, its edit-plus variant is not."""\n'
+                     '# a comment on QwenImage21TransformerBlock\n'
                      'from qwen_edit_core.families import QWEN_IMAGE_21\n'
                      'from qwen_edit_core.families.qwen_image_21 import sampler\n'
                      'variant = "image-2.1"\n'
+                     'message = f"a Qwen-Image-2.1 model: use --variant qwen-image-2.1, not {variant}"\n'
                      'metric = {"edit": 1}  ' + NOT_A_FAMILY + '\n'
                      'def is_21(x):\n    return "prompt_slots" in x or x.__name__ == "QwenImage21Transformer2DModel"\n')
     found = {what for _, what in names_of_families(probe)}
     assert found == {"QWEN_IMAGE_21", "qwen_edit_core.families.qwen_image_21", "image-2.1", "is_21", "prompt_slots",
-                     "qwen_edit_core.families.qwen_image_21.sampler",
-                     "QwenImage21Transformer2DModel"}, found
+                     "qwen_edit_core.families.qwen_image_21.sampler", "QwenImage21Transformer2DModel", "edit-plus",
+                     "QwenImage21TransformerBlock", "qwen-image-2.1"}, found
 
 
 @pytest.mark.parametrize("path", _stage_modules(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -57,3 +57,19 @@ def test_the_train_command_sets_data_pixel_aligned():
     from qwen_edit_core.cli import build_parser, train_overrides
     assert train_overrides(build_parser().parse_args(["train", "c.yaml", "--pixel-aligned"])) == {
         "data": {"pixel_aligned": True}}
+
+
+def test_the_run_measures_from_the_readers_decode_and_a_second_run_from_the_cache(tiny_plus_dir, faulty, tmp_path,
+                                                                                 monkeypatch):
+    from PIL import Image
+
+    from qwen_edit_core.data.doctor import runner
+    config = train_config(tiny_plus_dir, faulty.train, tmp_path / "o")
+    opened, real_open = [], Image.open
+    monkeypatch.setattr(Image, "open", lambda fp, *a, **k: opened.append(fp) or real_open(fp, *a, **k))
+    measured = run.doctor_measurer(config)
+    first = run.run_doctor(config, run.load_examples(config, measured).examples, [], measured)
+    assert len(opened) == len([p for p in faulty.train.iterdir() if p.suffix == ".png"])  # one decode each
+    monkeypatch.setattr(runner, "measure", lambda pair: pytest.fail(f"{pair.example.name} measured again"))
+    measured = run.doctor_measurer(config)
+    assert run.run_doctor(config, run.load_examples(config, measured).examples, [], measured) == first

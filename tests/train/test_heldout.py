@@ -81,7 +81,7 @@ def test_metrics_equal_a_computation_from_the_written_pictures(heldout_run):
     """Pixel errors from the PNGs and the targets resized (bicubic) to the sampled size; the latent error from the
     written latents and the cache's target latents; region errors from the one masked pair."""
     from qwen_edit_core.data.example_tensors import cache_key, encoder_identity
-    from qwen_edit_core.model import encode
+    from qwen_edit_core.families.qwen_image import encode
     trainer, _, data, out, _, _ = heldout_run
     examples = {e.name: e for e in trainer.dataset().examples}
     identity = encoder_identity(Path(trainer.config.model.pretrained_model_name_or_path))

@@ -90,7 +90,7 @@ class _ZeroModel(torch.nn.Module):
 def test_flow_target_and_noisy_input_are_formed_in_fp32_on_a_bf16_base(tiny_edit_dir, pairs_dir, tmp_path):
     from qwen_edit_core.sample import flow
     from qwen_edit_core.train.batch import collate, flow_loss, sample_generator
-    from qwen_edit_core.model import encode
+    from qwen_edit_core.families.qwen_image import encode
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(16, 1, 8, 8, generator=g) * 3
     item = {"target_latents": latents, "control_latents_0": torch.randn(16, 1, 8, 8, generator=g),

@@ -280,6 +280,11 @@ def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cac
                        ("checkpoint", 3, out / "checkpoints" / "step-0000003"),
                        ("validation", 4, out / "validation" / "step-0000004.safetensors"),
                        ("checkpoint", 4, out / "checkpoints" / "step-0000004")]
+    # the run says when it is about to use its device (a step, a validation) and what it holds there after a step
+    assert [(e.stage, e.step) for e in events if e.stage in ("device", "train")] == [
+        ("device", 1), ("train", 1), ("device", 2), ("train", 2), ("device", 2), ("device", 3), ("train", 3),
+        ("device", 4), ("train", 4), ("device", 4)]
+    assert all(sum(e.device_storages.values()) > 0 for e in events if e.stage == "train")
 
 
 def test_training_step_dispatches_by_content(tiny_edit_dir, pairs_dir, tmp_path):

@@ -83,6 +83,16 @@ def _real_width_model(python: str, folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
 
 
+def _free(server: ComfyServer, target_mb: float) -> float | None:
+    """POST /free as the frontend's "Free model and node cache" button does, then the server's RSS if it fell to
+    `target_mb`. Posted again at each poll: ComfyUI's prompt worker reads the request's flags only when it wakes
+    from waiting for the queue, so a request that comes while it finishes a prompt (as this check's does) waits for
+    the next prompt (main.py `prompt_worker`, execution.py `PromptQueue.set_flag`, 0.3.64 and current)."""
+    server.post("/free", {"unload_models": True, "free_memory": True})
+    rss = _rss_mb(server.proc.pid)
+    return rss if rss <= target_mb else None
+
+
 def check_unload_memory(args) -> list[str]:
     if not sys.platform.startswith("linux"):
         return ["skipped: resident memory is read from /proc (Linux only)"]
@@ -105,10 +115,9 @@ def check_unload_memory(args) -> list[str]:
             server.run(prompt)
             loaded = _rss_mb(server.proc.pid)
             model_mb = file_bytes / 2**20  # float32 files loaded as float32
-            server.post("/free", {"unload_models": True, "free_memory": True})
             try:
-                freed = poll(lambda: (lambda rss: rss if loaded - rss >= RETURNED_SHARE * model_mb else None)(
-                    _rss_mb(server.proc.pid)), 120, "the server's resident memory to fall after POST /free")
+                freed = poll(lambda: _free(server, loaded - RETURNED_SHARE * model_mb), 120,
+                             "the server's resident memory to fall after POST /free", every=5)
             except TimeoutError:
                 raise AssertionError(f"after POST /free the server kept its memory: RSS {loaded:.0f} MB loaded, "
                                      f"{_rss_mb(server.proc.pid):.0f} MB now, model {model_mb:.0f} MB") from None

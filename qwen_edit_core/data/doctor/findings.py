@@ -14,6 +14,7 @@ KINDS = ("swapped", "misaligned", "reference-order", "no-change", "duplicate", "
 #: what each of the report's statistics is, for a reader
 STATISTICS = {"direction": "edit direction strength R (0: none, 1: every pair alike)", "shift_px": "shifts (px)",
               "zoom_pct": "zooms (%)", "edited_slot": "edited picture's slot", "caption_words": "caption words",
+              "caption_tokens": "caption tokens",
               "buckets": "pairs per bucket"}
 
 

@@ -1,5 +1,6 @@
-"""Reading a pair once: each file's bytes are hashed (the embedding cache's sha256, data/identity.py) and decoded
-from the same bytes into the small arrays every check works on."""
+"""A pair's pictures as the checks see them: each file's small analysis array, made from the dataset reader's own
+decode (`picture_of` an `images.ImageCheck`'s picture) or from the file's bytes read once (`decode`), with the
+sha256 of those bytes (the embedding cache's content hash, data/identity.py)."""
 
 from __future__ import annotations
 
@@ -41,22 +42,21 @@ def analysis_size(size: tuple[int, int], side: int = ANALYSIS_SIDE) -> tuple[int
 
 
 def decode(sha256: str, data: bytes, *, grey: bool = False, side: int = ANALYSIS_SIDE) -> Picture:
-    """The Picture of a file's bytes: EXIF orientation applied (as the dataset reads it), RGB (transparency on white),
-    or one grey channel for masks."""
+    """The Picture of a file's bytes (`picture_of`)."""
     with Image.open(io.BytesIO(data)) as img:
-        img = ImageOps.exif_transpose(img)
+        return picture_of(sha256, img, grey=grey, side=side)
+
+
+def picture_of(sha256: str, img: Image.Image, *, grey: bool = False, side: int = ANALYSIS_SIDE) -> Picture:
+    """The Picture of an opened (or already decoded, as the dataset reader's `ImageCheck.image`) file: EXIF
+    orientation applied (as the dataset reads it), RGB (transparency on white), or one grey channel for masks."""
+    img = ImageOps.exif_transpose(img)
     if img.mode in ("RGBA", "LA", "PA", "P") and not grey:
         img = img.convert("RGBA")
         img = Image.alpha_composite(Image.new("RGBA", img.size, "white"), img)
     img = img.convert("L" if grey else "RGB")
     small = img.resize(analysis_size(img.size, side), Image.BILINEAR, reducing_gap=2.0)
     return Picture(sha256, img.size, np.asarray(small, dtype=np.float32) / 255.0)
-
-
-def read_picture(path: Path, *, grey: bool = False, side: int = ANALYSIS_SIDE) -> Picture:
-    """A file read once and decoded (`decode`)."""
-    sha256, data = read_bytes(path)
-    return decode(sha256, data, grey=grey, side=side)
 
 
 def full_rgb(path: Path) -> Image.Image:
@@ -72,18 +72,6 @@ class PairPictures:
     target: Picture
     controls: tuple[Picture, ...]
     mask: Optional[Picture]
-
-    def key(self) -> str:
-        """The pair's cache key: the sha256 of its files' content hashes, in order (controls, target, mask)."""
-        parts = [p.sha256 for p in self.controls] + [self.target.sha256, self.mask.sha256 if self.mask else "-"]
-        return hashlib.sha256("|".join(parts).encode("ascii")).hexdigest()
-
-
-def read_pair(example: EditExample, side: int = ANALYSIS_SIDE) -> PairPictures:
-    """Read the pair's target, controls and mask once each."""
-    mask = read_picture(example.mask, grey=True, side=side) if example.mask is not None else None
-    return PairPictures(example, read_picture(example.target, side=side),
-                        tuple(read_picture(p, side=side) for p in example.controls), mask)
 
 
 def luminance(rgb: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""Running the doctor: read every pair once, measure it (or take its measures from the cache by the content hashes
-of its files), run every check family, and collect the findings worst first."""
+"""Running the doctor: measure every pair from the one read and decode of its files (the dataset reader's, handed
+over through `PairMeasurer`, or its own), or take its measures from the cache by the content hashes of its files;
+run every check family, and collect the findings worst first."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from qwen_edit_core.common.files import write_bytes
 from qwen_edit_core.data.doctor import alignment, captions, duplicates, references, regions, sizes, swapped
 from qwen_edit_core.data.doctor.findings import DoctorReport, DoctorSettings, Finding, Measured
 from qwen_edit_core.data.doctor.measure import VERSION, Measures, measure
-from qwen_edit_core.data.doctor.pictures import ANALYSIS_SIDE, PairPictures, decode, read_bytes
+from qwen_edit_core.data.doctor.pictures import ANALYSIS_SIDE, PairPictures, Picture, decode, picture_of, read_bytes
 from qwen_edit_core.data.examples import EditExample
 from qwen_edit_core.data.doctor.fixes import apply_fixes
 from qwen_edit_core.data.doctor.look import html_path, write_report
@@ -33,19 +35,116 @@ def _files(example: EditExample) -> list[Path]:
     return [*example.controls, example.target, *([example.mask] if example.mask is not None else [])]
 
 
+def pair_key(example: EditExample, hashes: Sequence[str]) -> str:
+    """The pair's cache key: the sha256 of its files' content hashes (`hashes`, in `_files` order: the embedding
+    cache's `identity.hash_file` of each), with the measures' version and analysis size."""
+    parts = list(hashes) + ([] if example.mask is not None else ["-"])
+    return hashlib.sha256(f"doctor{VERSION}:{ANALYSIS_SIDE}|{len(example.controls)}|".encode()
+                          + "|".join(parts).encode()).hexdigest()
+
+
+def _pair(example: EditExample, pictures: Sequence[Picture]) -> PairPictures:
+    """The PairPictures of a pair from its `_files`' Pictures, in that order."""
+    n = len(example.controls)
+    mask = pictures[n + 1] if example.mask is not None else None
+    return PairPictures(example, pictures[n], tuple(pictures[:n]), mask)
+
+
+def _greys(example: EditExample) -> list[bool]:
+    """Whether each of `_files` is read as grey (the mask, last) or RGB."""
+    return [False] * (len(example.controls) + 1) + [True]
+
+
 def measure_pair(example: EditExample, cached: dict) -> tuple[str, dict]:
-    """(the pair's cache key, its measures as a dict): every file read once and hashed (sha256, as the embedding
-    cache's `identity.hash_file`); decoded and measured only when `cached` lacks the key."""
+    """(the pair's cache key, its measures as a dict) for a pair the dataset reader did not hand over: every file
+    read once and hashed; decoded and measured only when `cached` lacks the key."""
     read = [read_bytes(path) for path in _files(example)]
-    parts = [sha for sha, _ in read] + ([] if example.mask is not None else ["-"])
-    key = hashlib.sha256(f"doctor{VERSION}:{ANALYSIS_SIDE}|{len(example.controls)}|".encode()
-                         + "|".join(parts).encode()).hexdigest()
+    key = pair_key(example, [sha for sha, _ in read])
     if key in cached:
         return key, cached[key]
-    n = len(example.controls)
-    pictures = PairPictures(example, decode(*read[n]), tuple(decode(*r) for r in read[:n]),
-                            decode(*read[n + 1], grey=True) if example.mask is not None else None)
-    return key, measure(pictures).as_dict()
+    return key, measure(_pair(example, [decode(*r, grey=g) for r, g in zip(read, _greys(example))])).as_dict()
+
+
+class PairMeasurer:
+    """The doctor's measures of a dataset's pairs, taken as the dataset reader validates them: pass it as
+    `load_dataset(on_pair=...)` and each pair is measured from the reader's own decode of its files (no second read)
+    unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. With `workers` above 1, that
+    many processes measure the pairs while this one reads on (the measuring is two thirds of the work). `diagnose` takes it as `measured`, measures
+    what it lacks, and `save`s the new measures there."""
+
+    def __init__(self, cache_dir=None, workers: int = 1):
+        self.cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
+        self.cached = load_cache(self.cache_path)
+        self.fresh: dict = {}  # key -> measures of this run's pairs the cache lacked
+        self.keys: dict = {}  # EditExample -> its key
+        self.helpers = workers if workers > 1 else 0
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._batch: list[tuple[str, PairPictures]] = []
+        self._pending: deque = deque()  # (keys, future) of the batches sent to the pool, oldest first
+
+    def __call__(self, example: EditExample, checks: dict) -> None:
+        """Measure `example` from its files' `images.ImageCheck`s (by path), unless its key is known."""
+        key = pair_key(example, [checks[path].sha256 for path in _files(example)])
+        self.keys[example] = key
+        if key in self.cached or key in self.fresh:
+            return
+        pair = _pair(example, [picture_of(checks[path].sha256, checks[path].image, grey=grey)
+                               for path, grey in zip(_files(example), _greys(example))])
+        if not self.helpers:
+            self.fresh[key] = measure(pair).as_dict()
+            return
+        self.fresh[key] = None  # sent: its measures arrive with `finish`
+        self._batch.append((key, pair))
+        if len(self._batch) >= _BATCH:
+            self._send()
+
+    def _send(self) -> None:
+        """Send the gathered pairs to the pool; at most two batches a helper wait there (the pictures held in
+        memory stay bounded however fast the reader is)."""
+        if not self._batch:
+            return
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.helpers)
+        keys, pairs = zip(*self._batch)
+        self._pending.append((keys, self._pool.submit(_measure_pictures, pairs)))
+        self._batch = []
+        while len(self._pending) > 2 * self.helpers:
+            self._receive()
+
+    def _receive(self) -> None:
+        keys, future = self._pending.popleft()
+        self.fresh.update(zip(keys, future.result()))
+
+    def finish(self) -> None:
+        """Wait for the measures the helper processes are taking, then let them go (a last batch with no pool
+        started yet, a small dataset's, is measured here: starting a process would cost more)."""
+        if self._pool is None and self._batch:
+            keys, pairs = zip(*self._batch)
+            self.fresh.update(zip(keys, _measure_pictures(pairs)))
+            self._batch = []
+        self._send()
+        while self._pending:
+            self._receive()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def get(self, key: str) -> Optional[dict]:
+        """The measures of `key`, cached or measured in this run (None: unknown, or not yet `finish`ed)."""
+        return self.cached.get(key, self.fresh.get(key))
+
+    def save(self) -> None:
+        """Add this run's measures to the cache file (a cache only: a failure is logged, never raised)."""
+        if self.cache_path is None or not self.fresh:
+            return
+        self.cached.update(self.fresh)
+        self.fresh = {}
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(self.cache_path, json.dumps(self.cached).encode("utf-8"))
+        except OSError as err:  # the run goes on, and the folder's own check names the problem
+            log.warning("doctor: could not keep the measures in %s (%s); they are measured again next time",
+                        self.cache_path, err.strerror or err)
 
 
 #: a worker process's copy of the cached measures (set once per worker by `_keep_cache`, not sent with each batch)
@@ -55,6 +154,11 @@ _WORKER_CACHE: dict = {}
 def _keep_cache(cached: dict) -> None:
     global _WORKER_CACHE
     _WORKER_CACHE = cached
+
+
+def _measure_pictures(pairs: Sequence[PairPictures]) -> list[dict]:
+    """The measures (as dicts) of pairs already read (a helper process's task)."""
+    return [measure(pair).as_dict() for pair in pairs]
 
 
 def _measure_batch(examples: Sequence[EditExample], cached: Optional[dict] = None) -> list[tuple[str, dict]]:
@@ -74,50 +178,56 @@ def load_cache(path: Optional[Path]) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measure_all(examples: Sequence[EditExample], cache_dir: Optional[Path] = None, workers: int = 1,
+def measure_all(examples: Sequence[EditExample], measured: PairMeasurer, workers: int = 1,
                 progress: Optional[Callable[[int, int], None]] = None) -> list[Measures]:
-    """The measures of each example, in order: from the cache in `cache_dir` (CACHE_FILE) where the files' content
-    is unchanged, the others measured (in `workers` processes when above 1) and added to it."""
-    cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
-    cached = load_cache(cache_path)
-    batches = [list(examples[i:i + _BATCH]) for i in range(0, len(examples), _BATCH)]
-    results: list[tuple[str, dict]] = []
+    """The measures of each example, in order: those `measured` took from the dataset reader or its cache, the
+    others read, hashed and measured here (in `workers` processes when above 1); then `measured.save()`."""
+    measured.finish()
+    known = {e: measured.get(measured.keys[e]) for e in examples if e in measured.keys}
+    todo = [e for e in examples if known.get(e) is None]
+    batches = [todo[i:i + _BATCH] for i in range(0, len(todo), _BATCH)]
+    done: dict = {}
+
+    def take(results: list[tuple[str, dict]], batch: Sequence[EditExample]) -> None:
+        for example, (key, value) in zip(batch, results):
+            measured.keys[example] = key
+            if measured.get(key) is None:
+                measured.fresh[key] = value
+            done[example] = value
+        if progress:
+            progress(len(known) + len(done), len(examples))
+
     if workers > 1 and len(batches) > 1:
-        with ProcessPoolExecutor(max_workers=workers, initializer=_keep_cache, initargs=(cached,)) as pool:
-            for done in pool.map(_measure_batch, batches):
-                results += done
-                if progress:
-                    progress(len(results), len(examples))
+        with ProcessPoolExecutor(max_workers=workers, initializer=_keep_cache, initargs=(measured.cached,)) as pool:
+            for batch, results in zip(batches, pool.map(_measure_batch, batches)):
+                take(results, batch)
     else:
         for batch in batches:
-            results += _measure_batch(batch, cached)
-            if progress:
-                progress(len(results), len(examples))
-    fresh = {key: value for key, value in results if key not in cached}
-    if cache_path is not None and fresh:
-        cached.update(fresh)
-        try:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes(cache_path, json.dumps(cached).encode("utf-8"))
-        except OSError as err:  # only a cache: the run goes on, and the folder's own check names the problem
-            log.warning("doctor: could not keep the measures in %s (%s); they are measured again next time",
-                        cache_path, err.strerror or err)
-    log.debug("doctor: %d pair(s) measured, %d from the cache", len(fresh), len(results) - len(fresh))
-    return [Measures.from_dict(value) for _, value in results]
+            take(_measure_batch(batch, measured.cached), batch)
+    log.debug("doctor: %d pair(s) measured in this run, the others' measures from the cache", len(measured.fresh))
+    measured.save()
+    return [Measures.from_dict(known.get(e) or done[e]) for e in examples]
 
 
 def diagnose(examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
              settings: DoctorSettings = DoctorSettings(), *, cache_dir: Optional[Path] = None, workers: int = 1,
-             progress: Optional[Callable[[int, int], None]] = None, text_encoder=None) -> DoctorReport:
+             progress: Optional[Callable[[int, int], None]] = None, text_encoder=None,
+             measured: Optional[PairMeasurer] = None,
+             count_tokens: Optional[Callable[[str], int]] = None) -> DoctorReport:
     """Every check on the training pairs `examples` and the `held_out` pairs (validated dataset examples):
-    a DoctorReport, its findings worst first. With an already loaded `text_encoder` (model.components.TextEncoder)
-    it also asks it whether each target shows its caption's edit (`vlm`)."""
-    measures = measure_all([*examples, *held_out], cache_dir, workers, progress)
+    a DoctorReport, its findings worst first. `measured`: the PairMeasurer the dataset reader handed the pairs to
+    (its cache folder, not `cache_dir`, is used); without it each picture is read here, once. `count_tokens`: the
+    text encoder's tokenizer, for the captions' lengths (None: a note says they were not checked). With an already
+    loaded `text_encoder` (model.components.TextEncoder) it also asks it whether each target shows its caption's
+    edit (`vlm`)."""
+    measured = measured if measured is not None else PairMeasurer(cache_dir)
+    measures = measure_all([*examples, *held_out], measured, workers, progress)
     pairs = [Measured(e.name, e, m) for e, m in zip(examples, measures)]
     held = [Measured(e.name, e, m) for e, m in zip(held_out, measures[len(examples):])]
     results = [swapped.check(pairs, settings), alignment.check(pairs, settings),
                references.check(pairs, settings), duplicates.check(pairs, held, settings),
-               regions.check(pairs, settings), captions.check(pairs, settings), sizes.check(pairs, settings)]
+               regions.check(pairs, settings), captions.check(pairs, settings, count_tokens),
+               sizes.check(pairs, settings)]
     if text_encoder is not None:
         from qwen_edit_core.data.doctor import vlm
         results.append(vlm.check(pairs, text_encoder))
@@ -144,10 +254,12 @@ class DoctorRun:
 
 def doctor_folder(folder, examples: Sequence[EditExample], held_out: Sequence[EditExample] = (),
                   settings: DoctorSettings = DoctorSettings(), *, out_dir=None, fix_dir=None, cache_dir=None,
-                  workers: int = 1, text_encoder=None) -> DoctorRun:
+                  workers: int = 1, text_encoder=None, measured: Optional[PairMeasurer] = None,
+                  count_tokens: Optional[Callable[[str], int]] = None) -> DoctorRun:
     """`diagnose` the pairs of dataset `folder`, then write the report (report.txt; report.png and report.html of
     the worst pairs) into `out_dir` and a fixed copy of the folder into `fix_dir`, when given."""
-    report = diagnose(examples, held_out, settings, cache_dir=cache_dir, workers=workers, text_encoder=text_encoder)
+    report = diagnose(examples, held_out, settings, cache_dir=cache_dir, workers=workers, text_encoder=text_encoder,
+                      measured=measured, count_tokens=count_tokens)
     picture = write_report(report, out_dir) if out_dir is not None else None
     fixes = apply_fixes(report, folder, fix_dir, settings) if fix_dir is not None else []
     return DoctorRun(report, picture, tuple(fixes), html_path(picture) if picture else None)

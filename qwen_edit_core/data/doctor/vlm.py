@@ -1,7 +1,8 @@
 """Optional: ask the model's own vision-language text encoder (Qwen2.5-VL, a `model.components.TextEncoder` the
 caller has already loaded: nothing is loaded or downloaded here) whether each pair's target shows its caption's edit
 applied to its control, and what edit it sees (a caption proposal). A "no" is a `caption` finding with the model's
-own description as the proposed caption; an answer that is neither yes nor no is counted in a note, never guessed.
+own description as the proposed caption; an answer that is neither yes nor no is counted in the note (how many
+pairs it judged and how), never guessed.
 """
 
 from __future__ import annotations
@@ -58,14 +59,15 @@ def describe(text_encoder, control: Image.Image, target: Image.Image) -> str:
 
 def check(pairs, text_encoder) -> CheckResult:
     """Ask about every pair of `pairs` (`findings.Measured`, their `measures.source` the edited control): a caption
-    finding for each "no", with the model's description of the edit as the fix; unclear answers counted in a note."""
+    finding for each "no", with the model's description of the edit as the fix; a note counts the answers."""
     result = CheckResult()
-    unclear = []
+    unclear, yes = [], 0
     for pair in pairs:
         example, source = pair.example, pair.measures.source
         control, target = full_rgb(example.controls[source]), full_rgb(example.target)
         answer = ask(text_encoder, (control, target), QUESTION.format(example.caption), max_new_tokens=4)
         said = verdict(answer)
+        yes += said is True
         if said is None:
             unclear.append(pair.name)
         elif not said:
@@ -75,7 +77,7 @@ def check(pairs, text_encoder) -> CheckResult:
                 pair.name, "caption", answer, fix,
                 f"the text encoder answers {answer!r} when asked whether the target shows {example.caption!r} "
                 f"applied to control {source + 1}", severity=0.4))
-    if unclear:
-        result.notes.append(f"vision-language check: {len(unclear)} of {len(pairs)} answer(s) neither yes nor no "
-                            f"(first: {unclear[0]}); not judged")
+    first = f" (first: {unclear[0]}; not judged)" if unclear else ""
+    result.notes.append(f"vision-language check: {len(pairs)} pair(s) asked, {yes} yes, "
+                        f"{len(pairs) - yes - len(unclear)} no, {len(unclear)} neither{first}")
     return result

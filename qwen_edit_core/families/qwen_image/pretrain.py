@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from qwen_edit_core.data import synthetic
+from qwen_edit_core.families.qwen_image import encode as family_encode
 from qwen_edit_core.model import encode
 from qwen_edit_core.model.tiny import transformer_config
 from qwen_edit_core.toys.pretrain import cosine, vae_input
@@ -108,6 +109,9 @@ def _stats_batch(rng: np.random.Generator, size: int, n: int = 8):
 def make_vae(recipe):
     """The constructed VAE with `latents_mean`/`latents_std` set to its latents' per-channel statistics over
     64 synthetic pictures (the always-zero channels 12-15 keep mean 0 and std 1)."""
+    if (recipe.constant_latents, recipe.latent_basis) != (0, "squares"):
+        raise ValueError(f"Recipe(constant_latents={recipe.constant_latents}, latent_basis={recipe.latent_basis!r}): "
+                         f"the {recipe.variant!r} toy's VAE has neither; set them to 0 and 'squares'")
     vae = constructed_vae(VAE_CONFIG).eval()
     rng = np.random.default_rng(recipe.seed + 1)
     z = torch.cat([vae.encode(vae_input(_stats_batch(rng, recipe.size))).latent_dist.mode() for _ in range(8)])
@@ -188,11 +192,11 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
     items = []
     for start in range(0, recipe.pictures, 32):
         controls = [synthetic.picture(rng, recipe.size) for _ in range(min(32, recipe.pictures - start))]
-        control_tokens = encode.pack(encode.encode_latents(vae, vae_input(controls)))
+        control_tokens = family_encode.pack(encode.encode_latents(vae, vae_input(controls)))
         for prompt, function in zip(prompts, functions):
             target_tokens = control_tokens if function is synthetic.keep else \
-                encode.pack(encode.encode_latents(vae, vae_input([function(c) for c in controls])))
-            embeds = encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
+                family_encode.pack(encode.encode_latents(vae, vae_input([function(c) for c in controls])))
+            embeds = family_encode.encode_prompts(text_encoder, processor, [prompt] * len(controls),
                                            [[c] for c in controls], recipe.variant, device=torch.device("cpu"))
             items += [{"control": control_tokens[i], "target": target_tokens[i], "embeds": embeds[i]}
                       for i in range(len(controls))]
@@ -201,7 +205,7 @@ def edit_dataset(recipe, vae, text_encoder, processor, prompts, functions) -> li
 
 def batch(picked: list[dict], side: int, generators: list):
     """A `TrainBatch` of dataset items: each control after its target, `side` tokens a side."""
-    from qwen_edit_core.train.batch import TrainBatch
+    from qwen_edit_core.families.qwen_image.batch import TrainBatch
 
     return TrainBatch(targets=[it["target"] for it in picked], controls=[it["control"] for it in picked],
                       embeds=encode.pad_embeddings([it["embeds"] for it in picked]),

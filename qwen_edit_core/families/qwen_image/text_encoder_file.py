@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qwen_edit_core.common.names import rename
 from qwen_edit_core.model import file_stream
 from qwen_edit_core.model.single_file import (_DROP_SUFFIXES, ARCHITECTURES, SingleFileError, _read_tensors,
                                               check_quant_formats, check_state_dict, checked_header, dequantize)
@@ -70,23 +71,23 @@ def text_encoder_names(keys, path) -> tuple[dict[str, str], dict]:
     scales and quantization notes dropped. Keys outside Qwen2.5-VL's layout raise SingleFileError."""
     keys = list(keys)
     prefix = next((p for p in TE_PREFIXES if any(k.startswith(p) for k in keys)), "")
-    names, flags, unknown = {}, {"scaled_fp8": False}, []
+    flags, weights = {"scaled_fp8": False}, []
     for file_key in keys:
         if not file_key.startswith(prefix):
             continue
         key = file_key[len(prefix):]
         if key == "scaled_fp8":
             flags["scaled_fp8"] = True
-            continue
-        if key.endswith(_DROP_SUFFIXES):
-            continue
-        new = next((to + key[len(src):] for src, to in TE_RENAMES if key.startswith(src)), None)
-        if new is None:
-            unknown.append(key)
-        else:
-            names[file_key] = new
+        elif not key.endswith(_DROP_SUFFIXES):
+            weights.append(file_key)
+
+    def diffusers_name(file_key: str) -> str | None:
+        key = file_key[len(prefix):]
+        return next((to + key[len(src):] for src, to in TE_RENAMES if key.startswith(src)), None)
+    names, unknown = rename(weights, diffusers_name)
     if unknown:
-        raise SingleFileError(f"{path}: keys outside Qwen2.5-VL's layout ({', '.join(sorted(unknown)[:4])}); "
+        unknown = sorted(k[len(prefix):] for k in unknown)
+        raise SingleFileError(f"{path}: keys outside Qwen2.5-VL's layout ({', '.join(unknown[:4])}); "
                               "expected model.* (language model), visual.* (vision tower) and lm_head.weight, as "
                               "in ComfyUI's text_encoders/qwen_2.5_vl_7b*.safetensors")
     return names, flags

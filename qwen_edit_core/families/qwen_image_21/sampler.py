@@ -1,6 +1,6 @@
 """The Qwen-Image-2.1 sampler: diffusers' `QwenImage21Pipeline` loop in numbers, with the prefix K/V cache.
 
-What differs from the 2025 family's loop (sample/sampler.py), read from diffusers 0.42.1
+What differs from the 2025 family's loop (families/qwen_image/sampler.py), read from diffusers 0.42.1
 pipeline_qwenimage21.py and transformer_qwenimage21.py:
 - reference latents go first, the target's last ([ref 1 | ... | ref n | target]); `img_shapes` lists them in the
   same order, and each reference's tokens replace its vision slots inside the text sequence (the transformer does
@@ -68,6 +68,8 @@ class Conditioning21:
     height: int
     #: where each branch's prefix K/V cache lives (`plan_prefix_cache`, which `denoise` sets; None: no cache)
     cache_plan: prefix_cache.PrefixPlan | None = None
+    #: the uncond branch's own plan when it runs on a device of its own (cfg_mode split); None: `cache_plan`'s
+    uncond_cache_plan: prefix_cache.PrefixPlan | None = None
 
     def branch(self, transformer, which: str, settings):
         """The "cond" or "uncond" prompt's `predict(latents, t)`: a `Branch` with its own prefix K/V cache, placed
@@ -75,9 +77,12 @@ class Conditioning21:
         del settings
         if which not in ("cond", "uncond"):
             raise ValueError(f"Qwen-Image-2.1 runs its CFG branches one by one, not {which!r} (cfg_mode batched)")
-        prompt, plan = getattr(self, which), self.cache_plan
+        prompt = getattr(self, which)
+        plan = self.uncond_cache_plan if which == "uncond" and self.uncond_cache_plan is not None else self.cache_plan
+        # a plan of one branch (no CFG, or a branch on a device of its own) holds that branch's tokens alone
+        index = 0 if plan is None or len(plan.tokens) == 1 else ("cond", "uncond").index(which)
         branch = Branch(transformer, prompt, "off") if plan is None else \
-            Branch(transformer, prompt, plan.place, plan.tokens[("cond", "uncond").index(which)])
+            Branch(transformer, prompt, plan.place, plan.tokens[index])
 
         def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             hidden = latents if self.reference_tokens is None else torch.cat([self.reference_tokens, latents], 1)
@@ -238,19 +243,27 @@ def device_budget(settings, transformer, device: torch.device) -> int | None:
     return int(speed.free_memory_budget_gb(free, speed.resident_bytes(transformer, device)) * prefix_cache.GIB)
 
 
+def default_host_budget() -> int | None:
+    """Host bytes the cache may take: `prefix_cache.HOST_HEADROOM` of the host's available memory (None: unknown)."""
+    available = prefix_cache.host_available()
+    return None if available is None else int(prefix_cache.HOST_HEADROOM * available)
+
+
 def plan_prefix_cache(transformer, cond: Conditioning21, settings, n_target: int, *,
-                      host_budget: int | None = None) -> prefix_cache.PrefixPlan | None:
-    """Where the prefix cache of this edit lives (prefix_cache.plan), logged with its sizes; None when the cache
-    is off (`settings.kv_cache` false, or a transformer without `causal_condition`). `host_budget`: host bytes the
-    cache may take (default: `prefix_cache.HOST_HEADROOM` of the host's available memory)."""
+                      host_budget: int | None = None, which: tuple[str, ...] | None = None
+                      ) -> prefix_cache.PrefixPlan | None:
+    """Where the prefix cache of this edit lives on `transformer`'s device (prefix_cache.plan), logged with its
+    sizes; None when the cache is off (`settings.kv_cache` false, or a transformer without `causal_condition`).
+    `which`: the branches ("cond", "uncond") that run on this device (default: every branch the settings run);
+    `host_budget`: host bytes the cache may take (default: `default_host_budget`)."""
     if not (settings.kv_cache and getattr(transformer.config, "causal_condition", False)):
         return None
-    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    which = which if which is not None else ("cond", "uncond") if settings.do_cfg else ("cond",)
+    prompts = [getattr(cond, name) for name in which]
+    device, dtype = prompts[0].embeds.device, prompts[0].embeds.dtype
     shape = prefix_cache.cache_shape(transformer.config, dtype)
-    prompts = [cond.cond] + ([cond.uncond] if settings.do_cfg else [])
     if host_budget is None:
-        available = prefix_cache.host_available()
-        host_budget = None if available is None else int(prefix_cache.HOST_HEADROOM * available)
+        host_budget = default_host_budget()
     plan = prefix_cache.plan(budget=device_budget(settings, transformer, device), host_budget=host_budget,
                              weights=speed.resident_bytes(transformer, device), shape=shape,
                              tokens=tuple(prefix_cache.prefix_tokens(p.slots, n_target) for p in prompts),
@@ -266,6 +279,28 @@ def branches(transformer, cond: Conditioning21, settings, plan: prefix_cache.Pre
     if plan is None:
         return [Branch(transformer, p, "off") for p in prompts]
     return [Branch(transformer, p, plan.place, n) for p, n in zip(prompts, plan.tokens)]
+
+
+def plan_branches(transformer, cond: Conditioning21, settings, n_target: int, *, uncond_transformer=None,
+                  cfg_split=None, host_budget: int | None = None) -> Conditioning21:
+    """`cond` with its cache plans: every branch on `transformer`'s device, except where a branch runs on a device
+    of its own (cfg_mode split: the uncond branch on `uncond_transformer`'s; `cfg_split`: this process runs one
+    branch), where each device's plan counts only its own branch and the host budget is shared between them."""
+    split = settings.do_cfg and settings.cfg_mode == "split"
+    if split and cfg_split is not None:
+        mine = ("uncond",) if cfg_split.uncond else ("cond",)
+        return dataclasses.replace(cond, cache_plan=plan_prefix_cache(transformer, cond, settings, n_target,
+                                                                      host_budget=host_budget, which=mine))
+    if not (split and uncond_transformer is not None):
+        return dataclasses.replace(cond, cache_plan=plan_prefix_cache(transformer, cond, settings, n_target,
+                                                                      host_budget=host_budget))
+    host = host_budget if host_budget is not None else default_host_budget()
+    plan = plan_prefix_cache(transformer, cond, settings, n_target, host_budget=host, which=("cond",))
+    left = None if host is None else host - (plan.host_bytes if plan is not None else 0)
+    replica = cond.to(next(uncond_transformer.parameters()).device)
+    uncond_plan = plan_prefix_cache(uncond_transformer, replica, settings, n_target, host_budget=left,
+                                    which=("uncond",))
+    return dataclasses.replace(cond, cache_plan=plan, uncond_cache_plan=uncond_plan)
 
 
 @torch.no_grad()
@@ -287,15 +322,16 @@ def denoise(components, cond: Conditioning21, settings, *, uncond_transformer=No
                                               latents.shape[1], device, schedule=settings.schedule,
                                               shift=settings.shift)
     n = latents.shape[1]
-    plan = plan_prefix_cache(transformer, cond, settings, n)
+    cond = plan_branches(transformer, cond, settings, n, uncond_transformer=uncond_transformer, cfg_split=cfg_split)
+    plan, uncond_plan = cond.cache_plan, cond.uncond_cache_plan
     log.info("sampling %dx%d (Qwen-Image-2.1), %s schedule, %d steps, cfg %.2f, mu %.3f, prefix cache %s, seed %d",
              cond.width, cond.height, settings.schedule, len(timesteps),
              settings.true_cfg_scale if settings.do_cfg else 1.0, mu, plan.place if plan else "off", seed)
     try:
-        return euler(transformer, dataclasses.replace(cond, cache_plan=plan), settings, latents, scheduler, timesteps,
+        return euler(transformer, cond, settings, latents, scheduler, timesteps,
                      uncond_transformer=uncond_transformer, cfg_split=cfg_split, progress=progress, cancel=cancel)
     finally:
-        if plan is not None and plan.place == "host":
+        if any(p is not None and p.place == "host" for p in (plan, uncond_plan)):
             # the branches' caches (their pinned regions) went with the driver's frame; torch's host allocator
             # then hands its cached pinned blocks back (a long-lived process such as ComfyUI would keep them)
             from qwen_edit_core.speed import host_memory
