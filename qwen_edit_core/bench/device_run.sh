@@ -60,12 +60,12 @@ from qwen_edit_core.bench.train_comfyui import run; run('cuda:0', steps=4)" ;;
     levers2) $bench train --real-size --device cuda:0 --steps 6 \
                  --variants "+ cuDNN attention,+ selective checkpointing (budget 76)" ;;
     all|smoke)
-         timeout $((total * 47 / 100)) $py -c "$logged
+         timeout $((total * 57 / 100)) $py -c "$logged
 from qwen_edit_core.bench.train import _real
 _real('$dev', steps=4, variants=['+ fp8 backward', 'memory_budget_gb 16']$size)" || echo "train part ended with $?"
-         timeout $((total * 78 / 100 - SECONDS)) $py -c "$logged
+         timeout $((total * 85 / 100 - SECONDS)) $py -c "$logged
 from qwen_edit_core.bench.sample import _real; _real('$dev', steps=$edit, repeats=2$size)" || echo "sample part ended with $?"
-         timeout $((total * 92 / 100 - SECONDS)) $py -c "$logged
+         timeout $((total * 95 / 100 - SECONDS)) $py -c "$logged
 from qwen_edit_core.bench.attention import run; run('$dev', repeats=3, $attn)" || echo "attention part ended with $?"
          timeout $((total - SECONDS)) $py -c "$logged
 from qwen_edit_core.bench.batching import run; run(real_size='$dev' != 'cpu', device='$dev', repeats=2)" \
