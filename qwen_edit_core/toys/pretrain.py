@@ -72,6 +72,10 @@ class Recipe:
     #: the share of pairs with one or two more references after the edited picture, for a family that takes several
     #: (families/qwen_image_21/pretrain.py `_distractors`; the 2025 family refuses it)
     extra_references: float = 0.0
+    #: the 2.1 toy's VAE: latent channels after the colours that hold a constant, and the colour channels' basis
+    #: (families/qwen_image_21/pretrain.py `constructed_vae`; the 2025 family refuses other values)
+    constant_latents: int = 0
+    latent_basis: str = "squares"
 
     @property
     def family(self):

@@ -109,6 +109,9 @@ def _stats_batch(rng: np.random.Generator, size: int, n: int = 8):
 def make_vae(recipe):
     """The constructed VAE with `latents_mean`/`latents_std` set to its latents' per-channel statistics over
     64 synthetic pictures (the always-zero channels 12-15 keep mean 0 and std 1)."""
+    if (recipe.constant_latents, recipe.latent_basis) != (0, "squares"):
+        raise ValueError(f"Recipe(constant_latents={recipe.constant_latents}, latent_basis={recipe.latent_basis!r}): "
+                         f"the {recipe.variant!r} toy's VAE has neither; set them to 0 and 'squares'")
     vae = constructed_vae(VAE_CONFIG).eval()
     rng = np.random.default_rng(recipe.seed + 1)
     z = torch.cat([vae.encode(vae_input(_stats_batch(rng, recipe.size))).latent_dist.mode() for _ in range(8)])

@@ -11,8 +11,12 @@
    - encoder: every residual branch and attention output is zero (the blocks are identities); `conv_in` writes
      the mean RGB of each 4x4-pixel square of the patch into channels 0-47 (16 squares x RGB) and a constant
      channel (CONST, which the RMS norms divide by, so the path stays linear up to SiLU's curvature); `conv_out`
-     copies the 48 colour channels to latent channels 0-47 (48-63 stay 0). `latents_mean`/`latents_std` are
-     the latents' measured per-channel statistics.
+     copies the 48 colour channels to latent channels 0-47 (48-63 stay 0, or `Recipe.constant_latents` of them
+     hold 1 once normalized: a constant input for the transformer, whose projections have no bias and whose
+     LayerNorms have no shift). `Recipe.latent_basis` "dct" stores each colour channel's 4x4 squares as their
+     2-D DCT and the colours as luma and two opponent channels (`latent_basis`), so that normalizing each channel
+     to unit variance weighs a token's detail as much as its mean colour. `latents_mean`/`latents_std` are the
+     colour channels' measured statistics (the others keep mean 0 and std 1).
    - decoder: identities again up to `conv_out`, whose 3x3 taps map the latents of a cell and its 8 neighbours
      to the cell's 16x16 RGB pixels: a ridge least-squares fit (float64, `_fit_decoder`) to synthetic pictures,
      made on the decoder's own features (so SiLU's curvature is part of the fit). Alpha is 1 (bias only).
@@ -57,26 +61,53 @@ def _patch_channel(colour: int, x: int, y: int) -> int:
     return colour * PATCH * PATCH + x * PATCH + y
 
 
+#: `Recipe.latent_basis` choices
+BASES = ("squares", "dct")
+
+
+def latent_basis(basis: str) -> torch.Tensor:
+    """(48, 48), orthonormal: the latent colour channels from a patch's square colours (index 3 * square + colour):
+    "squares" the identity, "dct" the squares' 2-D DCT-II times (luma, red-green, yellow-blue) per square."""
+    if basis not in BASES:
+        raise ValueError(f"Recipe(latent_basis={basis!r}): accepted: {', '.join(BASES)}")
+    if basis == "squares":
+        return torch.eye(COLOURS)
+    n = torch.arange(SQUARES, dtype=torch.float64)
+    dct = torch.cos(torch.pi * (n[None] + 0.5) * n[:, None] / SQUARES) * (2 / SQUARES) ** 0.5
+    dct[0] /= 2 ** 0.5
+    colour = torch.tensor([[1, 1, 1], [1, -1, 0], [1, 1, -2]], dtype=torch.float64)
+    colour /= colour.norm(dim=1, keepdim=True)
+    return torch.kron(torch.kron(dct, dct), colour).float()
+
+
 @torch.no_grad()
-def constructed_vae(config: dict = VAE_CONFIG):
+def constructed_vae(config: dict = VAE_CONFIG, constant_latents: int = 0, basis: str = "squares"):
     """The 2.1 VAE (from `blank_vae`: its residual branches and attention outputs zero, the blocks identities) with
-    the constructed encoder and an identity decoder up to its (unfitted, zero) conv_out."""
+    the constructed encoder (`basis`: `latent_basis`; `constant_latents` channels after the colours hold the
+    constant) and an identity decoder up to its (unfitted, zero) conv_out."""
     from diffusers import AutoencoderKLQwenImage21
 
     vae = blank_vae(AutoencoderKLQwenImage21, config)
     enc, dec = vae.encoder, vae.decoder
+    squares = torch.zeros(COLOURS, enc.conv_in.weight.shape[1])
     for sy in range(SQUARES):
         for sx in range(SQUARES):
             for c in range(3):
                 k = 3 * (sy * SQUARES + sx) + c
                 for y in range(4 * sy, 4 * sy + 4):
                     for x in range(4 * sx, 4 * sx + 4):
-                        enc.conv_in.weight[k, _patch_channel(c, x, y), 1, 1] = 1.0 / 16
+                        squares[k, _patch_channel(c, x, y)] = 1.0 / 16
+    enc.conv_in.weight[:COLOURS, :, 1, 1] = latent_basis(basis) @ squares
     enc.conv_in.bias[CONST_CHANNEL] = CONST
     # conv_out reads SiLU(RMS_norm(x)) ~ x * sqrt(WIDTH) / |x| / 2 with |x| ~ the constant channel (the down
     # block adds its identity resnet to its identity shortcut, doubling colours and constant alike)
     for k in range(COLOURS):
         enc.conv_out.weight[k, k, 1, 1] = head_gain(WIDTH)
+    # the constant channel reaches conv_out as SiLU(sqrt(WIDTH)) (it dominates the norm); make_vae leaves it
+    # unnormalized, so it stays 1
+    feature = WIDTH ** 0.5 * torch.sigmoid(torch.tensor(WIDTH ** 0.5)).item()
+    for k in range(COLOURS, COLOURS + constant_latents):
+        enc.conv_out.weight[k, CONST_CHANNEL, 1, 1] = 1.0 / feature
     identity_latents(vae, 64)
     for k in range(COLOURS):
         dec.conv_in.weight[k, k, 1, 1] = 1.0
@@ -142,14 +173,14 @@ RECIPE = dict(transformer_steps=3000, transformer_lr=3e-3, layers=3)
 @torch.no_grad()
 def make_vae(recipe, pictures: int = 256):
     """The constructed encoder with `latents_mean`/`latents_std` from its latents over 64 synthetic pictures
-    (`recipe.seed` + 1; the always-zero channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
+    (`recipe.seed` + 1; the other channels keep mean 0 and std 1), and the fitted decoder (seed + 4)."""
     seed, size = recipe.seed, recipe.size
-    vae = constructed_vae().eval()
+    vae = constructed_vae(constant_latents=recipe.constant_latents, basis=recipe.latent_basis).eval()
     rng = np.random.default_rng(seed + 1)
     z = torch.cat([vae.encode(_pixels([_stats_picture(rng, size) for _ in range(8)])).latent_dist.mode()
                    for _ in range(8)])
     mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
-    live = std > 1e-6
+    live = torch.arange(mean.shape[0]) < COLOURS
     mean, std = torch.where(live, mean, 0.0), torch.where(live, std, 1.0)
     vae.register_to_config(latents_mean=[round(float(v), 4) for v in mean],
                            latents_std=[round(float(v), 4) for v in std])
