@@ -10,8 +10,10 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+#: every way a value reaches the host: scalars, lists, numpy (`np.asarray` calls `__array__`), formatting and printing
 READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-         torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+         torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__,
+         torch.Tensor.__array__, torch.Tensor.__format__, torch.Tensor.__repr__}
 #: copies that name the host as their target (`.to("cpu")`, `.copy_` into a pinned buffer): reads too. A move to
 #: the run's device (`.to(device)`) is no read on a GPU, so a copy counts only where the code names the host.
 COPIES = {torch.Tensor.to, torch.Tensor.copy_}

@@ -164,7 +164,38 @@ function* allNodes(graph, seen = new Set()) {
 }
 
 function renderAll() {
-  for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) render(node);
+  for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) {
+    mountInVueNode(node);
+    render(node);
+  }
+}
+
+// With the Vue node renderer (setting Comfy.VueNodes.Enabled) a node is an HTML element, [data-node-id], and early
+// versions of it (frontend 1.27) draw only the widget types they know: a DOM widget of another type, such as the
+// live view, is never mounted. Then the view goes at the end of the node's body itself. Only nodes of the graph
+// on screen (node ids repeat inside subgraphs); a renderer that mounts the widget (1.58) is left to do so.
+function mountInVueNode(node) {
+  const view = node.__qwenEditLive, shown = app.canvas?.graph;
+  if (!view || view.root.isConnected || !shown || node.graph !== shown) return;
+  const element = document.querySelector(`[data-node-id="${CSS.escape(String(node.id))}"]`);
+  if (!element) return;
+  const body = element.querySelector(`[data-testid="node-body-${CSS.escape(String(node.id))}"]`) ?? element;
+  view.root.style.padding = "0 12px";
+  body.append(view.root);
+}
+
+// Vue nodes are mounted after the graph is configured, and again when the graph on screen changes: mount the
+// views once they exist (at most once a frame)
+let mountQueued = false;
+function watchVueNodes() {
+  new MutationObserver(() => {
+    if (mountQueued) return;
+    mountQueued = true;
+    requestAnimationFrame(() => {
+      mountQueued = false;
+      for (const node of allNodes(app.rootGraph ?? app.graph?.rootGraph ?? app.graph)) mountInVueNode(node);
+    });
+  }).observe(document.body, { childList: true, subtree: true });
 }
 
 // A multiline box shows its name only while empty (the placeholder): the pack's prompt boxes carry their label
@@ -214,6 +245,7 @@ app.registerExtension({
   async setup() {
     api.addEventListener("qwen_edit.job", ({ detail }) => update(detail, null));
     api.addEventListener("reconnected", refresh);
+    watchVueNodes();
     await refresh();
   },
   async nodeCreated(node) {

@@ -86,7 +86,8 @@ def _mark_sequences(inputs: dict) -> dict:
     return inputs
 
 
-def time_dynamic(device: torch.device, repeats: int, texts=(1409, 1371, 1452, 1500)) -> list[list]:
+def time_dynamic(device: torch.device, repeats: int, texts=(1409, 1371, 1452, 1500),
+                 image_tokens: int = IMAGE_TOKENS) -> list[list]:
     """Rows (setting, graphs compiled, compile seconds, median s per forward + backward at the first length) of
     one real-width block compiled with dynamic=True and with dynamic=None plus the sequence dims marked."""
     from qwen_edit_core.bench.common import real_transformer
@@ -98,7 +99,7 @@ def time_dynamic(device: torch.device, repeats: int, texts=(1409, 1371, 1452, 15
         compiled = torch.compile(block, fullgraph=True, dynamic=dynamic)
 
         def call(text: int):
-            inputs = _block_inputs(block, device, text, IMAGE_TOKENS)
+            inputs = _block_inputs(block, device, text, image_tokens)
             out = compiled(**(_mark_sequences(inputs) if mark else inputs))
             (out[1].float().sum() + out[0].float().sum()).backward()
 
@@ -112,11 +113,13 @@ def time_dynamic(device: torch.device, repeats: int, texts=(1409, 1371, 1452, 15
     return rows
 
 
-def run(device: str = "cuda:0", repeats: int = 5) -> dict:
-    """Print both tables and one JSON line (timings, the FASTEST_FIRST row they give); returns that record."""
+def run(device: str = "cuda:0", repeats: int = 5, *, image_tokens: int = IMAGE_TOKENS,
+        texts: tuple[int, ...] = (TEXT_TOKENS, 1371, 1452, 1500)) -> dict:
+    """Print both tables and one JSON line (timings, the FASTEST_FIRST row they give); returns that record.
+    `image_tokens` / `texts` (the text lengths the block compiles over, the first one timed) shrink a smoke run."""
     device = torch.device(device)
-    timings = time_kernels(device, repeats)
-    print_table(f"attention, one call forward + backward ({IMAGE_TOKENS} + {TEXT_TOKENS} tokens, {HEADS} x "
+    timings = time_kernels(device, repeats, tokens=image_tokens + texts[0])
+    print_table(f"attention, one call forward + backward ({image_tokens} + {texts[0]} tokens, {HEADS} x "
                 f"{HEAD_DIM}, bf16)", ["kernel", "s"],
                 [[name, "fails" if s is None else f"{s:.5f}"] for name, s in timings.items()])
     capability = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
@@ -124,7 +127,6 @@ def run(device: str = "cuda:0", repeats: int = 5) -> dict:
               "fastest_first": list(fastest_first(timings)),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     print(json.dumps(record))  # noqa: T201 (the runbook keeps this line as attention.json)
-    print_table("one block compiled, text lengths 1409, 1371, 1452, 1500", ["setting", "graphs", "compile s",
-                                                                             "s fwd+bwd"],
-                time_dynamic(device, repeats))
+    print_table(f"one block compiled, text lengths {', '.join(map(str, texts))}",
+                ["setting", "graphs", "compile s", "s fwd+bwd"], time_dynamic(device, repeats, texts, image_tokens))
     return record

@@ -38,7 +38,10 @@ def run_bench(args) -> None:
     elif args.what == "memory":
         from qwen_edit_core.bench.memory import check_edit
         check_edit(args.variant, args.size, args.controls)
-        if args.sample:  # sampling on a card of --budget-gb GiB (default 24 and 48)
+        if args.fp8_copy:  # the Sampling Speed node's fp8 copy of the real-size transformer
+            from qwen_edit_core.bench.memory_fp8_copy import report as fp8_copy_report
+            print(fp8_copy_report(args.variant, as_json=args.json))  # noqa: T201
+        elif args.sample:  # sampling on a card of --budget-gb GiB (default 24 and 48)
             from qwen_edit_core.bench.memory_sample import report as sample_report
             print(sample_report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
         elif args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24)

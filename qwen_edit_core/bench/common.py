@@ -19,6 +19,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """The real-size benchmarks' compute dtype: bf16 on CUDA; float32 elsewhere (a smoke run of the plumbing at
+    toy sizes: a CPU's bf16 matmuls run 50-100x slower than its float32 ones)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def median_time(fn, device: torch.device, repeats: int, warmup: int = 1) -> float:
     """Median wall time of `fn()` over `repeats` runs after `warmup` runs, synchronizing the device."""
     for _ in range(warmup):
@@ -58,6 +64,11 @@ def pinned_gib(device: torch.device) -> float | None:
 def gib_text(value: float | None) -> str:
     """A table cell for a GiB figure: one decimal, "-" where there is none (off CUDA)."""
     return "-" if value is None else f"{value:.1f}"
+
+
+def top_kernels(ran: list[tuple[str, float]], top: int = 5) -> str:
+    """The first `top` kernels of `speed.kernel_shares` (name, share of the device time) as one table cell."""
+    return "; ".join(f"{name[:50]} {100 * share:.0f}%" for name, share in ran[:top]) or "-"
 
 
 def reset_peak(device: torch.device) -> None:

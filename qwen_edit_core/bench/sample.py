@@ -22,10 +22,11 @@ from PIL import Image
 
 from qwen_edit_core import speed
 from qwen_edit_core.families import DEFAULT
+from qwen_edit_core.model import encode
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import (bench_components, gib_text, matmul_peaks, median_time, peak_gib, print_table,
+from qwen_edit_core.bench.common import (bench_components, bench_dtype, gib_text, matmul_peaks, median_time, peak_gib, print_table,
                                          reset_peak, sync)
 
 log = logging.getLogger(__name__)
@@ -210,13 +211,14 @@ class _RealRun:
 
 
 def _real_run(dev: torch.device, steps: int, layers: int | None, side: int, full: bool):
-    """(the run, the plain sampler settings) of a random real-size transformer at `side`^2."""
-    dtype = torch.bfloat16
+    """(the run, the plain sampler settings) of a random real-size transformer at `side`^2 (the text encoder's
+    image area scaled with it: 384^2 at 1024^2, as the pipeline)."""
+    dtype = bench_dtype(dev)
     comps = bench_components(True, dev, dtype, num_layers=layers)
     comps.transformer.eval()
     image = _image(side)
     settings = sampler.SampleSettings(num_inference_steps=steps, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
-                                      seed=0, vae_area=side * side)
+                                      seed=0, vae_area=side * side, vl_area=384 * 384 * side * side // 1024**2)
     cond = sampler.build_conditioning(comps, PROMPT, [image], settings)
     latents = sampler.family_sampler(comps).initial_noise(0, cond.width, cond.height,
                                                           comps.transformer.config.in_channels // 4, dev, dtype)
@@ -252,10 +254,35 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
         except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
             log.exception("sampler lever %s failed", name)
             rows.append([name, f"failed: {type(err).__name__}: {err}"[:100], None, "-"])
-        if name == "ours, no mask" and run.full:
-            run.full_edit("qwen_edit_core sampler, plain",
-                          lambda s=settings: sampler.sample(comps, PROMPT, [run.image], s))
+        if name == "ours, no mask":
+            rows.append(_aligned_row(run, settings, t, repeats))
+            if run.full:
+                run.full_edit("qwen_edit_core sampler, plain",
+                              lambda s=settings: sampler.sample(comps, PROMPT, [run.image], s))
     return rows, t_ref, settings
+
+
+def aligned(cond):
+    """`cond` with each prompt cut to a multiple of 64 tokens (at least 64): the same step at lengths the kernels
+    tile evenly, beside the real prompt's (what an odd length costs)."""
+    def cut(embeds):
+        if embeds is None:
+            return None
+        n = max(64, embeds.lengths[0] // 64 * 64)
+        return encode.pad_embeddings([embeds.valid(0)[:n]])
+    return dataclasses.replace(cond, cond=cut(cond.cond), uncond=cut(cond.uncond))
+
+
+def _aligned_row(run: "_RealRun", settings, t, repeats: int) -> list:
+    """The plain step (row "ours, no mask") with both prompts cut to a multiple of 64 tokens (`aligned`)."""
+    cond = aligned(run.cond)
+    denoiser = sampler._Denoiser(run.comps.transformer, cond, settings)
+    lengths = "/".join(str(e.lengths[0]) for e in (cond.cond, cond.uncond) if e is not None)
+    with speed.attention_kernel(settings.attention):
+        reset_peak(run.dev)
+        s = median_time(lambda: denoiser(run.latents, t), run.dev, repeats, warmup=2)
+        kernels = speed.kernels_text(speed.kernels_ran(lambda: denoiser(run.latents, t), run.dev))
+    return [f"ours, no mask, prompts cut to {lengths} tokens", s, peak_gib(run.dev), kernels]
 
 
 def _euler_hygiene(run: _RealRun, settings) -> tuple[int, int]:

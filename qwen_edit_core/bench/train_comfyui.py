@@ -37,7 +37,7 @@ def run(device: str = "cuda:0", steps: int = 4, card_gib: float = 24.0) -> str:
                                               "memory_budget_gb": memory_comfyui.node_budget_gb(card_gib)},
                                     "optimizer": {"lr": 1e-30}, "logging": {"plot": False}})
     side = 1024
-    item = bench_train._real_item(dev, torch.bfloat16, side=side)
+    item = bench_train.real_item(side=side)
     example = EditExample(name="random", target=Path("random.png"), controls=(Path("random-control.png"),),
                           caption="", target_size=(side, side), control_sizes=((side, side),))
     try:
@@ -45,7 +45,7 @@ def run(device: str = "cuda:0", steps: int = 4, card_gib: float = 24.0) -> str:
                                                         [((side, side), ((side, side),))],
                                                         scheduler_config={"max_image_seq_len": 8192, "max_shift": 0.9},
                                                         write_lora=lambda path, step: None, out_dir=work, progress=p),
-                                        dev)
+                                        dev)[0]
         measured = [reserved_gib(dev), peak_gib(dev), pinned_gib(dev)]
     finally:
         speed.give_back(lent)

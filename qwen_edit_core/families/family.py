@@ -95,7 +95,7 @@ class Family:
     #: the module (dotted path) that reads this family's transformer as one ComfyUI file: its
     #: `detect_config(tensors, flags, source)` gives the diffusers config from the file's shapes and its
     #: `to_model(tensors)` maps a module's file tensors (weights, scales) onto the diffusers class's keys
-    file_layout: str = "qwen_edit_core.model.single_file"
+    file_layout: str = "qwen_edit_core.families.qwen_image.single_file"
     #: a key only this family's transformer files have ("" : the family of any file without another's marker)
     file_marker: str = ""
     #: what its files are called in messages ("a <file_title> transformer")

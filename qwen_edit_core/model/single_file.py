@@ -16,15 +16,15 @@ Layout, learned from ComfyUI's and diffusers' own source:
   per-channel scales (the same effective weights), and run fp8 matmuls. `fp8="auto"` keeps them where the
   device computes in fp8 (CUDA, compute capability >= 8.9) and upcasts elsewhere; the log says which, with
   the weights' memory (the real transformer's sizes: docs/MODEL.md, "The real model's sizes").
-The architecture is read from the shapes and matched against the configs shipped in
-`model/architectures/transformer_architectures.json`.
+The architecture is read from the shapes by the family's layout (`Family.file_layout`, families/<family>/
+single_file.py: the 2025 family's matches the configs shipped in `model/architectures/
+transformer_architectures.json`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -142,39 +142,6 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
     return out
 
 
-def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "file") -> dict:
-    """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
-    from qwen_edit_core.families import DEFAULT, family_of_file
-    other = family_of_file(tensors)
-    if other.file_layout != __name__:  # another family's file (its `file_marker`)
-        raise SingleFileError(f"{source}: a {other.file_title} transformer, not a {DEFAULT.file_title} one: give it with "
-                              f"a {other.file_title} model directory, which loads it as its family's")
-    needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
-    missing = [k for k in needed if k not in tensors]
-    if missing:
-        sample = ", ".join(sorted(tensors)[:4])
-        raise SingleFileError(f"{source}: not a Qwen-Image transformer (missing {missing}; found keys like {sample}); "
-                              "expected a Qwen-Image/-Edit diffusion model from ComfyUI's diffusion_models folder")
-    width, in_channels = tensors["img_in.weight"].shape
-    head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-    layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k)))
-    shapes = {"in_channels": in_channels, "attention_head_dim": head_dim, "num_attention_heads": width // head_dim,
-              "joint_attention_dim": tensors["txt_in.weight"].shape[1],
-              "out_channels": tensors["proj_out.weight"].shape[0] // 4}
-    known = {n: c for n, c in json.loads(ARCHITECTURES.read_text()).items() if "_family" not in c}  # 2025 family
-    for name, config in known.items():
-        if all(config[k] == v for k, v in shapes.items()):
-            config = {k: v for k, v in config.items() if not k.startswith("_")}
-            config.update(num_layers=layers, zero_cond_t=flags["zero_cond_t"],
-                          use_additional_t_cond="time_text_embed.addition_t_embedding.weight" in tensors)
-            config["axes_dims_rope"] = tuple(config["axes_dims_rope"])
-            log.info("%s: %s architecture, %d blocks%s", source, name, layers,
-                     ", zero_cond_t (Edit-2511)" if flags["zero_cond_t"] else "")
-            return config
-    raise SingleFileError(f"{source}: unknown Qwen-Image architecture {shapes}; known: {', '.join(known)} "
-                          f"(shipped in {ARCHITECTURES.name})")
-
-
 def check_state_dict(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], problem: str) -> None:
     """Raise SingleFileError(`problem`: the first missing and unexpected keys and wrong shapes) unless
     `tensors` has exactly the keys and shapes of `expected`."""
@@ -232,16 +199,6 @@ def _fp8_state(tensors: dict[str, torch.Tensor], fp8_modules: set[str], dtype: t
 
 def _bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-#: the 2025 family's file layout (families.Family.layout): its text encoder is read from ComfyUI's single file
-TEXT_ENCODER_REFUSAL = ""
-
-
-#: a file's keys are diffusers' already
-def to_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A module's file tensors under the model's keys: unchanged (the 2025 files use diffusers' module names)."""
-    return tensors
 
 
 # -- VAE ----------------------------------------------------------------------------------------------------

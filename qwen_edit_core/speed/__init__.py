@@ -13,7 +13,7 @@ RMSNorm, RoPE, GELU, fp8 quantization) is launch- and bandwidth-bound until comp
 """
 
 from qwen_edit_core.speed.attention import (ATTENTION_KERNELS, SDPA_KERNELS, attention_kernel, check_attention_kernel,
-                                            kernels_ran, kernels_text, offered_kernels)
+                                            kernel_shares, kernels_ran, kernels_text, offered_kernels)
 from qwen_edit_core.speed.checkpointing import checkpoint_blocks, checkpointed_indices
 from qwen_edit_core.speed.compile import CompileStats, compile_blocks, compile_stats, scales_as_inputs
 from qwen_edit_core.speed.fp8 import FP8, FP8_MAX, Fp8Linear, fp8_matmul_supported, has_fp8, quantize_fp8, quantize_rows
@@ -26,7 +26,7 @@ from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_trai
 from qwen_edit_core.speed.planner import (MemoryEstimate, SpeedPlan, estimate_memory, free_memory_budget_gb, model_sizes,
                                          plan_for_budget, plan_seconds, resident_bytes)
 
-__all__ = ["ATTENTION_KERNELS", "SDPA_KERNELS", "attention_kernel", "check_attention_kernel", "kernels_ran",
+__all__ = ["ATTENTION_KERNELS", "SDPA_KERNELS", "attention_kernel", "check_attention_kernel", "kernel_shares", "kernels_ran",
            "kernels_text", "offered_kernels", "checkpoint_blocks", "checkpointed_indices",
            "compile_blocks", "CompileStats", "compile_stats", "scales_as_inputs", "FP8", "FP8_MAX", "Fp8Linear", "fp8_matmul_supported", "has_fp8", "quantize_fp8",
            "quantize_rows", "Levers", "configure_inference", "configure_training", "inference_copy", "auto_budget_gb",

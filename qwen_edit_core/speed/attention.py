@@ -125,10 +125,15 @@ def kernels_ran(fn, device: torch.device | str) -> list[tuple[str, float]]:
         fn()
         if cuda:
             torch.cuda.synchronize(device)
-    events = prof.key_averages()
-    timed = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in events]
+    return [(name, share) for name, share in kernel_shares(prof, cuda) if is_attention_name(name)]
+
+
+def kernel_shares(prof, cuda: bool) -> list[tuple[str, float]]:
+    """Every kernel (CUDA kernels when `cuda`, else the CPU's aten ops) a finished `torch.profiler.profile`
+    recorded, with its share of the profiled device time, largest first."""
+    timed = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in prof.key_averages()]
     total = sum(t for _, t in timed) or 1.0
-    return sorted(((k, t / total) for k, t in timed if is_attention_name(k) and t > 0), key=lambda kt: -kt[1])
+    return sorted(((k, t / total) for k, t in timed if t > 0), key=lambda kt: -kt[1])
 
 
 def kernels_text(ran: list[tuple[str, float]], top: int = 2) -> str:

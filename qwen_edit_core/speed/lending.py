@@ -58,7 +58,7 @@ class _Loan:
         self.flags = [(p, p.requires_grad) for p in original.parameters()]
         self.lent = {id(t): t for t in (*original.parameters(), *original.buffers())}
         self.parked: list[tuple[torch.Tensor, torch.Tensor, torch.device]] = []
-        self.parked_bytes = 0
+        self.parked_bytes = 0  # the pageable host bytes of the copies the loan made itself
         #: the tensors parked with a copy of their own (`repark` parks them again after a `restore`)
         self.replaced: list[torch.Tensor] = []
         self.sampling = False  # a sampling copy's loan (`lend_for_sampling`): never given back
@@ -77,8 +77,8 @@ class _Loan:
         if host is None:
             host = host_copy(data)
             self.replaced.append(tensor)
+            self.parked_bytes += host.nbytes  # a shared copy is its maker's memory (the offloader's pinned region)
         self.parked.append((tensor, host, data.device))
-        self.parked_bytes += host.nbytes
         tensor.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
     def repark(self) -> int:
@@ -103,7 +103,10 @@ class _Loan:
 
 
 def host_copy(data: torch.Tensor) -> torch.Tensor:
-    """The pageable host copy a parked tensor waits in."""
+    """The pageable host copy a parked tensor waits in (of a meta tensor, the memory simulator's stand-in for the
+    device, which holds no values: an uninitialised one)."""
+    if data.is_meta:
+        return torch.empty_like(data, device="cpu")
     return data.detach().to("cpu", copy=True)
 
 

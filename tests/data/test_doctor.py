@@ -71,6 +71,8 @@ def test_findings_name_the_pair_the_kind_the_figure_and_the_fix(fixed):
     shifted = {f.pair: f.figure for f in fixed[0].report.of_kind("misaligned")}
     assert shifted["pair003"] == {"dx": -6.0, "dy": 0.0, "zoom": pytest.approx(1.0, abs=0.01)}
     assert shifted["pair012"]["zoom"] == pytest.approx(1.05, abs=0.01)
+    histogram = fixed[0].report.stats["shift_px"]  # the dataset's shifts: the 3 shifted pairs by 6 to 12 px
+    assert sum(histogram.values()) == 24 and histogram["4-8"] + histogram["8-16"] == 3
 
 
 def test_fix_realigns_the_shifted_and_zoomed_targets_to_within_a_pixel(faulty, fixed):
@@ -227,8 +229,8 @@ def test_the_benchmark_runs_on_a_small_dataset(capsys):
 
 def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed, monkeypatch):
     from qwen_edit_core.api import doctor_dataset
-    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helper, a few waiting at a time
+    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helpers, a few waiting at a time
     started, real_pool = [], runner.ProcessPoolExecutor
-    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **options: started.append(options) or real_pool(**options))
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or real_pool(**kw))
     report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
-    assert started == [{"max_workers": 1}] and report.findings == fixed[0].report.findings
+    assert started == [{"max_workers": 2}] and report.findings == fixed[0].report.findings

@@ -8,16 +8,14 @@ and from ComfyUI single files in bf16 and scaled fp8."""
 from __future__ import annotations
 
 import shutil
-import weakref
 
 import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
 from safetensors.torch import save_file
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from qwen_edit_core import speed
+from qwen_edit_core.bench.memory_fp8_copy import DeviceBytes  # noqa: F401 (other tests import it from here)
 from qwen_edit_core.adapters import lora, multires
 from qwen_edit_core.config import load_config
 from qwen_edit_core.model import components as comp
@@ -29,42 +27,6 @@ from qwen_edit_core.model.tiny import build_tiny
 from conftest import scaled_fp8
 
 N_BLOCKS = 6
-
-
-class DeviceBytes(TorchDispatchMode):
-    """Live and peak bytes of the tensors ops create on `device` from data: "meta" stands in for the GPU.
-
-    The loader also uses meta tensors as mere shapes (the model skeleton, the files' headers), which hold no
-    memory on any real device; so an output on `device` counts only when it holds data: a copy of a host tensor
-    to the device, or the result of an op on a tensor already counted (a conversion on the device). It counts
-    from the op that makes it until its storage is freed."""
-
-    def __init__(self, device: str):
-        super().__init__()
-        self.device, self.live, self.peak = torch.device(device), 0, 0
-        self._counted = weakref.WeakKeyDictionary()
-
-    def _holds_data(self, func, t) -> bool:
-        if not isinstance(t, torch.Tensor):
-            return False
-        copy = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
-        return (copy and t.device.type == "cpu") or t.untyped_storage() in self._counted
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not any(self._holds_data(func, t) for t in tree_flatten((args, kwargs))[0]):
-            return out
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device == self.device and t.untyped_storage() not in self._counted:
-                storage = t.untyped_storage()
-                self._counted[storage] = storage.nbytes()
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, storage.nbytes())
-        return out
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
 
 
 def _bytes(tensors) -> int:

@@ -1,6 +1,7 @@
 """What the nodes tell a ComfyUI user, in the graph's words, and what the live view shows: too many control
 images name the inputs and the models that take them (not the command line's variants); a retrained name shows
-no picture of its previous run."""
+no picture of its previous run; the Vue node renderer that never mounts the view's DOM widget shows it in the
+node's body."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ const el = () => ({ style: {}, dataset: {}, append() {}, getContext: () => new P
 globalThis.document = { createElement: el };
 globalThis.window = {};
 globalThis.HTMLTextAreaElement = class {};
+globalThis.MutationObserver = class { observe() {} };
 await import("./extensions/pack/qwen_edit_jobs.js");
 const node = { comfyClass: "QwenEditTrainLoRA", widgets: [{ name: "lora_name", value: "same_name" }],
                addDOMWidget: (name, type, root) => ({}) };
@@ -79,6 +81,62 @@ def test_a_retrained_name_shows_no_picture_of_its_previous_run_and_a_failure_say
     assert first[:2] == ["http://x/v?step=5", "block"]
     assert retrained[:2] == [None, "none"], "the previous run's validation picture is still shown"
     assert "Cannot copy out of meta tensor" in failed[2]
+
+
+#: the live view's script under frontend 1.27's Vue node renderer: each node an element [data-node-id] with a body,
+#: a DOM widget of a type it does not know never mounted; node 4 in the graph on screen, node 7 in another graph
+VUE_NODES = """
+import { app, api, events } from "./scripts/app.js";
+const el = (tag) => ({ tag, style: {}, dataset: {}, children: [], isConnected: false, className: "",
+  append(...kids) { for (const k of kids) { k.isConnected = this.isConnected; this.children.push(k); } },
+  getContext: () => new Proxy({}, { get: () => () => {} }), removeAttribute(name) { delete this[name]; } });
+const bodies = {};
+for (const id of ["4", "7"]) {
+  const body = bodies[id] = el("div");
+  body.isConnected = true;
+  bodies[id].node = { querySelector: (q) => q === `[data-testid="node-body-${id}"]` ? body : null };
+}
+let observed = null;
+globalThis.document = { createElement: el, body: {},
+  querySelector: (q) => (bodies[(q.match(/^\\[data-node-id="(\\d+)"\\]$/) ?? [])[1]] ?? {}).node ?? null };
+globalThis.window = {};
+globalThis.CSS = { escape: (v) => v };
+globalThis.HTMLTextAreaElement = class {};
+globalThis.MutationObserver = class { constructor(fn) { observed = fn; } observe() {} };
+globalThis.requestAnimationFrame = (fn) => fn();
+await import("./extensions/pack/qwen_edit_jobs.js");
+const shown = { _nodes: [] }, other = { _nodes: [] };
+const make = (id, graph) => ({ id: Number(id), graph, comfyClass: "QwenEditTrainLoRA",
+  widgets: [{ name: "lora_name", value: "vue_job" }], addDOMWidget: () => ({}) });
+const node = make("4", shown), elsewhere = make("7", other);
+app.graph = shown; app.canvas = { graph: shown };
+shown._nodes.push(node); shown.subgraphs = new Map([["s", other]]); other._nodes.push(elsewhere);
+await app.extension.setup();
+await app.extension.nodeCreated(node);
+await app.extension.nodeCreated(elsewhere);
+observed?.([]);  // the renderer mounted its node elements
+events["qwen_edit.job"]({ detail: { name: "vue_job", state: "training", step: 3, total: 9, loss: 0.25,
+                                    point: [3, 0.25] } });
+console.log(JSON.stringify({ mounted: bodies["4"].children.map((c) => c.className),
+  connected: node.__qwenEditLive.root.isConnected, text: node.__qwenEditLive.text.textContent,
+  elsewhere: bodies["7"].children.length }));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the live view's script")
+def test_the_vue_node_renderer_that_never_mounts_the_views_widget_shows_it_in_the_nodes_body(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text(STUBS)
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    shutil.copy(ROOT / "web" / "qwen_edit_jobs.js", tmp_path / "extensions" / "pack")
+    (tmp_path / "scripts" / "api.js").write_text('export { api } from "./app.js";\n')
+    (tmp_path / "run.mjs").write_text(VUE_NODES)
+    out = subprocess.run(["node", str(tmp_path / "run.mjs")], capture_output=True, text=True, cwd=tmp_path,
+                         check=True).stdout
+    shown = json.loads(out)
+    assert shown["mounted"] == ["qwen-edit-live"] and shown["connected"], shown
+    assert "step 3/9" in shown["text"], shown
+    assert shown["elsewhere"] == 0, "a node of a graph not on screen took the view of the node with its id"
 
 
 def test_fresh_nodes_size_pictures_for_their_model_the_default_toy_at_128(tmp_path, monkeypatch):

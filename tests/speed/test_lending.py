@@ -102,6 +102,8 @@ def test_offloading_k_blocks_of_a_lent_fp8_model_frees_k_blocks_and_gives_them_b
     levers._apply(copy, plan, compile=False)
     assert _held_bytes(model, copy) == total - k * block
     assert copy._qwen_edit_offloader.host_bytes == k * block
+    from qwen_edit_core.bench import memory
+    assert memory.host_bytes(copy) == memory.pinned_host_bytes(copy)  # one host copy, counted once
     with torch.no_grad():  # the copy computes with its offloaded blocks copied in
         copy(hidden_states=torch.randn(1, 48, 64), timestep=torch.tensor([0.6]), encoder_hidden_states=torch.randn(
             1, 12, 32), img_shapes=[[(1, 6, 8)]], return_dict=False)
@@ -118,14 +120,13 @@ def _largest_linear(model):
 
 
 @pytest.mark.parametrize("park", [True, False])
-def test_an_fp8_sampling_copy_never_holds_both_forms_of_the_block_weights(monkeypatch, park):
+def test_an_fp8_sampling_copy_never_holds_both_forms_of_the_block_weights(park):
     """`inference_copy` with fp8 on a bf16 model, "meta" standing in for the GPU (every byte placed there is
     counted): each bf16 block linear is parked as soon as its fp8 layer exists, so the peak is the input's
     weights W plus one layer's conversion (its fp32 temporary and e4m3 result, 2.5x its bf16 bytes L, and its
     scales and bias, 8 bytes a row): peak <= W + 2.5 L + 8 rows. Keeping the input's bf16 linears beside the new
     fp8 ones (`shared_copy`, the copy before) peaks over 1.5 W."""
-    from tests.model.test_planned_load import DeviceBytes
-    monkeypatch.setattr(lending, "host_copy", lambda data: torch.empty_like(data, device="cpu"))  # meta: no data
+    from qwen_edit_core.bench.memory_fp8_copy import DeviceBytes
     model = _model().to(torch.bfloat16)
     largest = _largest_linear(model)
     layer, rows = largest.weight.nbytes, largest.out_features
@@ -184,3 +185,16 @@ def test_two_fp8_sampling_copies_of_one_input_each_park_its_weights_when_used(mo
         else:
             assert {n for n, p in model.named_parameters() if p.numel() == 0} == emptied
             assert _held_bytes(model, first, second) == both
+
+
+def test_the_fp8_copy_bench_counts_the_parked_copy_within_one_layers_conversion_of_the_weights():
+    """`qwen-edit bench memory --fp8-copy` (BENCHMARKS.md, "Sampling Speed fp8") on two real-width blocks: parking
+    peaks within the weights plus one layer's conversion; keeping the input's linears holds both forms."""
+    from qwen_edit_core.bench import memory_fp8_copy
+    parked = memory_fp8_copy.measure("edit", park=True, num_layers=2)
+    kept = memory_fp8_copy.measure("edit", park=False, num_layers=2)
+    layer, rows = 3072 * 18432 * 2 / 2**30, 18432  # the largest block linear's bf16 bytes (the modulation's)
+    assert parked["weights_gib"] == kept["weights_gib"]
+    assert parked["peak_gib"] <= parked["weights_gib"] + 2.5 * layer + 8 * rows / 2**30, parked
+    assert kept["peak_gib"] > 1.4 * kept["weights_gib"], kept  # both forms of the block linears
+    assert parked["after_gib"] < kept["after_gib"]

@@ -1,5 +1,6 @@
-"""The docs stay a size a reader gets through: DESIGN.md a ten-minute page, tables with short cells, and every
-file and section a page points to present (a moved or renamed one breaks its pointers here, not for a reader)."""
+"""The docs stay a size a reader gets through: all pages together at most 150 KB, DESIGN.md a ten-minute page,
+tables with short cells, and every file and section a page points to present (a moved or renamed one breaks its
+pointers here, not for a reader)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: DESIGN.md is the map a new contributor reads in ten minutes; the details live in module docstrings
 DESIGN_MAX_BYTES = 25_000
+#: README, BENCHMARKS.md and docs/ together: a fact lives in one place and the others link to it
+PAGES_MAX_BYTES = 150_000
 #: a table cell longer than this is a paragraph: write it as one below the table
 MAX_CELL_CHARS = 400
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -22,6 +25,13 @@ SECTION = re.compile(r"\b([A-Z_]+\.md), \"([^\"\n]+)\"")
 def test_design_is_a_short_page():
     size = (ROOT / "docs" / "DESIGN.md").stat().st_size
     assert size <= DESIGN_MAX_BYTES, f"docs/DESIGN.md is {size} bytes: link to module docstrings instead"
+
+
+def test_the_pages_together_stay_small():
+    sizes = {page.name: page.stat().st_size for page in PAGES}
+    assert sum(sizes.values()) <= PAGES_MAX_BYTES, (
+        f"README, BENCHMARKS.md and docs/ hold {sum(sizes.values())} bytes (limit {PAGES_MAX_BYTES}): link to the "
+        f"one place a fact lives instead of restating it; largest pages: {sorted(sizes.items(), key=lambda kv: -kv[1])[:3]}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -70,10 +70,11 @@ def check(pairs: list[Measured], settings: DoctorSettings,
                                            f"its caption {caption!r} holds no instruction (no word once a "
                                            "generator's trailing numbers are taken off): the template's "
                                            "instruction slot would be empty", severity=0.7))
+        noise = caption[len(base):].strip(" \t,;:|#-_.")
         if base != caption and base and cores[base] > 1:
-            result.findings.append(Finding(p.name, "caption", caption[len(base):].strip(), f"caption: {base!r}",
+            result.findings.append(Finding(p.name, "caption", noise, f"caption: {base!r}",
                                            f"its caption differs from {cores[base] - 1} other(s) only by the "
-                                           f"trailing {caption[len(base):].strip()!r}", severity=0.3))
+                                           f"trailing {noise!r}", severity=0.3))
         named = [int(n) for n in _NAMED_IMAGE.findall(caption)]
         controls = len(p.example.controls)
         if named and max(named) > controls:
