@@ -61,7 +61,10 @@ class Allocator:
     def hold(self, device: torch.device, nbytes: int) -> list:
         """Tensors over up to `nbytes` of the allocator's cached, inactive blocks on `device` of the current
         stream, largest first: each request is a cached block's exact size, which the allocator serves from that
-        block (its best fit), so a hold never asks the driver for memory."""
+        block (its best fit), so a hold never asks the driver for memory. Nothing under another allocator backend
+        (ComfyUI may set `backend:cudaMallocAsync`, which keeps no snapshot of cached blocks)."""
+        if torch.cuda.get_allocator_backend() != "native":
+            return []
         stream = torch.cuda.current_stream(device).cuda_stream
         sizes = [block["size"] for segment in torch.cuda.memory_snapshot()
                  if segment["device"] == device.index and segment["stream"] == stream

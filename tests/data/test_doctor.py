@@ -229,8 +229,8 @@ def test_the_benchmark_runs_on_a_small_dataset(capsys):
 
 def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed, monkeypatch):
     from qwen_edit_core.api import doctor_dataset
-    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helper, a few waiting at a time
+    monkeypatch.setattr(runner, "_BATCH", 4)  # several batches sent to the helpers, a few waiting at a time
     started, real_pool = [], runner.ProcessPoolExecutor
-    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **options: started.append(options) or real_pool(**options))
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or real_pool(**kw))
     report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
     assert started == [{"max_workers": 2}] and report.findings == fixed[0].report.findings

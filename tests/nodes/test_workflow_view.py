@@ -15,15 +15,9 @@ from workflows.layout import MIN_SCALE, TITLE, on_screen
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
-#: workflows whose nodes do not fit the screen at 0.8 zoom as laid out: Train LoRA and Training Status (their live
-#: views) stacked need 1,258 canvas units, more than the 1,190 that frontend 1.27.10's canvas shows, and side by
-#: side the graph takes five columns, wider than the screen
-TOO_LARGE = {"qwen_image21_train_references.json"}
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, reason="does not fit one screen at 0.8 zoom (TOO_LARGE)")) if p.name in TOO_LARGE else p
-    for p in WORKFLOWS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
 def test_saved_view_is_readable_with_every_node_on_screen(path):
     graph = json.loads(path.read_text())
     ds = graph["extra"]["ds"]

@@ -72,10 +72,9 @@ def test_a_short_build_writes_weights_that_load_as_a_2_1_model(tmp_path):
     assert vae_config["patch_size"] == 16 and vae_config["z_dim"] == 64
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the toy 2.1 transformer does not keep shapes yet: with the sample workflow's "
-                                       "two references its grayscale picture scores 0.01-0.09, with one 0.07-0.28 "
-                                       "(a colour mosaic; extra-reference training lifts the first to the second, "
-                                       "not further); docs/TOY_MODEL.md says what was measured")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the toy 2.1 does not keep shapes yet in the sample workflow's grayscale edit with two "
+                          "references (scores and the recipes tried: BENCHMARKS.md, 'Toy model builds')")
 def test_the_sample_workflows_edit_keeps_reference_1s_shapes(tmp_path):
     """As the 2.1 sample workflow runs it (reference 1 a picture, reference 2 its inverse, "make it grayscale", 20
     steps, CFG 1), the picture keeps reference 1's shapes: its edge similarity to the grayscale target reaches

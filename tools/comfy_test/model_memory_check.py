@@ -1,8 +1,8 @@
 """The pack's models in a real ComfyUI's memory manager (comfy/model_management.py, comfy/model_patcher.py of the
 checkout): a Load Model node run twice with a changed widget, its first output still held (as ComfyUI's
 "RAM pressure" and LRU caches hold it), leaves one live transformer; ComfyUI's list of loaded models holds the
-three components of the live model only; ComfyUI's own `free_memory` unloads them, and a node using the model
-loads it again through `load_models_gpu`. Runs in ComfyUI's Python on the CPU, on a temporary models folder."""
+three components of the live model only; ComfyUI's own `free_memory` unloads them (on the CPU, with nowhere to
+offload them, their weights are freed), and the loader's IS_CHANGED makes ComfyUI load the model again. Runs in ComfyUI's Python on the CPU, on a temporary models folder."""
 
 from __future__ import annotations
 
@@ -44,11 +44,13 @@ live = [m for m in gc.get_objects() if isinstance(m, QwenImageTransformer2DModel
 assert live == [second.components.transformer], len(live)
 assert {id(e.model.module) for e in ours()} == {id(m) for m in loaded_models.modules_of(second)}
 assert all(e.model.model_size() > 0 and e.model.loaded_size() == e.model.model_size() for e in ours())
-unloaded = mm.free_memory(1e30, torch.device("cpu"))  # ComfyUI needs the room for its own model
+unloaded = mm.free_memory(1e30, torch.device("cpu"))  # ComfyUI's unload_all_models on a --cpu server
 assert not ours() and len(unloaded) == 3
-loaded_models.use(second)  # a node about to run it: ComfyUI's load_models_gpu loads and lists it again
-assert len(ours()) == 3
-print("two loads with a changed widget hold one transformer; ComfyUI lists, unloads and reloads its 3 components")
+assert all(loaded_models.freed(m) for m in loaded_models.modules_of(second))  # nowhere to offload to: freed
+third, again = load(dtype="bfloat16")  # the next run: IS_CHANGED differs, so ComfyUI runs the loader again
+assert again != changed and len(ours()) == 3
+print("two loads with a changed widget hold one transformer; ComfyUI lists its 3 components, its unload frees them "
+      "and the loader loads them again")
 """
 
 

@@ -69,8 +69,8 @@ class PairMeasurer:
     """The doctor's measures of a dataset's pairs, taken as the dataset reader validates them: pass it as
     `load_dataset(on_pair=...)` and each pair is measured from the reader's own decode of its files (no second read)
     unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. With `workers` above 1, that
-    many processes measure the pairs while this one reads on (the measuring is two thirds of the work). `diagnose` takes it as `measured`, measures
-    what it lacks, and `save`s the new measures there."""
+    many processes measure the pairs while this one reads on (the measuring is two thirds of the work).
+    `diagnose` takes it as `measured`, measures what it lacks, and `save`s the new measures there."""
 
     def __init__(self, cache_dir=None, workers: int = 1):
         self.cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
@@ -112,6 +112,7 @@ class PairMeasurer:
             self._receive()
 
     def _receive(self) -> None:
+        """Wait for the oldest batch sent and keep its measures."""
         keys, future = self._pending.popleft()
         self.fresh.update(zip(keys, future.result()))
 
