@@ -40,8 +40,8 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     `fix_dir`); `area`, `batch_size`: the training's data.vae_area and data.batch_size, for the size checks;
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
     the measures are kept by content hash; `workers`: processes reading and measuring; `text_encoder`: an already
-    loaded TextEncoder (`load_text_encoder`) asked whether each target shows its caption's edit (optional: nothing
-    is loaded for it). The captions' tokens are counted by `count_tokens`, else by the tokenizer of `model` or
+    loaded TextEncoder (`load_text_encoder`) asked whether each target shows its caption's edit, and for a caption
+    where a pair has none (optional: nothing is loaded for it). The captions' tokens are counted by `count_tokens`, else by the tokenizer of `model` or
     `comfyui_dir` (`doctor_tokenizer`). Each picture is read and decoded once: the doctor measures it from the
     dataset reader's decode."""
     from qwen_edit_core.data.dataset import load_dataset
@@ -51,7 +51,8 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     measured = PairMeasurer(cache_dir, workers)
 
     def read(path):
-        return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples
+        return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured,
+                            keep_captionless=text_encoder is not None).examples  # the text encoder captions them
 
     examples, held = list(read(folder)), []
     if held_out:

@@ -24,11 +24,15 @@ MAX_CAPTION_BYTES = 64 * MAX_SEQUENCE_LENGTH
 ALLOWED_CONTROLS = "\n\r\t"
 
 
+#: the problem of a caption file holding no text
+EMPTY_CAPTION = "caption is empty; write the edit instruction (UTF-8 text)"
+
+
 def caption_text_problem(text: str) -> str | None:
     """What makes `text` unfit as a caption, or None: empty, more than MAX_CAPTION_BYTES, or a control character
     other than a line break or a tab (a NUL byte, an escape sequence: never part of an instruction)."""
     if not text.strip():
-        return "caption is empty; write the edit instruction (UTF-8 text)"
+        return EMPTY_CAPTION
     size = len(text.encode("utf-8"))
     if size > MAX_CAPTION_BYTES:
         return (f"caption is {size} bytes, more than the text encoder's {MAX_SEQUENCE_LENGTH} tokens can hold "

@@ -49,8 +49,8 @@ from qwen_edit_core.data.images import (_ALPHA_MODES, _ROTATED_ORIENTATIONS, ACC
                                         _mode_name, check_image, inspect_image,
                                         load_rgb)
 from qwen_edit_core.data.buckets import BucketBatchSampler  # noqa: F401  (re-exported)
-from qwen_edit_core.data.captions import (CAPTION_EXTENSION, CAPTIONS_DIR, caption_length_problem,  # noqa: F401
-                                          read_caption)
+from qwen_edit_core.data.captions import (CAPTION_EXTENSION, CAPTIONS_DIR, EMPTY_CAPTION,  # noqa: F401
+                                          caption_length_problem, read_caption)
 from qwen_edit_core.data.examples import (DatasetError, DatasetNotFoundError, DatasetReport,  # noqa: F401
                                           EditExample, Problem)  # (re-exported: the dataset's public values)
 from qwen_edit_core.data.masks import MASKS_DIR, inspect_mask, split_mask_stems
@@ -279,6 +279,9 @@ class _Limits:
     count_tokens: Optional[Callable[[str], int]] = None  # the text encoder's tokenizer (None: not counted)
     #: called with each valid pair and its files' ImageChecks (sha256 and decoded picture) by path
     on_pair: Optional[Callable[[EditExample, dict[Path, ImageCheck]], None]] = None
+    #: keep pairs whose caption is missing or empty, with caption "" (the dataset doctor proposes one); training
+    #: never sets it
+    captionless: bool = False
     #: each folder's resolved path, resolved once (`_resolved`)
     folders: dict = field(default_factory=dict, compare=False)
 
@@ -325,7 +328,9 @@ def _validate(candidate: _Candidate, limits: _Limits) -> tuple[EditExample | Non
         if checks[candidate.mask].problem:
             problems.append(Problem(candidate.mask, checks[candidate.mask].problem))
     caption, caption_problem = read_caption(candidate.captions, candidate.default_caption)
-    if caption is not None:
+    if limits.captionless and caption_problem and (not candidate.captions or caption_problem.message == EMPTY_CAPTION):
+        caption, caption_problem = "", None  # kept for the doctor to caption; the length check has nothing to count
+    elif caption is not None:
         caption_problem = caption_length_problem(candidate.captions[0], caption, limits.count_tokens)
     if caption_problem:
         problems.append(caption_problem)
@@ -359,13 +364,15 @@ def _report_skipped(folder: Path, problems: Sequence[Problem], kept: int, droppe
 
 def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = MIN_SIDE, max_pixels: int = MAX_PIXELS,
                  convert_modes: bool = False, count_tokens: Callable[[str], int] | None = None,
-                 on_pair: Callable[[EditExample, dict[Path, ImageCheck]], None] | None = None) -> DatasetReport:
+                 on_pair: Callable[[EditExample, dict[Path, ImageCheck]], None] | None = None,
+                 keep_captionless: bool = False) -> DatasetReport:
     """Discover and validate a folder of edit pairs (see the module docstring for the layouts).
 
     Every image is read once, hashed and decoded, and every caption read (and, given the text encoder's tokenizer
     as `count_tokens`, its tokens counted) before anything is returned; `on_pair(example, checks)` sees each valid
     pair with its files' ImageChecks by path (their sha256 and decoded pictures: the dataset doctor measures them
-    from this one decode). Raises DatasetError listing
+    from this one decode). `keep_captionless` (the dataset doctor's, never training's) keeps the pairs whose caption
+    is missing or empty, with caption "". Raises DatasetError listing
     every problem, unless `skip_invalid`, which drops the samples with a problem (logged, and the problems
     kept in `skipped`); an empty result is an error either way.
     """
@@ -375,7 +382,7 @@ def load_dataset(folder, *, skip_invalid: bool = False, min_side: int = MIN_SIDE
     if not found.candidates and not found.issues:
         raise DatasetError([Problem(folder, "no images found")],
                            header=f"no edit pairs in {str(folder)!r}; accepted layouts: " + "; ".join(LAYOUTS))
-    limits = _Limits(min_side, max_pixels, convert_modes, folder.resolve(), count_tokens, on_pair)
+    limits = _Limits(min_side, max_pixels, convert_modes, folder.resolve(), count_tokens, on_pair, keep_captionless)
     issues = list(found.issues)
     notes, checked = [], []
     for candidate in found.candidates:

@@ -5,6 +5,7 @@ model's text encoder from its local files and asks it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from types import SimpleNamespace
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from qwen_edit_core import cli
-from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.data.dataset import DatasetError, load_dataset
 from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
 from qwen_edit_core.data.doctor import diagnose, vlm
 from qwen_edit_core.data.doctor.faulty import write_faulty_dataset
-from qwen_edit_core.data.doctor.findings import Measured
+from qwen_edit_core.data.doctor.findings import PROPOSED_CAPTION, Measured
 from qwen_edit_core.model.components import load_text_encoder
 
 
@@ -53,3 +54,25 @@ def test_the_command_asks_the_models_text_encoder_with_vlm(tiny_plus_dir, tmp_pa
     assert "note: vision-language check: 2 pair(s) asked" in caplog.text
     assert cli.main(["doctor", str(tmp_path / "pairs"), "--vlm", "--out", str(tmp_path / "report")]) == 2
     assert "the vision-language check needs the model's text encoder" in capsys.readouterr().err
+
+
+def test_a_pair_without_a_caption_gets_a_proposal_that_fix_writes(tiny_plus_dir, tmp_path, capsys):
+    write_pairs(tmp_path / "pairs", 3, 0, DEMO_EDIT[0], 64)
+    (tmp_path / "pairs" / "pair001.txt").unlink()
+    (tmp_path / "pairs" / "pair002.txt").write_text(" \n", encoding="utf-8")
+    with pytest.raises(DatasetError, match="caption file is missing"):
+        load_dataset(tmp_path / "pairs")  # what training accepts is unchanged
+    assert cli.main(["doctor", str(tmp_path / "pairs"), "--json", "--out", str(tmp_path / "plain")]) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert not {"pair001", "pair002"} & {f["pair"] for f in plain}  # without --vlm they are skipped, as before
+    assert cli.main(["doctor", str(tmp_path / "pairs"), "--model", str(tiny_plus_dir), "--vlm", "--json",
+                     "--out", str(tmp_path / "report"), "--fix", str(tmp_path / "fixed")]) == 0
+    findings = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    proposed = {f["pair"]: f for f in findings if f["kind"] == "caption" and "machine-proposed" in f["why"]}
+    assert set(proposed) == {"pair001", "pair002"}
+    for name, finding in proposed.items():
+        assert finding["fix"].startswith(PROPOSED_CAPTION) and finding["fix"] != PROPOSED_CAPTION
+        written = (tmp_path / "fixed" / f"{name}.txt").read_text(encoding="utf-8")
+        assert written == finding["fix"][len(PROPOSED_CAPTION):] + "\n"
+    assert not (tmp_path / "pairs" / "pair001.txt").exists()  # the original is never changed
+    assert (tmp_path / "pairs" / "pair002.txt").read_text(encoding="utf-8") == " \n"

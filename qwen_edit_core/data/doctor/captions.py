@@ -56,6 +56,7 @@ def check(pairs: list[Measured], settings: DoctorSettings,
           count_tokens: Optional[Callable[[str], int]] = None) -> CheckResult:
     """The caption findings of `pairs`; `count_tokens`: the text encoder's tokenizer (None: lengths not checked)."""
     result = CheckResult()
+    pairs = [p for p in pairs if p.example.caption]  # a pair with none is the vision-language check's (`vlm`)
     captions = {p.name: p.example.caption for p in pairs}
     cores = Counter(core(c) for c in captions.values())
     words = [len(c.split()) for c in captions.values()]

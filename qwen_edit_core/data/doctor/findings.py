@@ -10,6 +10,9 @@ from typing import Optional
 #: every kind of finding, in the order the summary lists them
 KINDS = ("swapped", "misaligned", "reference-order", "no-change", "duplicate", "leak", "mask", "caption", "size")
 
+#: how a caption finding's fix starts when it is the text encoder's caption for a pair that has none (`--fix` writes
+#: the rest as the pair's caption file)
+PROPOSED_CAPTION = "write the machine-proposed caption: "
 
 #: what each of the report's statistics is, for a reader
 STATISTICS = {"direction": "edit direction strength R (0: none, 1: every pair alike)", "shift_px": "shifts (px)",

@@ -1,7 +1,8 @@
 """`--fix`: a copy of the dataset with the safe fixes applied; the original folder is never written.
 
 Applied: swapped pairs swapped back, references reordered, duplicate and unchanged pairs dropped, masks wholly off
-the edit inverted, captions' trailing noise removed, and, for pixel-aligned edits only, shifted or zoomed targets
+the edit inverted, captions' trailing noise removed, the text encoder's captions written for pairs that had
+none (`--vlm`), and, for pixel-aligned edits only, shifted or zoomed targets
 realigned onto their control (`realign`). Everything else is left for a person to judge."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from qwen_edit_core.data.captions import CAPTIONS_DIR
-from qwen_edit_core.data.doctor.findings import DoctorReport, DoctorSettings, Finding
+from qwen_edit_core.data.doctor.findings import PROPOSED_CAPTION, DoctorReport, DoctorSettings, Finding
 from qwen_edit_core.data.doctor.measure import gradient, register
 from qwen_edit_core.data.doctor.pictures import full_rgb
 from qwen_edit_core.data.examples import EditExample
@@ -102,6 +103,10 @@ def _apply(finding: Finding, example: EditExample, source: Path, out: Path, sett
         with Image.open(mask) as img:
             Image.fromarray(255 - np.asarray(img.convert("L"))).save(mask)
         return "inverted the mask"
+    if finding.kind == "caption" and finding.fix and finding.fix.startswith(PROPOSED_CAPTION):
+        caption = _caption_file(example, source, out) or _moved(example.target.with_suffix(".txt"), source, out)
+        caption.write_text(finding.fix[len(PROPOSED_CAPTION):] + "\n", encoding="utf-8")
+        return f"wrote the machine-proposed caption to {caption.name} (check it)"
     if finding.kind == "caption" and finding.fix and finding.fix.startswith("caption: "):
         caption = _caption_file(example, source, out)
         caption.write_text(finding.fix[len("caption: "):].strip("'\"") + "\n", encoding="utf-8")

@@ -2,7 +2,8 @@
 caller has already loaded: nothing is loaded or downloaded here) whether each pair's target shows its caption's edit
 applied to its control, and what edit it sees (a caption proposal). A "no" is a `caption` finding with the model's
 own description as the proposed caption; an answer that is neither yes nor no is counted in the note (how many
-pairs it judged and how), never guessed.
+pairs it judged and how), never guessed. A pair with no caption gets the model's description as a machine-proposed
+caption, which `--fix` writes into the fixed copy.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional, Sequence
 
 from PIL import Image
 
-from qwen_edit_core.data.doctor.findings import CheckResult, Finding
+from qwen_edit_core.data.doctor.findings import PROPOSED_CAPTION, CheckResult, Finding
 from qwen_edit_core.data.doctor.pictures import full_rgb
 from qwen_edit_core.families.templates import EDIT_PLUS_IMAGE_PREFIX
 
@@ -57,11 +58,30 @@ def describe(text_encoder, control: Image.Image, target: Image.Image) -> str:
     return ask(text_encoder, (control, target), DESCRIBE)
 
 
+def _uncaptioned(name: str, source: int, proposal: str) -> Finding:
+    """The caption finding of a pair with no caption: the text encoder's `proposal` as the fix `--fix` applies."""
+    fix = PROPOSED_CAPTION + proposal if proposal else None
+    return Finding(name, "caption", proposal or None, fix,
+                   f"it has no caption; the text encoder, shown control {source + 1} and the target, proposes "
+                   f"{proposal!r} (machine-proposed: read it before training on it)", severity=0.7)
+
+
 def check(pairs, text_encoder) -> CheckResult:
     """Ask about every pair of `pairs` (`findings.Measured`, their `measures.source` the edited control): a caption
-    finding for each "no", with the model's description of the edit as the fix; a note counts the answers."""
+    finding for each "no", with the model's description of the edit as the fix; a note counts the answers. A pair
+    with no caption (empty: the dataset reader keeps them for this check) is described instead, its description the
+    caption `--fix` writes."""
     result = CheckResult()
     unclear, yes = [], 0
+    described = [p for p in pairs if not p.example.caption]
+    for pair in described:
+        control, target = full_rgb(pair.example.controls[pair.measures.source]), full_rgb(pair.example.target)
+        proposal = describe(text_encoder, control, target)
+        result.findings.append(_uncaptioned(pair.name, pair.measures.source, proposal))
+    if described:
+        result.notes.append(f"vision-language check: {len(described)} pair(s) without a caption described "
+                            f"(first: {described[0].name}; proposals in their caption findings)")
+    pairs = [p for p in pairs if p.example.caption]
     for pair in pairs:
         example, source = pair.example, pair.measures.source
         control, target = full_rgb(example.controls[source]), full_rgb(example.target)
