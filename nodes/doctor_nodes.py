@@ -41,7 +41,8 @@ class QwenEditDatasetDoctor:
             "text_encoder": (TEXT_ENCODER, {"tooltip": "optional: a loaded Qwen2.5-VL (Load Text Encoder) asked "
                                             "whether each target shows its caption's edit applied to its control; a "
                                             "no is a caption finding with its own description of the edit as the "
-                                            "proposed caption. Slow: a generation per pair"}),
+                                            "proposed caption, and a pair with no caption gets one proposed (written into the "
+                                            "fixed copy). Slow: a generation per pair"}),
         }}
 
     def check(self, dataset, pixel_aligned, held_out="", fix_folder="", text_encoder=None):
