@@ -41,26 +41,26 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     `out_dir`: where report.txt and report.png go; `fix_dir`: a new folder for the fixed copy; `cache_dir`: where
     the measures are kept by content hash; `workers`: processes reading and measuring; `text_encoder`: an already
     loaded TextEncoder (`load_text_encoder`) asked whether each target shows its caption's edit, and for a caption
-    where a pair has none (optional: nothing is loaded for it). The captions' tokens are counted by `count_tokens`, else by the tokenizer of `model` or
-    `comfyui_dir` (`doctor_tokenizer`). Each picture is read and decoded once: the doctor measures it from the
-    dataset reader's decode."""
+    where a pair has none (optional: nothing is loaded for it). The captions' tokens are counted by `count_tokens`,
+    else by the tokenizer of `model` or `comfyui_dir` (`doctor_tokenizer`). Each picture is read and decoded once:
+    the doctor measures it from the dataset reader's decode."""
     from qwen_edit_core.data.dataset import load_dataset
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
     from qwen_edit_core.data.doctor.runner import PairMeasurer
     from qwen_edit_core.train.heldout import split_heldout
-    measured = PairMeasurer(cache_dir, workers)
-
-    def read(path):
-        return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured,
-                            keep_captionless=text_encoder is not None).examples  # the text encoder captions them
-
-    examples, held = list(read(folder)), []
-    if held_out:
-        examples, held = split_heldout(examples, held_out, read)
     settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
-    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
-                         text_encoder=text_encoder, measured=measured,
-                         count_tokens=count_tokens or doctor_tokenizer(model, comfyui_dir))
+    with PairMeasurer(cache_dir, workers) as measured:  # its helper processes end however the run does
+
+        def read(path):
+            return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured,
+                                keep_captionless=text_encoder is not None).examples  # the text encoder captions them
+
+        examples, held = list(read(folder)), []
+        if held_out:
+            examples, held = split_heldout(examples, held_out, read)
+        return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
+                             text_encoder=text_encoder, measured=measured,
+                             count_tokens=count_tokens or doctor_tokenizer(model, comfyui_dir))
 
 
 def doctor_tokenizer(model=None, comfyui_dir=None):

@@ -331,8 +331,8 @@ def add_doctor_command(sub) -> None:
                                          "tokens")
     p.add_argument("--vlm", action="store_true", help="also ask the model's own text encoder (Qwen2.5-VL, from "
                    "--model or --config, local files only) whether each target shows its caption's edit applied to "
-                   "its control; a no is a caption finding with its description as the proposed caption, and a pair with no "
-                   "caption gets one proposed (which --fix writes) (slow)")
+                   "its control; a no is a caption finding with its description as the proposed caption, and a pair "
+                   "with no caption gets one proposed (which --fix writes) (slow)")
     p.add_argument("--vlm-device", default="cpu", help="device the --vlm text encoder runs on")
     p.set_defaults(func=cmd_doctor)
 
