@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,26 @@ log = logging.getLogger(__name__)
 SMALL_BLOCK = 1 << 20
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s data: itself, or a wrapper subclass's inner tensors (FSDP2 shards
+    frozen weights into DTensors, whose shard is their local tensor). A wrapper's own storage has no data pointer,
+    so a wrapper that does not name its inner tensors (`__tensor_flatten__`) counts for nothing."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)
+        return [t for part in inner if isinstance(part, torch.Tensor) for t in plain_tensors(part)]
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return []
+    return [tensor]
+
+
 def storages_on(tensors, device: torch.device) -> dict[int, int]:
-    """{storage data pointer: bytes} of the tensors that live on `device`, each storage once."""
+    """{storage data pointer: bytes} of the tensors that live on `device`, each storage once (a wrapper subclass's
+    through its inner tensors: `plain_tensors`)."""
     found = {}
-    for tensor in tensors:
-        if tensor is not None and tensor.device == device and tensor.numel():
+    plain = (inner for tensor in tensors if tensor is not None for inner in plain_tensors(tensor))
+    for tensor in plain:
+        if tensor.device == device and tensor.numel():
             storage = tensor.untyped_storage()
             found[storage.data_ptr()] = storage.nbytes()
     return found
