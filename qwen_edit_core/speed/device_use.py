@@ -5,8 +5,8 @@ process-wide `torch.cuda.memory_allocated` counts the other work's tensors too. 
 tensors instead, storage by storage (its lender's weights, the LoRA, the optimizer state, fp8 copies, offload
 buffers: `run_storages`), plus its `working` bytes: the most a step allocated above what it started with
 (activations and gradients). That one is read from the allocator's peak (torch counts per device, and autograd's
-backward allocates in a thread of its own), as a difference within the step: another prompt's allocation during
-a step can only raise it.
+backward allocates in a thread of its own), as a difference within the step, above the larger of what was allocated
+at its start and at its end: memory another prompt frees during a step is not the step's.
 
 Between steps those working bytes sit in the allocator's cache, reserved but inactive, and ComfyUI counts
 reserved-but-inactive memory as free (comfy/model_management.py `get_free_memory`: the driver's free bytes plus
@@ -111,12 +111,12 @@ class DeviceUse:
         self.storages: dict[int, int] = {}
         self.working = 0
         self.held_back: list = []
+        self.step_start = 0  # bytes allocated (process-wide) when the current step started
 
     def started(self, lender: dict[int, int]) -> None:
         """The job starts with its lender's weights (`storages_on`) on the device."""
         self.storages = dict(lender)
-        if self.allocator is not None:
-            self.allocator.reset(self.device)
+        self.release()
 
     def step_ended(self, lender: dict[int, int], run: dict[int, int] | None) -> None:
         """A step ended: its own storages now (`lender`'s weights still on the device, `run`'s tensors when the
@@ -125,16 +125,19 @@ class DeviceUse:
         if self.allocator is None:
             return
         allocated, peak = self.allocator.stats(self.device)
-        self.working = max(self.working, peak - allocated)
-        self.allocator.reset(self.device)
-        self.release()
+        self.working = max(self.working, peak - max(self.step_start, allocated))
+        self.held_back = []  # the step's start let go of them; a run that reports no start lets go here
         self.held_back = self.allocator.hold(self.device, self.working)
         log.debug("holding %d of %d working bytes until the next step", sum(t.nbytes for t in self.held_back),
                   self.working)
 
     def release(self) -> None:
-        """The job uses its device again (a step or a validation starts): what it held back is the allocator's."""
+        """The job uses its device again (a step or a validation starts): what it held back is the allocator's,
+        and the step's peak is measured from here."""
         self.held_back = []
+        if self.allocator is not None:
+            self.step_start = self.allocator.stats(self.device)[0]
+            self.allocator.reset(self.device)
 
     def held(self) -> int:
         """Bytes the job holds on its device: its own storages plus `working`."""

@@ -374,6 +374,23 @@ def test_comfyuis_free_memory_leaves_out_what_a_running_jobs_next_step_needs(com
     assert allocator.active == 2 * 7000  # the job let go of everything it held
 
 
+def test_memory_another_prompt_frees_during_a_step_is_not_the_steps():
+    """A step's working bytes are its peak above what was allocated at its start (or at its end, when more):
+    another prompt freeing its model during the step does not raise what the job holds for the rest of its run."""
+    from qwen_edit_core.speed.device_use import DeviceUse
+    allocator = Allocator("cpu", 100_000)
+    other = allocator.alloc(30_000)  # another prompt's model
+    use = DeviceUse(torch.device("cpu"), allocator=allocator)
+    use.started({})
+    use.release()  # the step starts
+    activations = [allocator.alloc(3000), allocator.alloc(2000)]
+    del other  # the other prompt lets go of its model during the step
+    del activations
+    use.step_ended({}, None)
+    assert use.working == 5000 and use.held() == 5000
+    assert sum(t.nbytes for t in use.held_back) == 5000
+
+
 def test_a_hold_takes_only_cached_blocks_that_fit_largest_first():
     from qwen_edit_core.speed.device_use import pick_blocks
     assert pick_blocks([4, 16, 8, 2], 13) == [8, 4]
