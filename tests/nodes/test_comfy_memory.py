@@ -188,6 +188,24 @@ def test_loaded_components_are_comfyuis_loaded_models_and_it_can_offload_them(co
     assert set(_ours(comfy)) == {id(again.components.vae)}
 
 
+def test_an_unload_on_the_cpu_frees_only_what_a_loader_node_loads_again(comfy, monkeypatch):
+    """A Sampling Speed copy is no loader's output: nothing would load it again once emptied (ComfyUI serves its
+    cached output), so an unload leaves it on the CPU; the loader's model is freed (its IS_CHANGED changes)."""
+    import dataclasses
+
+    from qwen_edit_core import speed
+    handle, token = _load()
+    fast = speed.inference_copy(handle.components.transformer, torch.device("cpu"), fp8=False, compile=False)
+    copy = dataclasses.replace(handle, components=dataclasses.replace(handle.components, transformer=fast))
+    loaded_models.use(copy)  # the copy gets its own entry in ComfyUI's list
+    comfy_runtime.patcher_of(fast).detach()  # ComfyUI unloads only the copy
+    assert not loaded_models.freed(fast)
+    loaded_models.use(copy)  # it still runs
+    comfy_runtime.patcher_of(handle.components.vae).detach()
+    assert loaded_models.freed(handle.components.vae)
+    assert _load()[1] != token  # ComfyUI runs the loader again
+
+
 def test_comfyui_cannot_offload_a_model_a_training_job_uses(comfy, monkeypatch, caplog):
     handle, _ = _load()
     transformer = handle.components.transformer
