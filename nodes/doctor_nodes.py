@@ -3,9 +3,10 @@ row), its summary, and optionally a fixed copy of the folder."""
 
 from __future__ import annotations
 
+from qwen_edit_core import jobs
 from qwen_edit_core.api import doctor_dataset
 
-from . import comfy_runtime
+from . import comfy_runtime, loaded_models
 from .common import CATEGORY, DATASET, TEXT_ENCODER, files_to_image
 from .train_nodes import _folder
 
@@ -45,6 +46,9 @@ class QwenEditDatasetDoctor:
         }}
 
     def check(self, dataset, pixel_aligned, held_out="", fix_folder="", text_encoder=None):
+        if text_encoder is not None:  # as every node that runs a model: never a job's, and on its device
+            jobs.REGISTRY.check_free(text_encoder.model, "check a dataset")
+            loaded_models.use(text_encoder)
         held = int(held_out) if held_out.strip().isdigit() else held_out.strip() or None
         out = comfy_runtime.output_dir() / "qwen_edit_doctor" / dataset.folder.name
         run = doctor_dataset(dataset.folder, held, pixel_aligned=pixel_aligned, out_dir=out, cache_dir=out / "cache",

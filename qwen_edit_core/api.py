@@ -48,18 +48,18 @@ def doctor_dataset(folder, held_out=None, *, pixel_aligned: bool = False, area: 
     from qwen_edit_core.data.doctor import DoctorSettings, doctor_folder
     from qwen_edit_core.data.doctor.runner import PairMeasurer
     from qwen_edit_core.train.heldout import split_heldout
-    measured = PairMeasurer(cache_dir, workers)
-
-    def read(path):
-        return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples
-
-    examples, held = list(read(folder)), []
-    if held_out:
-        examples, held = split_heldout(examples, held_out, read)
     settings = DoctorSettings(area=area, pixel_aligned=pixel_aligned, batch_size=batch_size)
-    return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
-                         text_encoder=text_encoder, measured=measured,
-                         count_tokens=count_tokens or doctor_tokenizer(model, comfyui_dir))
+    with PairMeasurer(cache_dir, workers) as measured:  # its helper processes end however the run does
+
+        def read(path):
+            return load_dataset(path, skip_invalid=True, convert_modes=True, on_pair=measured).examples
+
+        examples, held = list(read(folder)), []
+        if held_out:
+            examples, held = split_heldout(examples, held_out, read)
+        return doctor_folder(folder, examples, held, settings, out_dir=out_dir, fix_dir=fix_dir, workers=workers,
+                             text_encoder=text_encoder, measured=measured,
+                             count_tokens=count_tokens or doctor_tokenizer(model, comfyui_dir))
 
 
 def doctor_tokenizer(model=None, comfyui_dir=None):

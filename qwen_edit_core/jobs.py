@@ -88,11 +88,6 @@ def storages_of(value, device: str) -> dict[int, int]:
     return storages_on((t for module in _modules(value) for t in (*module.parameters(), *module.buffers())), target)
 
 
-def module_bytes_on(value, device: str) -> int:
-    """Bytes of the weights `value` holds that live on `device`, each storage once (`storages_of`)."""
-    return sum(storages_of(value, device).values())
-
-
 def _modules(value):
     """The torch modules `value` is or holds under its `WEIGHT_HOLDERS` attributes."""
     import torch

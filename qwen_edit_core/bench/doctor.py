@@ -45,10 +45,10 @@ def run(pairs: int = PAIRS, workers: int | None = None) -> dict:
         cpu = {"dataset reader alone": _cpu_seconds() - start_cpu}
         for label in ("reader + doctor, cold", "reader + doctor, warm"):
             start, start_cpu = time.perf_counter(), _cpu_seconds()
-            measured = PairMeasurer(Path(tmp) / "cache", workers)
-            examples = load_dataset(dataset.train, on_pair=measured).examples
-            held = load_dataset(dataset.heldout, on_pair=measured).examples
-            report = diagnose(examples, held, DoctorSettings(), workers=workers, measured=measured)
+            with PairMeasurer(Path(tmp) / "cache", workers) as measured:
+                examples = load_dataset(dataset.train, on_pair=measured).examples
+                held = load_dataset(dataset.heldout, on_pair=measured).examples
+                report = diagnose(examples, held, DoctorSettings(), workers=workers, measured=measured)
             rates[label] = pairs / (time.perf_counter() - start)
             cpu[label] = _cpu_seconds() - start_cpu
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

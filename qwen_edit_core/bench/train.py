@@ -113,9 +113,16 @@ def fixed_batch_loss(model, item, device, dtype) -> float:
     noise = torch.randn(x0.shape, generator=g).to(device, dtype)
     sigma = torch.tensor([0.7], device=device, dtype=dtype)
     hidden = torch.cat([(1 - sigma) * x0 + sigma * noise, control], dim=1)
-    with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):  # the graph the training step compiled
-        pred = model(hidden_states=hidden, timestep=sigma, encoder_hidden_states=text, img_shapes=shapes,
-                     return_dict=False)[0][:, : x0.shape[1]]
+    # the graph the training step compiled: gradients on, autocast, and training mode (a compiled block's graph
+    # is guarded on its modules' `training` flags: in eval mode each row compiled its blocks again; dropout is 0)
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            pred = model(hidden_states=hidden, timestep=sigma, encoder_hidden_states=text, img_shapes=shapes,
+                         return_dict=False)[0][:, : x0.shape[1]]
+    finally:
+        model.train(was_training)
     return float((pred.detach().float() - (noise - x0).float()).pow(2).mean())
 
 

@@ -68,13 +68,9 @@ def _grey_of(img) -> tuple[np.ndarray | None, str | None]:
     return (rgb.mean(axis=-1) / 255.0).astype(np.float32), None
 
 
-def check_mask(path: Path, target_size: tuple[int, int], max_pixels: int = 64_000_000) -> str | None:
-    """What is wrong with a mask for a target of `target_size` (w, h, as displayed), or None."""
-    return inspect_mask(path, target_size, max_pixels).problem
-
-
 def inspect_mask(path: Path, target_size: tuple[int, int], max_pixels: int = 64_000_000) -> ImageCheck:
-    """`check_mask`'s verdict as an ImageCheck: the problem, or the mask's sha256 and picture (decoded once)."""
+    """What is wrong with a mask for a target of `target_size` (w, h, as displayed) as an ImageCheck: the problem,
+    or the mask's sha256 and picture (decoded once)."""
     check = _decode(Path(path), max_pixels)
     if check.problem:
         return check

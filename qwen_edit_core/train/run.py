@@ -6,6 +6,7 @@ batch. `QwenImageEditTrainer` (api.py) holds the loaded components between calls
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -322,14 +323,15 @@ def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
     from qwen_edit_core.train.checkpoint import lora_stack
     from qwen_edit_core.train.loop import resolve_resume, train
     out_dir = Path(config.train.output_dir)
-    measured = doctor_measurer(config)  # the doctor measures each picture from the reader's one decode
-    examples, held = _split_heldout(config, list(load_examples(config, measured).examples), measured)
-    model_dir, settings = _model(config)
-    resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
-    plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
-    stack = lora_stack(config.model.lora.stack, resume_path)
-    val_example = _validation_example(config, examples, held)
-    _checked(config, check, model_dir, examples, held, measured)
+    # the doctor measures each picture from the reader's one decode; its helper processes end however this ends
+    with doctor_measurer(config) or nullcontext() as measured:
+        examples, held = _split_heldout(config, list(load_examples(config, measured).examples), measured)
+        model_dir, settings = _model(config)
+        resume_path = run_folder.check_free(out_dir, resolve_resume(out_dir, resume), overwrite)
+        plan = encoder_plan(config)  # every device (and under FSDP every lever) checked before any work
+        stack = lora_stack(config.model.lora.stack, resume_path)
+        val_example = _validation_example(config, examples, held)
+        _checked(config, check, model_dir, examples, held, measured)
     run_id = run_folder.claim(out_dir, resume_path, overwrite, open_cache(config).root)
     if config.cache.enabled:
         run_cache(config, examples + held + ([val_example] if val_example else []), encoders or shared,

@@ -234,3 +234,20 @@ def test_helper_processes_measure_what_the_reader_hands_over_alike(faulty, fixed
     monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or real_pool(**kw))
     report = doctor_dataset(faulty.train, str(faulty.heldout), pixel_aligned=True, workers=2).report
     assert started == [{"max_workers": 2}] and report.findings == fixed[0].report.findings
+
+
+def test_an_error_after_the_helpers_started_leaves_no_helper_process(tmp_path, monkeypatch):
+    """A held-out setting refused once the first batch went to the helper processes: the processes end with the
+    run (a long-lived process such as ComfyUI would keep them otherwise)."""
+    import multiprocessing
+
+    from qwen_edit_core.api import doctor_dataset
+    from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
+    write_pairs(tmp_path / "pairs", 3, 0, DEMO_EDIT[0], 64)
+    monkeypatch.setattr(runner, "_BATCH", 1)  # each pair a batch: the helpers start at the first pair
+    started, real_pool = [], runner.ProcessPoolExecutor
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(real_pool(**kw)) or started[-1])
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="train.validation_pairs 5"):
+        doctor_dataset(tmp_path / "pairs", 5, workers=2)
+    assert started and set(multiprocessing.active_children()) <= before

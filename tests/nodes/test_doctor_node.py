@@ -36,3 +36,52 @@ def test_a_connected_text_encoder_is_asked_about_each_pair(tiny_plus_dir, tmp_pa
     handle = DatasetHandle(tmp_path / "pairs", load_dataset(tmp_path / "pairs"))
     _, summary = nodes.QwenEditDatasetDoctor().check(handle, False, text_encoder=encoder)["result"]
     assert "note: vision-language check: 2 pair(s) asked" in summary
+
+
+def _pairs_handle(folder):
+    from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
+    write_pairs(folder, 2, 0, DEMO_EDIT[0], 64)
+    return DatasetHandle(folder, load_dataset(folder))
+
+
+def test_an_unloaded_text_encoder_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    """An encoder emptied by its loader (or ComfyUI's unload) is refused before the doctor runs on meta weights."""
+    import pytest
+    import torch
+
+    from qwen_edit_core.model.components import TextEncoder
+    monkeypatch.setenv("QWEN_EDIT_OUTPUT", str(tmp_path / "output"))
+    emptied = TextEncoder(torch.nn.Linear(2, 2).to("meta"), processor=None, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="this model was unloaded"):
+        nodes.QwenEditDatasetDoctor().check(_pairs_handle(tmp_path / "pairs"), False, text_encoder=emptied)
+
+
+def test_a_text_encoder_a_training_job_uses_is_refused_naming_the_job(tmp_path, monkeypatch):
+    import threading
+
+    import pytest
+    import torch
+
+    from qwen_edit_core import jobs
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.model.components import TextEncoder
+    from qwen_edit_core.train.loop import TrainResult
+    monkeypatch.setenv("QWEN_EDIT_OUTPUT", str(tmp_path / "output"))
+    encoder = TextEncoder(torch.nn.Linear(2, 2), processor=None, device=torch.device("cpu"))
+    started, finish = threading.Event(), threading.Event()
+
+    def held(config, *, resume, progress, cancel, lock=None, model=None):
+        started.set()
+        finish.wait()
+        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
+    config = load_config(overrides={"train": {"output_dir": str(tmp_path / "run"), "device": "cpu"}})
+    job = jobs.REGISTRY.start(config, model=encoder.model)
+    assert started.wait(60)
+    try:
+        with pytest.raises(jobs.JobBusyError, match="training job 'lora' trains on this model.*cannot check a dataset"):
+            nodes.QwenEditDatasetDoctor().check(_pairs_handle(tmp_path / "pairs"), False, text_encoder=encoder)
+    finally:
+        finish.set()
+        job.wait()

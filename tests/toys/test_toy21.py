@@ -143,3 +143,13 @@ def test_extra_references_follow_the_edited_picture(tmp_path):
     from qwen_edit_core.families.qwen_image import pretrain as pretrain25
     with pytest.raises(ValueError, match="extra_references=0.5"):
         pretrain25.edit_dataset(Recipe(extra_references=0.5), None, None, None, prompts, functions)
+
+
+@pytest.mark.parametrize("count", [-1, 17, 64, 81])
+def test_constant_latents_outside_the_spare_channels_are_refused(count):
+    """Only latent channels 48-63 are spare: more would write into conv_out's logvar half (or past it), fewer than
+    none would silently be none."""
+    from qwen_edit_core.families.qwen_image_21 import pretrain as pretrain21
+
+    with pytest.raises(ValueError, match=rf"Recipe\(constant_latents={count}\): accepted 0 to 16"):
+        pretrain21.constructed_vae(constant_latents=count)

@@ -70,7 +70,8 @@ class PairMeasurer:
     `load_dataset(on_pair=...)` and each pair is measured from the reader's own decode of its files (no second read)
     unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. With `workers` above 1, that
     many processes measure the pairs while this one reads on (the measuring is two thirds of the work).
-    `diagnose` takes it as `measured`, measures what it lacks, and `save`s the new measures there."""
+    `diagnose` takes it as `measured`, measures what it lacks, and `save`s the new measures there. Use it in a
+    `with` block: an error before `finish` (a bad dataset, a bad held-out setting) still stops the processes."""
 
     def __init__(self, cache_dir=None, workers: int = 1):
         self.cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
@@ -129,6 +130,22 @@ class PairMeasurer:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    def close(self) -> None:
+        """Stop the helper processes, dropping the measures not received yet (`finish` is the end of a run that
+        went well; after it this does nothing). The processes are gone when it returns: a long-lived process
+        (ComfyUI) keeps none of them after a failed run."""
+        self._batch = []
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)  # waits for the batches already being measured
+            self._pool = None
+
+    def __enter__(self) -> "PairMeasurer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get(self, key: str) -> Optional[dict]:
         """The measures of `key`, cached or measured in this run (None: unknown, or not yet `finish`ed)."""

@@ -87,6 +87,10 @@ def constructed_vae(config: dict = VAE_CONFIG, constant_latents: int = 0, basis:
     constant) and an identity decoder up to its (unfitted, zero) conv_out."""
     from diffusers import AutoencoderKLQwenImage21
 
+    spare = config["z_dim"] - COLOURS  # conv_out's other z_dim outputs are the logvars
+    if not 0 <= constant_latents <= spare:
+        raise ValueError(f"Recipe(constant_latents={constant_latents}): accepted 0 to {spare} (the latent channels "
+                         f"after the {COLOURS} colour ones, of {config['z_dim']})")
     vae = blank_vae(AutoencoderKLQwenImage21, config)
     enc, dec = vae.encoder, vae.decoder
     squares = torch.zeros(COLOURS, enc.conv_in.weight.shape[1])
