@@ -142,7 +142,7 @@ def raise_if_interrupted() -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
 
-def free_device_memory(device: str, keep=(), busy=lambda module: None) -> bool:
+def free_device_memory(device: str, keep=(), busy=lambda module: None, owned=lambda module: False) -> bool:
     """Ask ComfyUI to unload every model it loaded on `device` (a torch device name; "cuda" is "cuda:0") and
     empty the CUDA cache, before a training job needs the memory: `comfy.model_management.free_memory` with
     more bytes than any device has (what its own `unload_all_models` does for its default device), then
@@ -155,7 +155,7 @@ def free_device_memory(device: str, keep=(), busy=lambda module: None) -> bool:
     if target.index is None:
         target = torch.device(target.type, 0)
     import comfy.model_management
-    patchers = [p for p in (managed_patcher(m, busy) for m in keep) if p is not None]
+    patchers = [p for p in (managed_patcher(m, busy, owned) for m in keep) if p is not None]
     kept = [comfy.model_management.LoadedModel(p) for p in patchers]
     unloaded = comfy.model_management.free_memory(1e30, target, keep_loaded=kept)
     comfy.model_management.soft_empty_cache()
@@ -238,13 +238,14 @@ class PatcherMethods:
     """What the pack's `comfy.model_patcher.ModelPatcher` subclass changes (mixed in before ComfyUI's class by
     `_patcher_class`: ComfyUI is imported only inside ComfyUI). Loading moves the whole module to its device,
     offloading moves it to the CPU; while `busy(module)` names a running training job, ComfyUI cannot offload it
-    (detach keeps it)."""
+    (detach keeps it); with nowhere to offload it, its weights are freed only while `owned(module)` (a loader
+    node holds it, whose IS_CHANGED then loads it again)."""
 
-    def __init__(self, module, load_device, busy):
+    def __init__(self, module, load_device, busy, owned):
         import torch
         super().__init__(_Anchor(module), load_device=load_device, offload_device=torch.device("cpu"),
                          size=max(1, _nbytes(module)))
-        self.busy = busy
+        self.busy, self.owned = busy, owned
 
     @property
     def module(self):
@@ -287,12 +288,14 @@ class PatcherMethods:
         elif module is not None and self.offload_device != self.load_device:
             module.to(self.offload_device)
             log.info("ComfyUI offloaded %s to %s", type(module).__name__, self.offload_device)
-        elif module is not None and unpatch_all:
+        elif module is not None and unpatch_all and self.owned(module):
             # An unload of a model with nowhere to go (on the CPU: "Unload models", "Free model and node cache")
             # frees its weights: ComfyUI's node cache may hold the loader's output long after (POST /free sets
             # its two flags one after the other, and the prompt worker can wake for the first and reset the node
             # cache only after the next prompt). The loader's IS_CHANGED then makes ComfyUI load it again.
-            # (unpatch_all is False when ComfyUI only drops a patcher: its __del__, a clone replacing it.)
+            # (unpatch_all is False when ComfyUI only drops a patcher: its __del__, a clone replacing it.) A module
+            # no loader holds (a Sampling Speed copy) stays: nothing would load it again, and ComfyUI would keep
+            # serving the emptied copy from its node cache.
             module.to("meta")
             log.info("ComfyUI unloaded %s from %s: its weights are freed, its loader loads it again on the next "
                      "run", type(module).__name__, self.load_device)
@@ -317,7 +320,7 @@ def patcher_of(module):
     return _PATCHERS.get(module) if module is not None else None
 
 
-def managed_patcher(module, busy):
+def managed_patcher(module, busy, owned):
     """The ComfyUI patcher of one of our modules (made once per module, kept beside it), or None outside
     ComfyUI."""
     if not in_comfy() or module is None:
@@ -327,18 +330,18 @@ def managed_patcher(module, busy):
         first = next(module.parameters(), None)
         if first is None:
             return None
-        patcher = _patcher_class()(module, first.device, busy)
+        patcher = _patcher_class()(module, first.device, busy, owned)
         _PATCHERS[module] = patcher
     return patcher
 
 
-def load_models(modules, busy) -> list:
+def load_models(modules, busy, owned) -> list:
     """Make our modules known to ComfyUI's memory manager and put them on their devices (ComfyUI may have
     offloaded them to the CPU for another model): `comfy.model_management.load_models_gpu`, which first frees
     room by offloading ComfyUI's least needed models. A running job's modules are left out: its entry
     (`count_job`) counts them; the entry of a job that is over leaves the list once any of its modules is listed
     again under its own (`drop_finished_jobs`). Returns the patchers (none outside ComfyUI)."""
-    patchers = [p for p in (managed_patcher(m, busy) for m in modules if not busy(m)) if p is not None]
+    patchers = [p for p in (managed_patcher(m, busy, owned) for m in modules if not busy(m)) if p is not None]
     if patchers:
         import comfy.model_management
         drop_finished_jobs([p.module for p in patchers])

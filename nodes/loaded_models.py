@@ -8,7 +8,7 @@ weights (moved to the meta device, so every object still pointing at them holds 
 IS_CHANGED makes ComfyUI run it again when a freed model's settings come back, instead of serving the emptied
 cached output. A model a running training job uses (any of its tensors) is never freed; the slots hold their
 models weakly, so ComfyUI's node cache reset frees the pack's models as it frees its own, and ComfyUI's unload of
-a model with nowhere to offload it (the CPU) frees its weights (`comfy_runtime.PatcherMethods.detach`; IS_CHANGED
+a loader's model with nowhere to offload it (the CPU) frees its weights (`comfy_runtime.PatcherMethods.detach`; IS_CHANGED
 then loads it again).
 """
 
@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 def busy(module) -> str | None:
     """The name of the running training job that trains on (or encodes with) `module`, else None."""
     return next((job.name for job in jobs.REGISTRY.jobs() if job.uses(module)), None)
+
+
+def owned(module) -> bool:
+    """Whether a loader node holds `module` (its IS_CHANGED loads it again once it was freed)."""
+    return SLOTS.holds(module)
 
 
 def modules_of(value) -> list[torch.nn.Module]:
@@ -75,7 +80,7 @@ def use(model) -> None:
     for module in [m for m in modules if not busy(m)]:
         speed.unpark(module)
         speed.repark(module)
-    comfy_runtime.load_models(modules, busy)
+    comfy_runtime.load_models(modules, busy, owned)
 
 
 def workflow_key(prompt, extra_pnginfo) -> str:
@@ -122,6 +127,12 @@ class LoaderSlots:
                 for slot in emptied:
                     del self._live[slot]
             return self._tokens.setdefault((node, key), uuid.uuid4().hex)
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        """Whether any slot holds `module`."""
+        with self._lock:
+            refs = [ref for _, held in self._live.values() for ref in held]
+        return any(m is module for m in _alive(refs))
 
     def held(self, slot: tuple) -> list[torch.nn.Module]:
         """The modules `slot` holds that are still alive."""
@@ -190,7 +201,7 @@ class TracksLoads:
         modules = modules_of(result[0])
         if unique_id is not None:
             SLOTS.loaded((type(self).__name__, unique_id, workflow_key(prompt, extra_pnginfo)), widgets, modules)
-        comfy_runtime.load_models(modules, busy)
+        comfy_runtime.load_models(modules, busy, owned)
         return result
 
 

@@ -351,7 +351,7 @@ class QwenEditTrain:
         # (one copy of the weights), which the sampler nodes leave alone while the job runs.
         loaded_models.use(model)
         comfy_runtime.free_device_memory(config.train.device, keep=loaded_models.modules_of(model),
-                                         busy=loaded_models.busy)
+                                         busy=loaded_models.busy, owned=loaded_models.owned)
         # Re-queuing the graph that started a job returns that job (attach) instead of failing.
         try:
             job = jobs.REGISTRY.start(config, name=job_name.strip() or name, resume=resume_arg,

@@ -29,8 +29,8 @@ class Progress:
     """One step of a stage ("sample", "cache", "train"); `preview` is the current latent for previews. A training
     run also reports each file it wrote: stage "checkpoint" (`path`: the checkpoint directory of `step`) and
     "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it); stage "device"
-    when it is about to use its device (a step or a validation starts), and with each "train" step the storages
-    it holds there (`device_storages`: speed.device_use.run_storages)."""
+    when it is about to use its device (a step or a validation starts, and once its steps are over), and with each
+    "train" step the storages it holds there (`device_storages`: speed.device_use.run_storages)."""
 
     stage: str
     step: int

@@ -5,8 +5,8 @@ process-wide `torch.cuda.memory_allocated` counts the other work's tensors too. 
 tensors instead, storage by storage (its lender's weights, the LoRA, the optimizer state, fp8 copies, offload
 buffers: `run_storages`), plus its `working` bytes: the most a step allocated above what it started with
 (activations and gradients). That one is read from the allocator's peak (torch counts per device, and autograd's
-backward allocates in a thread of its own), as a difference within the step: another prompt's allocation during
-a step can only raise it.
+backward allocates in a thread of its own), as a difference within the step, above the larger of what was allocated
+at its start and at its end: memory another prompt frees during a step is not the step's.
 
 Between steps those working bytes sit in the allocator's cache, reserved but inactive, and ComfyUI counts
 reserved-but-inactive memory as free (comfy/model_management.py `get_free_memory`: the driver's free bytes plus
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,26 @@ log = logging.getLogger(__name__)
 SMALL_BLOCK = 1 << 20
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s data: itself, or a wrapper subclass's inner tensors (FSDP2 shards
+    frozen weights into DTensors, whose shard is their local tensor). A wrapper's own storage has no data pointer,
+    so a wrapper that does not name its inner tensors (`__tensor_flatten__`) counts for nothing."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)
+        return [t for part in inner if isinstance(part, torch.Tensor) for t in plain_tensors(part)]
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return []
+    return [tensor]
+
+
 def storages_on(tensors, device: torch.device) -> dict[int, int]:
-    """{storage data pointer: bytes} of the tensors that live on `device`, each storage once."""
+    """{storage data pointer: bytes} of the tensors that live on `device`, each storage once (a wrapper subclass's
+    through its inner tensors: `plain_tensors`)."""
     found = {}
-    for tensor in tensors:
-        if tensor is not None and tensor.device == device and tensor.numel():
+    plain = (inner for tensor in tensors if tensor is not None for inner in plain_tensors(tensor))
+    for tensor in plain:
+        if tensor.device == device and tensor.numel():
             storage = tensor.untyped_storage()
             found[storage.data_ptr()] = storage.nbytes()
     return found
@@ -95,12 +111,12 @@ class DeviceUse:
         self.storages: dict[int, int] = {}
         self.working = 0
         self.held_back: list = []
+        self.step_start = 0  # bytes allocated (process-wide) when the current step started
 
     def started(self, lender: dict[int, int]) -> None:
         """The job starts with its lender's weights (`storages_on`) on the device."""
         self.storages = dict(lender)
-        if self.allocator is not None:
-            self.allocator.reset(self.device)
+        self.release()
 
     def step_ended(self, lender: dict[int, int], run: dict[int, int] | None) -> None:
         """A step ended: its own storages now (`lender`'s weights still on the device, `run`'s tensors when the
@@ -109,16 +125,19 @@ class DeviceUse:
         if self.allocator is None:
             return
         allocated, peak = self.allocator.stats(self.device)
-        self.working = max(self.working, peak - allocated)
-        self.allocator.reset(self.device)
-        self.release()
+        self.working = max(self.working, peak - max(self.step_start, allocated))
+        self.held_back = []  # the step's start let go of them; a run that reports no start lets go here
         self.held_back = self.allocator.hold(self.device, self.working)
         log.debug("holding %d of %d working bytes until the next step", sum(t.nbytes for t in self.held_back),
                   self.working)
 
     def release(self) -> None:
-        """The job uses its device again (a step or a validation starts): what it held back is the allocator's."""
+        """The job uses its device again (a step or a validation starts): what it held back is the allocator's,
+        and the step's peak is measured from here."""
         self.held_back = []
+        if self.allocator is not None:
+            self.step_start = self.allocator.stats(self.device)[0]
+            self.allocator.reset(self.device)
 
     def held(self) -> int:
         """Bytes the job holds on its device: its own storages plus `working`."""

@@ -442,6 +442,8 @@ def train(config: Config, transformer, load_item: Callable[[int], dict], example
         run.padding.flush()
         if run.losslog is not None:
             run.losslog.close()
+    if progress is not None:  # the steps are over: what the caller held back for the next one is not needed
+        progress(Progress("device", run.step, config.train.max_steps))
     result = finish(run, write_lora)
     result.region_losses = run.regions.history if run.regions is not None else []
     stats = speed.compile_stats(transformer)  # what compiled, so a slow start or a fallback is explained

@@ -188,6 +188,24 @@ def test_loaded_components_are_comfyuis_loaded_models_and_it_can_offload_them(co
     assert set(_ours(comfy)) == {id(again.components.vae)}
 
 
+def test_an_unload_on_the_cpu_frees_only_what_a_loader_node_loads_again(comfy, monkeypatch):
+    """A Sampling Speed copy is no loader's output: nothing would load it again once emptied (ComfyUI serves its
+    cached output), so an unload leaves it on the CPU; the loader's model is freed (its IS_CHANGED changes)."""
+    import dataclasses
+
+    from qwen_edit_core import speed
+    handle, token = _load()
+    fast = speed.inference_copy(handle.components.transformer, torch.device("cpu"), fp8=False, compile=False)
+    copy = dataclasses.replace(handle, components=dataclasses.replace(handle.components, transformer=fast))
+    loaded_models.use(copy)  # the copy gets its own entry in ComfyUI's list
+    comfy_runtime.patcher_of(fast).detach()  # ComfyUI unloads only the copy
+    assert not loaded_models.freed(fast)
+    loaded_models.use(copy)  # it still runs
+    comfy_runtime.patcher_of(handle.components.vae).detach()
+    assert loaded_models.freed(handle.components.vae)
+    assert _load()[1] != token  # ComfyUI runs the loader again
+
+
 def test_comfyui_cannot_offload_a_model_a_training_job_uses(comfy, monkeypatch, caplog):
     handle, _ = _load()
     transformer = handle.components.transformer
@@ -372,6 +390,23 @@ def test_comfyuis_free_memory_leaves_out_what_a_running_jobs_next_step_needs(com
         go_on.set()
         job.wait()
     assert allocator.active == 2 * 7000  # the job let go of everything it held
+
+
+def test_memory_another_prompt_frees_during_a_step_is_not_the_steps():
+    """A step's working bytes are its peak above what was allocated at its start (or at its end, when more):
+    another prompt freeing its model during the step does not raise what the job holds for the rest of its run."""
+    from qwen_edit_core.speed.device_use import DeviceUse
+    allocator = Allocator("cpu", 100_000)
+    other = allocator.alloc(30_000)  # another prompt's model
+    use = DeviceUse(torch.device("cpu"), allocator=allocator)
+    use.started({})
+    use.release()  # the step starts
+    activations = [allocator.alloc(3000), allocator.alloc(2000)]
+    del other  # the other prompt lets go of its model during the step
+    del activations
+    use.step_ended({}, None)
+    assert use.working == 5000 and use.held() == 5000
+    assert sum(t.nbytes for t in use.held_back) == 5000
 
 
 def test_a_hold_takes_only_cached_blocks_that_fit_largest_first():

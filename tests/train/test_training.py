@@ -283,8 +283,22 @@ def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cac
     # the run says when it is about to use its device (a step, a validation) and what it holds there after a step
     assert [(e.stage, e.step) for e in events if e.stage in ("device", "train")] == [
         ("device", 1), ("train", 1), ("device", 2), ("train", 2), ("device", 2), ("device", 3), ("train", 3),
-        ("device", 4), ("train", 4), ("device", 4)]
+        ("device", 4), ("train", 4), ("device", 4), ("device", 4)]
     assert all(sum(e.device_storages.values()) > 0 for e in events if e.stage == "train")
+
+
+def test_the_run_lets_go_of_its_hold_before_the_validation_pictures_decode(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                         monkeypatch):
+    """After its last step the run says it uses its device again, before it decodes the validation latents (or
+    gives back a lent model): the caller's hold for a next step must not sit beside the VAE."""
+    from qwen_edit_core.train import run as run_mod
+    events = []
+    real = run_mod._with_validation
+    monkeypatch.setattr(run_mod, "_with_validation", lambda *a: events.append("decode") or real(*a))
+    config = train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 1})
+    QwenImageEditTrainer(config).fit(progress=events.append)
+    order = [e if e == "decode" else (e.stage, e.step) for e in events if e == "decode" or e.stage in ("device", "train")]
+    assert order == [("device", 1), ("train", 1), ("device", 1), "decode"]
 
 
 def test_training_step_dispatches_by_content(tiny_edit_dir, pairs_dir, tmp_path):
