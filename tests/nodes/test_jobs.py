@@ -364,6 +364,8 @@ def test_the_live_view_extension_is_served_and_listens_to_the_pack_event():
 
 STUCK_CHILD = """
 import signal, sys, threading
+# Python's own Ctrl-C handler, which a parent that ignores SIGINT (a background launch: `nohup ... &`) does not pass on
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {root!r})
 from qwen_edit_core import jobs, shutdown
 from qwen_edit_core.config import load_config
