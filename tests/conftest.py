@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -170,3 +172,28 @@ def env(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@contextlib.contextmanager
+def held_training_job(monkeypatch, model, output_dir="run"):
+    """A running training job (a stand-in `fit` in a patched `jobs.REGISTRY`) that holds `model` until the block
+    ends; the block gets the job, started."""
+    from qwen_edit_core import jobs
+    from qwen_edit_core.config import load_config
+    from qwen_edit_core.train.loop import TrainResult
+    started, finish = threading.Event(), threading.Event()
+
+    def held(config, *, resume, progress, cancel, lock=None, model=None):
+        started.set()
+        finish.wait()
+        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
+    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": str(output_dir), "device": "cpu"}}),
+                              model=model)
+    assert started.wait(60)
+    try:
+        yield job
+    finally:
+        finish.set()
+        job.wait()

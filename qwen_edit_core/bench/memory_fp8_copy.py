@@ -70,10 +70,21 @@ class DeviceBytes(TorchDispatchMode):
         self.live -= nbytes
 
 
+
+def fp8_copy(model: torch.nn.Module, device: torch.device, *, park: bool) -> torch.nn.Module:
+    """The Sampling Speed node's fp8 copy of `model` on `device`: `park` as the node makes it (each bf16 block
+    linear parked once its fp8 layer exists: `speed.inference_copy`), else the copy before, which kept the input's
+    linears beside the fp8 ones (`shared_copy` + `configure_inference`)."""
+    from qwen_edit_core import speed
+    if park:
+        return speed.inference_copy(model, device, fp8=True, compile=False)
+    fast = speed.shared_copy(model)
+    speed.configure_inference(fast, device, fp8=True, compile=False)
+    return fast
+
 def measure(variant: str = variants.DEFAULT, *, park: bool, num_layers: int | None = None) -> dict:
     """The bf16 transformer of `variant` on meta, then its fp8 sampling copy: {"weights_gib", "peak_gib",
     "after_gib", "peak_ratio"} of the device bytes (`park`: the node's copy; else the input's linears stay)."""
-    from qwen_edit_core import speed
     cls = variants.get(variant).family.class_of("transformer")
     meta = torch.device("meta")
     with meta:
@@ -82,11 +93,7 @@ def measure(variant: str = variants.DEFAULT, *, park: bool, num_layers: int | No
     with DeviceBytes("meta") as placed:
         placed.count((*model.parameters(), *model.buffers()))
         weights = placed.live
-        if park:
-            fast = speed.inference_copy(model, meta, fp8=True, compile=False)
-        else:
-            fast = speed.shared_copy(model)
-            speed.configure_inference(fast, meta, fp8=True, compile=False)
+        fast = fp8_copy(model, meta, park=park)
     after = placed.live
     del fast
     return {"variant": variant, "park": park, "layers": len(model.transformer_blocks),

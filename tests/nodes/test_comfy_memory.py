@@ -13,6 +13,8 @@ import weakref
 import pytest
 import torch
 
+from conftest import held_training_job
+
 import nodes
 from nodes import comfy_runtime, loaded_models
 from nodes.common import TINY_MODEL
@@ -211,23 +213,10 @@ def test_comfyui_cannot_offload_a_model_a_training_job_uses(comfy, monkeypatch, 
     transformer = handle.components.transformer
     entry = _ours(comfy)[id(transformer)]
     entry.model.offload_device = torch.device("meta")  # a visible "offload" on this CPU-only machine
-    started, finish = threading.Event(), threading.Event()
-
-    def held(config, *, resume, progress, cancel, lock=None, model=None):
-        started.set()
-        finish.wait()
-        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
-
-    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
-    from qwen_edit_core.config import load_config
-    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
-                              model=handle.components)
-    assert started.wait(60)
-    comfy.free_memory(1e30, torch.device("cpu"))
-    assert next(transformer.parameters()).device.type == "cpu"  # kept: the job trains on it
-    assert "training job 'lora' trains on: it stays" in caplog.text
-    finish.set()
-    job.wait()
+    with held_training_job(monkeypatch, handle.components):
+        comfy.free_memory(1e30, torch.device("cpu"))
+        assert next(transformer.parameters()).device.type == "cpu"  # kept: the job trains on it
+        assert "training job 'lora' trains on: it stays" in caplog.text
     loaded_models.use(handle)
     comfy.free_memory(1e30, torch.device("cpu"))
     assert next(transformer.parameters()).device.type == "meta"  # the job is over: ComfyUI may offload it
@@ -259,32 +248,19 @@ def test_comfyui_keeps_counting_a_running_job_and_cannot_unload_it(comfy, monkey
     handle, _ = _load()
     modules = loaded_models.modules_of(handle)
     weights = sum(comfy_runtime._nbytes(m) for m in modules)
-    started, finish = threading.Event(), threading.Event()
-
-    def held(config, *, resume, progress, cancel, lock=None, model=None):
-        started.set()
-        finish.wait()
-        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
-
-    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
-    from qwen_edit_core.config import load_config
-    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
-                              model=handle.components)
-    assert started.wait(60)
-    job.memory.working = 6000  # what a CUDA job measures at a step's end
-    cpu = torch.device("cpu")
-    assert comfy_runtime.count_job(job, modules, cpu) and not comfy_runtime.count_job(job, modules, cpu)
-    (entry,) = comfy.current_loaded_models  # the modules' own entries left: the job's entry counts them
-    assert entry.model_memory() == weights + 6000 and entry.model_offloaded_memory() == 0
-    comfy.free_bytes[str(cpu)] = 0
-    assert comfy.free_memory(1e30, cpu) == []  # ComfyUI needs the room: the job's entry declines
-    assert comfy.current_loaded_models == [entry] and entry.model_memory() == weights + 6000
-    assert all(not loaded_models.freed(m) and next(m.parameters()).device == cpu for m in modules)
-    assert "ComfyUI asked for the memory of training job 'lora'" in caplog.text
-    loaded_models.use(handle)  # a node using the job's model does not list its modules again
-    assert comfy.current_loaded_models == [entry]
-    finish.set()
-    job.wait()
+    with held_training_job(monkeypatch, handle.components) as job:
+        job.memory.working = 6000  # what a CUDA job measures at a step's end
+        cpu = torch.device("cpu")
+        assert comfy_runtime.count_job(job, modules, cpu) and not comfy_runtime.count_job(job, modules, cpu)
+        (entry,) = comfy.current_loaded_models  # the modules' own entries left: the job's entry counts them
+        assert entry.model_memory() == weights + 6000 and entry.model_offloaded_memory() == 0
+        comfy.free_bytes[str(cpu)] = 0
+        assert comfy.free_memory(1e30, cpu) == []  # ComfyUI needs the room: the job's entry declines
+        assert comfy.current_loaded_models == [entry] and entry.model_memory() == weights + 6000
+        assert all(not loaded_models.freed(m) and next(m.parameters()).device == cpu for m in modules)
+        assert "ComfyUI asked for the memory of training job 'lora'" in caplog.text
+        loaded_models.use(handle)  # a node using the job's model does not list its modules again
+        assert comfy.current_loaded_models == [entry]
     entry.model.offload_device = torch.device("meta")  # a visible "offload" on this CPU-only machine
     assert entry.model_memory() == weights  # over: its modules' bytes, as their own entries would report
     assert comfy.free_memory(1e30, cpu) == [entry] and comfy.current_loaded_models == []
@@ -481,26 +457,11 @@ def test_sampling_an_fp8_copy_whose_input_a_job_trains_on_is_refused_and_leaves_
     copy = dataclasses.replace(handle, components=dataclasses.replace(handle.components, transformer=fast))
     loaded_models.use(handle)  # the training node uses the input: its weights come back
     before = {name: t.clone() for name, t in transformer.state_dict().items()}
-    started, finish = threading.Event(), threading.Event()
-
-    def held(config, *, resume, progress, cancel, lock=None, model=None):
-        started.set()
-        finish.wait()
-        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
-
-    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
-    from qwen_edit_core.config import load_config
-    job = jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}),
-                              model=handle.components)
-    assert started.wait(60)
-    try:
+    with held_training_job(monkeypatch, handle.components):
         with pytest.raises(jobs.JobBusyError, match="training job 'lora' trains on this model"):
             nodes.QwenEditSampleConditioning().sample(copy, types.SimpleNamespace(uncond=None), 1, 1.0, 0,
                                                        "diffusers", "same")
         assert all(torch.equal(t, before[k]) for k, t in transformer.state_dict().items())
-    finally:
-        finish.set()
-        job.wait()
 
 
 def test_a_jobs_entry_leaves_comfyuis_list_when_a_node_uses_its_model_after_the_job(comfy, monkeypatch):

@@ -57,31 +57,14 @@ def test_an_unloaded_text_encoder_is_refused_with_what_to_do(tmp_path, monkeypat
 
 
 def test_a_text_encoder_a_training_job_uses_is_refused_naming_the_job(tmp_path, monkeypatch):
-    import threading
-
     import pytest
     import torch
 
+    from conftest import held_training_job
     from qwen_edit_core import jobs
-    from qwen_edit_core.config import load_config
     from qwen_edit_core.model.components import TextEncoder
-    from qwen_edit_core.train.loop import TrainResult
     monkeypatch.setenv("QWEN_EDIT_OUTPUT", str(tmp_path / "output"))
     encoder = TextEncoder(torch.nn.Linear(2, 2), processor=None, device=torch.device("cpu"))
-    started, finish = threading.Event(), threading.Event()
-
-    def held(config, *, resume, progress, cancel, lock=None, model=None):
-        started.set()
-        finish.wait()
-        return TrainResult(state="done", step=0, lora_path=None, loss_plot=None)
-
-    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=held, preflight=lambda config, resume: None))
-    config = load_config(overrides={"train": {"output_dir": str(tmp_path / "run"), "device": "cpu"}})
-    job = jobs.REGISTRY.start(config, model=encoder.model)
-    assert started.wait(60)
-    try:
+    with held_training_job(monkeypatch, encoder.model, tmp_path / "run"):
         with pytest.raises(jobs.JobBusyError, match="training job 'lora' trains on this model.*cannot check a dataset"):
             nodes.QwenEditDatasetDoctor().check(_pairs_handle(tmp_path / "pairs"), False, text_encoder=encoder)
-    finally:
-        finish.set()
-        job.wait()

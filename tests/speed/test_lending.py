@@ -126,7 +126,7 @@ def test_an_fp8_sampling_copy_never_holds_both_forms_of_the_block_weights(park):
     weights W plus one layer's conversion (its fp32 temporary and e4m3 result, 2.5x its bf16 bytes L, and its
     scales and bias, 8 bytes a row): peak <= W + 2.5 L + 8 rows. Keeping the input's bf16 linears beside the new
     fp8 ones (`shared_copy`, the copy before) peaks over 1.5 W."""
-    from qwen_edit_core.bench.memory_fp8_copy import DeviceBytes
+    from qwen_edit_core.bench.memory_fp8_copy import DeviceBytes, fp8_copy
     model = _model().to(torch.bfloat16)
     largest = _largest_linear(model)
     layer, rows = largest.weight.nbytes, largest.out_features
@@ -134,11 +134,7 @@ def test_an_fp8_sampling_copy_never_holds_both_forms_of_the_block_weights(park):
     with DeviceBytes("meta") as placed:
         model.to(meta)
         weights = placed.live
-        if park:
-            fast = speed.inference_copy(model, meta, fp8=True, compile=False)
-        else:
-            fast = speed.shared_copy(model)
-            speed.configure_inference(fast, meta, fp8=True, compile=False)
+        fast = fp8_copy(model, meta, park=park)
     assert speed.has_fp8(fast) and not speed.has_fp8(model)
     if park:
         assert placed.peak <= weights + 2.5 * layer + 8 * rows, (placed.peak, weights, layer, rows)
