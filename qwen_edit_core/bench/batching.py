@@ -62,7 +62,7 @@ def _agreement(model, samples, device, dtype) -> float:
 
 def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
     from qwen_edit_core.families import DEFAULT
-    from qwen_edit_core.model.tiny import transformer_config
+    transformer_config = DEFAULT.stage("tiny").transformer_config
 
     from qwen_edit_core.bench.common import real_transformer
     dev = resolve_device(device, component="bench device")
