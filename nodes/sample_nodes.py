@@ -113,7 +113,9 @@ def cfg_of(cfg: float, handle, schedule: str = "diffusers", sigmas: str = "") ->
     if cfg >= 0:
         return cfg
     _, preset = schedules.resolve_sigmas(sigmas)
-    return preset if preset is not None else schedules.steps_and_cfg(schedule, 1, None, fallback_cfg=auto_cfg(handle))[1]
+    if preset is not None:
+        return preset
+    return schedules.steps_and_cfg(schedule, 1, None, fallback_cfg=auto_cfg(handle))[1]
 
 
 #: previews per sampling run: each one copies the latents to the host (a device sync), so not every step
@@ -172,7 +174,8 @@ def _run(model, cond, settings: sampler.SampleSettings, uncond_device: str, uniq
     unpack = sampler.family_sampler(comps).unpack
 
     def progress(event):
-        preview = _preview(event.preview, cond.width, cond.height, unpack) if preview_due(event.step, event.total) else None
+        due = preview_due(event.step, event.total)
+        preview = _preview(event.preview, cond.width, cond.height, unpack) if due else None
         bar.update_absolute(event.step, event.total, preview)
         if comfy_runtime.interrupt_requested():
             token.cancel()

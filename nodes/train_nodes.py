@@ -270,7 +270,8 @@ class QwenEditTrain:
                 "tooltip": "similar: neighbouring sizes (and any numbers of control images) share a batch; "
                            "similar-count: one number of control images per batch; equal: one exact size"}),
             "validation_previews": ("STRING", {
-                "default": "", "multiline": True, "placeholder": "validation previews: one per line, e.g. lightning steps=4 cfg=1",
+                "default": "", "multiline": True,
+                "placeholder": "validation previews: one per line, e.g. lightning steps=4 cfg=1",
                 "tooltip": "several previews side by side in the validation grid, one per line: SCHEDULE "
                            "[steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], SCHEDULE one of "
                            "diffusers, comfyui, lightning; e.g. 'diffusers steps=30' and 'lightning steps=4 "

@@ -378,7 +378,8 @@ def conditioning_from_entry(tensors: dict, device, dtype) -> Conditioning21:
     _, rows, cols = shapes[0]
 
     def prompt(name: str) -> PromptWithSlots:
-        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
+        target_slots = torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)
+        slots = torch.cat([tensors[f"{name}_slots"], target_slots])
         return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
     refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
     return Conditioning21(prompt("prompt"), prompt("empty_prompt"),
