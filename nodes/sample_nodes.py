@@ -17,7 +17,7 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from qwen_edit_core.families import variants
 
-from . import comfy_runtime, loaded_models, sample21
+from . import comfy_runtime, loaded_models, references as reference_sampling
 from .common import (AUTO_CFG, CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, auto_cfg, device_choices,
                      image_to_pils, side_of)
 
@@ -243,9 +243,9 @@ class QwenEditSampler:
             if family.ordered_references:
                 _check_one_device(family, uncond_device, parallel)
                 pictures = [p for img in (image, image2, image3) if img is not None
-                            for p in sample21.rgba_pictures(img)]
-                return sample21.run(model, prompt, pictures + list(references or ()), settings, unique_id,
-                                    preview_due)
+                            for p in reference_sampling.rgba_pictures(img)]
+                return reference_sampling.run(model, prompt, pictures + list(references or ()), settings, unique_id,
+                                              preview_due)
             if references:
                 raise ValueError("references are Qwen-Image-2.1's; this model takes its control images through "
                                  "image, image2 and image3")
