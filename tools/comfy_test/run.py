@@ -27,6 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import comfy  # noqa: E402
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
+
+# the checks read the pack's own helpers (qwen_edit_core: checkpoints, the demo's edge similarity) in this process;
+# appended, so that nothing of the pack shadows ComfyUI's or the tool's modules
+if str(PACK) not in sys.path:
+    sys.path.append(str(PACK))
 from convert import set_inputs, to_api  # noqa: E402
 from edit_check import check_edits  # noqa: E402
 from thumbnails import keep_thumbnail  # noqa: E402
@@ -77,7 +82,6 @@ def check_workflows(args) -> list[str]:
 
 
 def _latest_checkpoint_step(base: Path, name: str) -> int:
-    sys.path.insert(0, str(PACK))
     from qwen_edit_core.train.checkpoint import latest_checkpoint
     found = latest_checkpoint(base / "output" / "qwen_edit_runs" / name / "checkpoints")
     return found.step if found else -1
