@@ -188,3 +188,20 @@ def test_the_runner_reads_the_packs_own_modules_without_an_install(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert Path(done.stdout.strip()).parent == TOOL.parents[1] / "qwen_edit_core"
+
+
+def test_a_failed_workflow_is_in_the_fail_line_once(tool, monkeypatch, capsys, caplog):
+    """The workflows check's summary names each failure with its reason; the runner prints it as the FAIL line
+    alone (no traceback repeating it)."""
+    comfy, run = tool
+
+    def failing(args):
+        raise run.ChecksFailed("1 of 2 workflows failed (1 ok: ['a.json']):\nb.json: KeyError after 1 s: 'x'")
+
+    args = type("Args", (), {"front_end_root": None, "time_scale": 1.0, "only": "workflows"})
+    monkeypatch.setattr(run, "check_workflows", failing)
+    with caplog.at_level("INFO"):
+        code = run._run_checks(args)
+    printed = capsys.readouterr()
+    everything = printed.out + printed.err + caplog.text
+    assert code == 1 and everything.count("b.json") == 1 and everything.count("a.json") == 1, everything

@@ -43,6 +43,11 @@ WORKFLOWS = sorted(TEMPLATES.glob("*.json"))
 WORKFLOW_LIMIT_S = 900
 
 
+class ChecksFailed(RuntimeError):
+    """A check's complete account of its own failures (each named once, with its reason): reported as its FAIL line
+    alone, without a traceback that would repeat it."""
+
+
 def check_workflows(args) -> list[str]:
     """Every shipped workflow, each on its own fresh base directory (as on a fresh install), and its pictures
     showing the learned edit (edit_check.py); all are run (a timeout or any other error is reported for its
@@ -76,7 +81,7 @@ def check_workflows(args) -> list[str]:
             log.info(results[-1])
     if failures:
         passed = [p.name for p in chosen if p.name not in {f.split(":")[0] for f in failures}]
-        raise RuntimeError(f"{len(failures)} of {len(chosen)} workflows failed ({len(passed)} ok: {passed}):\n"
+        raise ChecksFailed(f"{len(failures)} of {len(chosen)} workflows failed ({len(passed)} ok: {passed}):\n"
                            + "\n".join(failures))
     return results
 
@@ -238,7 +243,8 @@ def _run_checks(args) -> int:
             for line in checks[name](args):
                 print(f"PASS {name}: {line}", flush=True)
         except Exception as err:  # noqa: BLE001 - report every check, then fail
-            log.exception("%s failed", name)
+            if not isinstance(err, ChecksFailed):
+                log.exception("%s failed", name)
             failed.append(f"{name}: {type(err).__name__}: {err}")
     for line in failed:
         print(f"FAIL {line}", flush=True)
