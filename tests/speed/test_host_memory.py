@@ -101,7 +101,7 @@ def test_giving_back_a_lent_model_empties_the_host_cache(monkeypatch):
 
 
 def test_the_host_cache_empties_on_a_torch_without_torch_accelerator_empty_host_cache(monkeypatch):
-    """torch 2.11 (a GPU machine's) has no `torch.accelerator.empty_host_cache`: its older binding serves."""
+    """torch 2.11 has no `torch.accelerator.empty_host_cache`: the older binding it has serves."""
     called = []
     monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: called.append("older"))
