@@ -30,7 +30,8 @@ class Progress:
     run also reports each file it wrote: stage "checkpoint" (`path`: the checkpoint directory of `step`) and
     "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it); stage "device"
     when it is about to use its device (a step or a validation starts, and once its steps are over), and with each
-    "train" step the storages it holds there (`device_storages`: speed.device_use.run_storages)."""
+    "train" step a reader of the storages it holds there (`device_storages()`: speed.device_use.run_storages, a
+    walk over every parameter and optimizer state that only a consumer keeping a ledger calls, during the event)."""
 
     stage: str
     step: int
@@ -38,7 +39,7 @@ class Progress:
     loss: Optional[float] = None
     preview: Optional[torch.Tensor] = None
     path: Optional[Path] = None
-    device_storages: Optional[dict] = None
+    device_storages: Optional[Callable[[], dict]] = None
 
 
 ProgressFn = Callable[[Progress], None]
