@@ -101,9 +101,9 @@ class SignalStop:
     Once `progress` has seen a "train" event, the first signal only cancels `token`: the loop stops at its next
     step boundary and saves a checkpoint there, so no signal lands inside an optimizer step or a checkpoint
     write (resume is exact). A second signal raises `Interrupted` at once, or, inside a block the token
-    shields (an optimizer step), when that block ends: the state left is a step boundary's. `received` is the first signal's
-    number (None if none came). The previous handlers are restored on exit; signal handlers can only be set in
-    the main thread, so elsewhere this does nothing."""
+    shields (an optimizer step), when that block ends: the state left is a step boundary's. `received` is the
+    first signal's number (None if none came). The previous handlers are restored on exit; signal handlers can
+    only be set in the main thread, so elsewhere this does nothing."""
 
     def __init__(self, token: CancelToken, signals=(signal.SIGINT, signal.SIGTERM)):
         self.token, self.signals = token, tuple(signals)
