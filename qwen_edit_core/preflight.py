@@ -5,9 +5,9 @@ file's header (model/weight_files.py). `training` checks the
 output directory (created, writable, free space for what the run writes: `output_size`), every other folder the
 run writes (cache, checkpoints, validation), the LoRA to continue from and the LoRAs kept active (model.lora.stack,
 the previews'; readable, finite, matching the transformer's module names and shapes), the validation previews'
-settings, the batch against the data, the process count `accelerate launch` gave; `sampling`
-checks the prompts' lengths (the tokenizer alone), the LoRA files to apply and the output file's folder. The transformer's module names come from a
-meta-device model built from its config.json (no weights, no memory).
+settings, the batch against the data, the process count `accelerate launch` gave; `sampling` checks the prompts'
+lengths (the tokenizer alone), the LoRA files to apply and the output file's folder. The transformer's module names
+come from a meta-device model built from its config.json (no weights, no memory).
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def meta_transformer(model_dir: Path | None):
         return None
     from accelerate import init_empty_weights
 
-    from qwen_edit_core.families import DEFAULT, family_of_class
+    from qwen_edit_core.families import DEFAULT, family_of
     config = DEFAULT.class_of("transformer").load_config(Path(model_dir) / "transformer")
     # the family's class, as config.json names it
-    cls = family_of_class(config.get("_class_name", "")).class_of("transformer")
+    cls = family_of(config).class_of("transformer")
     with init_empty_weights():
         return cls.from_config(config)
 
@@ -79,14 +79,14 @@ def trained_tensors(config: Config, model_dir: Path, *, left_out: set | None = N
     import torch
 
     from qwen_edit_core.adapters import lora
-    from qwen_edit_core.families import family_of_model
+    from qwen_edit_core.families import family_of
     from qwen_edit_core.train.run import lora_spec
     # ComfyUI runs nodes under inference mode, and peft refuses to inject into inference tensors
     with torch.inference_mode(False):
         meta = meta_transformer(model_dir)
         if meta is None:
             return None
-        lora.inject_lora(meta, lora_spec(config, family_of_model(meta)))
+        lora.inject_lora(meta, lora_spec(config, family_of(meta)))
     if left_out is not None:
         left_out.update(lora.unreached_modules(meta))
     return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}

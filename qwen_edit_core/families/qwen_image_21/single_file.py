@@ -27,7 +27,7 @@ import re
 import torch
 
 from qwen_edit_core.model import single_file
-from qwen_edit_core.families import QWEN_IMAGE_21, family_of_file
+from qwen_edit_core.families import QWEN_IMAGE_21
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,11 @@ TEXT_ENCODER_REFUSAL = (
     "and the 2.1 model directory's text_encoder/ (Qwen3VLForConditionalGeneration) is loaded")
 
 
-def is_21(tensors) -> bool:
-    """Whether a transformer file's keys (prefixes stripped or not) are a Qwen-Image-2.1 transformer's."""
-    return family_of_file(tensors) is QWEN_IMAGE_21
-
-
 def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ComfyUI's fused `img_mlp.gate_up` (gate rows first) -> diffusers' `gate_layer` and `proj`, as stored or
-    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale (`.scale_weight`,
-    `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors unchanged."""
+    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale
+    (`.scale_weight`, `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors
+    unchanged."""
     out = {}
     for key, value in tensors.items():
         module, _, leaf = key.rpartition(".")
