@@ -50,7 +50,8 @@ def run_bench(args) -> None:
                                  file_dtype=args.file_dtype, as_json=args.json))
         else:
             from qwen_edit_core.bench.memory import report
-            print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+            print(report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json,  # noqa: T201
+                         adapter=args.adapter))
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),

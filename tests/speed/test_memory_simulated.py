@@ -326,3 +326,20 @@ def test_21_sampling_with_ten_references_is_refused_a_24_gib_card_naming_the_siz
     from qwen_edit_core.bench import memory_sample
     with pytest.raises(ValueError, match=r"does not fit 20.8 GiB.*needs about 21.\d GiB.*cache itself would be 40.\d"):
         memory_sample.simulate_cached_sample("image-2.1", 1024, 10, 24)
+
+
+@pytest.mark.simulation  # a training step of three real-width blocks: about a minute of CPU
+def test_a_dora_row_runs_through_the_command_planned_in_bf16(monkeypatch, capsys):
+    """`qwen-edit bench memory --budget-gb B --adapter dora --json` (here three real-width blocks at 512^2, a 3 GiB
+    budget, which their bf16 weights alone nearly fill): DoRA cannot wrap an fp8 base, so the plan keeps bf16 and
+    offloads blocks instead, and the step fits the budget, the planner within 10% of it."""
+    import functools
+
+    from qwen_edit_core.cli import main
+    monkeypatch.setattr(memory, "simulate_train", functools.partial(memory.simulate_train, num_layers=3))
+    assert not main(["bench", "memory", "--budget-gb", "3", "--adapter", "dora", "--size", "512", "--json"])
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["plan"] == "train 3 GiB, dora" and row["levers"].startswith("fp8 off, checkpointed 3/3, offloaded")
+    assert not row["levers"].endswith("offloaded 0/3")
+    assert row["peak_device_gib"] <= row["budget_gib"] == 3
+    assert abs(row["planner_estimate_gib"] - row["peak_device_gib"]) <= 0.1 * row["peak_device_gib"]
