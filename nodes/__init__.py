@@ -11,7 +11,7 @@ from .sample_nodes import (QwenEditDecodeLatent, QwenEditEncodeImage, QwenEditEn
                            QwenEditSampler, QwenEditSpeed)
 from .doctor_nodes import QwenEditDatasetDoctor
 from .pair_nodes import QwenEditSavePair
-from .sample21 import QwenEditReferenceImages
+from .references import QwenEditReferenceImages
 from .train_compact import QwenEditTrainLoRA, QwenEditTrainOptions
 from .train_nodes import (QwenEditBuildCache, QwenEditDataset, QwenEditSyntheticDataset, QwenEditTrain,
                           QwenEditTrainStatus)

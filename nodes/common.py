@@ -52,9 +52,13 @@ class ModelHandle:
 @dataclass(frozen=True)
 class DatasetHandle:
     folder: Path
-    report: object  # qwen_edit_core.data.dataset.DatasetReport
+    report: object  # qwen_edit_core.data.dataset.DatasetReport: the pairs training reads
     cache_dir: Path | None = None
     resolution: int | None = None
+    #: training leaves out the pairs with a problem (data.skip_invalid) instead of refusing the dataset
+    skip_invalid: bool = False
+    #: pairs without a caption, kept out of `report` for the Dataset Doctor to caption (training never reads them)
+    captionless: tuple[str, ...] = ()
 
 
 #: tooltips several nodes share (units and typical values; shown by the frontend on hover)

@@ -8,8 +8,8 @@ weights (moved to the meta device, so every object still pointing at them holds 
 IS_CHANGED makes ComfyUI run it again when a freed model's settings come back, instead of serving the emptied
 cached output. A model a running training job uses (any of its tensors) is never freed; the slots hold their
 models weakly, so ComfyUI's node cache reset frees the pack's models as it frees its own, and ComfyUI's unload of
-a loader's model with nowhere to offload it (the CPU) frees its weights (`comfy_runtime.PatcherMethods.detach`; IS_CHANGED
-then loads it again).
+a loader's model with nowhere to offload it (the CPU) frees its weights (`comfy_runtime.PatcherMethods.detach`;
+IS_CHANGED then loads it again).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from qwen_edit_core.common.progress import Cancelled, CancelToken
 
 from qwen_edit_core.families import variants
 
-from . import comfy_runtime, loaded_models, sample21
+from . import comfy_runtime, loaded_models, references as reference_sampling
 from .common import (AUTO_CFG, CATEGORY, CONDITIONING, LATENT, MODEL, REFERENCES, TIPS, auto_cfg, device_choices,
                      image_to_pils, side_of)
 
@@ -113,7 +113,9 @@ def cfg_of(cfg: float, handle, schedule: str = "diffusers", sigmas: str = "") ->
     if cfg >= 0:
         return cfg
     _, preset = schedules.resolve_sigmas(sigmas)
-    return preset if preset is not None else schedules.steps_and_cfg(schedule, 1, None, fallback_cfg=auto_cfg(handle))[1]
+    if preset is not None:
+        return preset
+    return schedules.steps_and_cfg(schedule, 1, None, fallback_cfg=auto_cfg(handle))[1]
 
 
 #: previews per sampling run: each one copies the latents to the host (a device sync), so not every step
@@ -172,7 +174,8 @@ def _run(model, cond, settings: sampler.SampleSettings, uncond_device: str, uniq
     unpack = sampler.family_sampler(comps).unpack
 
     def progress(event):
-        preview = _preview(event.preview, cond.width, cond.height, unpack) if preview_due(event.step, event.total) else None
+        due = preview_due(event.step, event.total)
+        preview = _preview(event.preview, cond.width, cond.height, unpack) if due else None
         bar.update_absolute(event.step, event.total, preview)
         if comfy_runtime.interrupt_requested():
             token.cancel()
@@ -240,9 +243,9 @@ class QwenEditSampler:
             if family.ordered_references:
                 _check_one_device(family, uncond_device, parallel)
                 pictures = [p for img in (image, image2, image3) if img is not None
-                            for p in sample21.rgba_pictures(img)]
-                return sample21.run(model, prompt, pictures + list(references or ()), settings, unique_id,
-                                    preview_due)
+                            for p in reference_sampling.rgba_pictures(img)]
+                return reference_sampling.run(model, prompt, pictures + list(references or ()), settings, unique_id,
+                                              preview_due)
             if references:
                 raise ValueError("references are Qwen-Image-2.1's; this model takes its control images through "
                                  "image, image2 and image3")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -62,15 +63,24 @@ class QwenEditDataset:
                                                    "to ComfyUI's input folder"}),
                              "skip_invalid": ("BOOLEAN", {"default": False,
                                                           "tooltip": "off: any broken pair stops with the list of "
-                                                                     "problems; on: train on the good pairs"})}}
+                                                                     "problems; on: train on the good pairs"})},
+                "optional": {"keep_captionless": ("BOOLEAN", {
+                    "default": False, "tooltip": "on: pairs without a caption do not stop this node, so that "
+                    "Dataset Doctor (with a text encoder) can propose their captions; Build Cache and Train still "
+                    "refuse them (skip_invalid on: leave them out)"})}}
 
-    def load(self, folder, skip_invalid):
+    def load(self, folder, skip_invalid, keep_captionless=False):
         path = _folder(folder)
-        report = load_dataset(path, skip_invalid=skip_invalid)
+        report = load_dataset(path, skip_invalid=skip_invalid, keep_captionless=keep_captionless)
+        captionless = tuple(e.name for e in report.examples if not e.caption)
+        report = replace(report, examples=tuple(e for e in report.examples if e.caption))
         counts = sorted({len(e.controls) for e in report.examples})
         summary = (f"{len(report.examples)} pairs ({report.layout} layout), "
-                   f"{'/'.join(map(str, counts))} control image(s) each; {len(report.skipped)} skipped")
-        return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report), summary)}
+                   f"{'/'.join(map(str, counts))} control image(s) each; {len(report.skipped)} skipped"
+                   + (f"; {len(captionless)} without a caption (first: {captionless[0]}), for Dataset Doctor: "
+                      f"training {'leaves them out' if skip_invalid else 'refuses them'}" if captionless else ""))
+        return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report, skip_invalid=skip_invalid,
+                                                                    captionless=captionless), summary)}
 
 
 class QwenEditSyntheticDataset:
@@ -120,7 +130,8 @@ def _config(handle, dataset: DatasetHandle, *, output_dir: Path, resolution: int
                                     ("text_encoder_file", comps.text_encoder_file),
                                     ("comfyui_dir", comps.comfyui_dir)) if v}
     base = {"model": {"pretrained_model_name_or_path": str(comps.model_dir), "dtype": dtype, **files},
-            "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution},
+            "data": {"folder": str(dataset.folder), "vae_area": resolution * resolution,
+                     "skip_invalid": dataset.skip_invalid},
             "cache": {"dir": cache_dir or str(comfy_runtime.default_model_root() / "cache"),
                       "text_encoder_device": str(te), "vae_encoder_device": str(vae)},
             "train": {"output_dir": str(output_dir), "device": str(transformer.device)},
@@ -137,6 +148,15 @@ def _precision(choice: str, handle) -> str:
     if choice != "auto":
         return choice
     return "no" if next(handle.components.transformer.parameters()).device.type == "cpu" else "bf16"
+
+
+def training_examples(dataset: DatasetHandle) -> list:
+    """The pairs training reads: the dataset's, unless Dataset From Folder kept caption-less pairs for the doctor
+    with skip_invalid off; then the folder is read again as training reads it, which refuses them (DatasetError
+    listing every problem, as Dataset From Folder does without keep_captionless)."""
+    if dataset.captionless and not dataset.skip_invalid:
+        return list(load_dataset(dataset.folder).examples)
+    return list(dataset.report.examples)
 
 
 class QwenEditBuildCache:
@@ -166,7 +186,8 @@ class QwenEditBuildCache:
         loaded_models.use(model)
         trainer = QwenImageEditTrainer(config)
         trainer.components = model.components  # reuse the loaded encoders
-        bar = comfy_runtime.progress_bar(len(dataset.report.examples), node_id=unique_id)
+        examples = training_examples(dataset)
+        bar = comfy_runtime.progress_bar(len(examples), node_id=unique_id)
         token = CancelToken()
 
         def progress(event):
@@ -176,12 +197,12 @@ class QwenEditBuildCache:
 
         with torch.inference_mode(False):
             try:
-                stats = trainer.cache(list(dataset.report.examples), progress=progress, cancel=token)
+                stats = trainer.cache(examples, progress=progress, cancel=token)
             except Cancelled:
                 comfy_runtime.raise_if_interrupted()
                 raise
         summary = f"{stats['total']} entries: {stats['hits']} reused, {stats['computed']} computed"
-        handle = DatasetHandle(dataset.folder, dataset.report, Path(config.cache.dir), side_of(resolution, model))
+        handle = replace(dataset, cache_dir=Path(config.cache.dir), resolution=side_of(resolution, model))
         return {"ui": {"text": [summary]}, "result": (handle, summary)}
 
 
@@ -271,7 +292,8 @@ class QwenEditTrain:
                 "tooltip": "similar: neighbouring sizes (and any numbers of control images) share a batch; "
                            "similar-count: one number of control images per batch; equal: one exact size"}),
             "validation_previews": ("STRING", {
-                "default": "", "multiline": True, "placeholder": "validation previews: one per line, e.g. lightning steps=4 cfg=1",
+                "default": "", "multiline": True,
+                "placeholder": "validation previews: one per line, e.g. lightning steps=4 cfg=1",
                 "tooltip": "several previews side by side in the validation grid, one per line: SCHEDULE "
                            "[steps=N] [cfg=X] [shift=S] [lora=FILE[:STRENGTH]] [label=TEXT], SCHEDULE one of "
                            "diffusers, comfyui, lightning; e.g. 'diffusers steps=30' and 'lightning steps=4 "

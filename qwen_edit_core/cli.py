@@ -22,7 +22,8 @@ log = logging.getLogger("qwen_edit_core.cli")
 
 #: (module, class) of the errors a user can fix; looked up only in modules already imported (`_user_errors`)
 USER_ERRORS = (("qwen_edit_core.common.typed", "ConfigError"), ("qwen_edit_core.model.devices", "DeviceError"),
-               ("qwen_edit_core.model.encode", "EncodeError"), ("qwen_edit_core.model.components", "ModelNotFoundError"),
+               ("qwen_edit_core.model.encode", "EncodeError"),
+               ("qwen_edit_core.model.components", "ModelNotFoundError"),
                ("qwen_edit_core.model.single_file", "SingleFileError"), ("PIL", "UnidentifiedImageError"),
                ("qwen_edit_core.common.files", "OutputDirBusyError"),
                ("qwen_edit_core.common.files", "OutputWriteError"))
@@ -82,13 +83,15 @@ def cmd_sample(args) -> None:
         from qwen_edit_core.model.devices import DevicePlan
         plan = DevicePlan.parse(args.devices).as_dict()
     files = {key: getattr(args, key) for key in ("transformer_file", "vae_file", "text_encoder_file",
-                                                  "comfyui_models_dir", "comfyui_dir", "transformer_fp8") if getattr(args, key)}
+                                                  "comfyui_models_dir", "comfyui_dir", "transformer_fp8")
+             if getattr(args, key)}
     overrides = {"model": {"pretrained_model_name_or_path": args.model, **files},
                  "predict": {"devices": plan, "cfg_mode": args.cfg_mode, "dtype": args.dtype,
                              "uncond_device": args.uncond_device or "", "shift_mode": args.shift_mode,
                              **({"schedule": args.schedule} if args.schedule else {}),
                              **({"shift": args.shift} if args.shift is not None else {}),
-                             **({"sigmas": args.sigmas} if args.sigmas else {}), **({"kv_cache": False} if args.no_kv_cache else {}),
+                             **({"sigmas": args.sigmas} if args.sigmas else {}),
+                             **({"kv_cache": False} if args.no_kv_cache else {}),
                              **({"fp8": True} if args.fp8 else {}), **({"compile": True} if args.compile else {}),
                              **({"attention": args.attention} if args.attention else {}),
                              **({"vae_area": args.vae_area} if args.vae_area else {}),
@@ -98,7 +101,8 @@ def cmd_sample(args) -> None:
         from qwen_edit_core.sample import context_parallel
         plan["transformer"] = context_parallel.process_device(plan.get("transformer", "cpu"))
         overrides["predict"].update(context_parallel=args.context_parallel, cp_mode=args.cp_mode)
-        context_parallel.init_process_group(args.context_parallel, plan["transformer"], cfg_split=args.cfg_mode == "split")
+        context_parallel.init_process_group(args.context_parallel, plan["transformer"],
+                                            cfg_split=args.cfg_mode == "split")
     config = load_config(args.config, overrides=overrides)
     with _cpu_threads(args):
         _sample(args, config)
@@ -178,7 +182,8 @@ def _train(args, config) -> None:
     with SignalStop(cancel) as stop:  # SIGINT and SIGTERM: a checkpoint at the next step boundary
         result = trainer.fit(resume=resume, progress=stop.progress(_train_bar()), cancel=cancel,
                              overwrite=args.overwrite)
-    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path, result.loss_plot)
+    log.info("training %s at step %d; LoRA: %s; loss plot: %s", result.state, result.step, result.lora_path,
+             result.loss_plot)
     if result.state == "cancelled":
         saved = (f"the checkpoint of step {result.step} is saved; continue with --resume" if result.step
                  else "no training step had finished: nothing to save; run it again")
@@ -410,22 +415,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="edit instruction")
     p.add_argument("--negative-prompt", default=EMPTY_PROMPT, help="negative prompt of true CFG")
     p.add_argument("--steps", type=int, help="sampling steps (default: the schedule's, lightning 4; else 20)")
-    p.add_argument("--cfg", type=float, help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
+    p.add_argument("--cfg", type=float,
+                   help="true CFG scale, <= 1 turns CFG off (default: the schedule's, lightning 1; else 4)")
     p.add_argument("--schedule", choices=["diffusers", "comfyui", "lightning"],
                    help="diffusers (default; dynamic shift), comfyui (what stock ComfyUI renders), lightning "
                         "(few-step LoRAs: fixed shift 3, 4 steps, CFG 1)")
-    p.add_argument("--shift", type=float, help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
-    p.add_argument("--sigmas", help="explicit sigmas (their count is the steps), e.g. '1,0.75,0.5', or qwen21-dmd-6step")
-    p.add_argument("--no-kv-cache", action="store_true", help="Qwen-Image-2.1: no prefix K/V cache (slower, same image)")
+    p.add_argument("--shift", type=float,
+                   help="fixed shift replacing the schedule's (comfyui: ModelSamplingAuraFlow's)")
+    p.add_argument("--sigmas",
+                   help="explicit sigmas (their count is the steps), e.g. '1,0.75,0.5', or qwen21-dmd-6step")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="Qwen-Image-2.1: no prefix K/V cache (slower, same image)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--width", type=int, help="output width (default: the control's size at --vae-area)")
     p.add_argument("--height", type=int, help="output height (default: the control's size at --vae-area)")
     p.add_argument("--devices", help="text_encoder=cpu,vae=cpu,transformer=cuda:0")
     p.add_argument("--uncond-device", help="second transformer device for --cfg-mode split")
-    p.add_argument("--cfg-mode", choices=["sequential", "batched", "split"], default="sequential", help="how the two CFG branches run")
-    p.add_argument("--shift-mode", choices=["dynamic", "fixed"], default="dynamic", help="timestep shift: diffusers' (dynamic) or ComfyUI's (fixed)")
+    p.add_argument("--cfg-mode", choices=["sequential", "batched", "split"], default="sequential",
+                   help="how the two CFG branches run")
+    p.add_argument("--shift-mode", choices=["dynamic", "fixed"], default="dynamic",
+                   help="timestep shift: diffusers' (dynamic) or ComfyUI's (fixed)")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
-    p.add_argument("--vae-area", type=int, help="pixel area of the control image for the VAE (default: the config's, 1024*1024)")
+    p.add_argument("--vae-area", type=int,
+                   help="pixel area of the control image for the VAE (default: the config's, 1024*1024)")
     p.add_argument("--vl-area", type=int, help="pixel area of control images for the VL (Edit Plus)")
     p.add_argument("--control-size", choices=["pipeline", "target"], help="predict.control_size: target resizes the "
                    "controls to the output size, the control's own when a multiple of 16 (pixel-aligned LoRAs)")
@@ -459,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-name", help="train.lora_name: the LoRA's file name, without .safetensors")
     p.add_argument("--lora-format", choices=["split", "fused"], help="train.lora_format: the file's MLP layout "
                    "where ComfyUI fuses it (Qwen-Image-2.1): split (diffusers, peft) or fused (ComfyUI's own)")
-    p.add_argument("--validation-every", type=int, help="train.validation_every: sample validation pictures every N steps")
+    p.add_argument("--validation-every", type=int,
+                   help="train.validation_every: sample validation pictures every N steps")
     p.add_argument("--validation-pairs", type=lambda v: int(v) if v.isdigit() else v, help="train.validation_pairs: "
                    "keep the dataset's last N pairs (or a folder's) out of training; errors: validation/metrics.csv")
     p.add_argument("--ema-decay", type=float, help="train.ema_decay: keep an EMA of the LoRA (e.g. 0.999), saved "
@@ -507,18 +520,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "bench", help="benchmarks (see BENCHMARKS.md)")
-    p.add_argument("what", choices="sample train batching threads soak memory activations attention doctor cache".split(),
+    p.add_argument("what",
+                   choices="sample train batching threads soak memory activations attention doctor cache".split(),
                    help="which benchmark")
     p.add_argument("--real-size", action="store_true", help="real-size random transformer (GPU)")
     p.add_argument("--device", default="cpu", help="device to measure on")
     p.add_argument("--steps", type=int, default=4, help="sampling steps (sample) or training steps (train)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant")
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
-    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
+    p.add_argument("--variants", default="", help="train --real-size: comma-separated names of "
+                   "qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
     p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
                    help="memory: simulated variant; sample: a Qwen-Image-2.1 variant runs only its prefix-cache table")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
-    p.add_argument("--controls", type=int, default=None, help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
+    p.add_argument("--controls", type=int, default=None,
+                   help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory: one budget (default 16, 24, 40, 80)")
     p.add_argument("--json", action="store_true", help="memory: one JSON object per plan instead of the table")
     p.add_argument("--pairs", type=int, default=200, help="cache: synthetic pairs to encode")

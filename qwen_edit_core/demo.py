@@ -137,10 +137,10 @@ def one_thread():
 
 
 def run_demo(out_dir: Path, steps: int = STEPS, variant: str = variants.DEFAULT, progress=None) -> dict:
-    """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` (a variant
-    whose family ships a toy, `Family.toy`; with in-text references the control is reference 1); returns the metrics (also in
-    metrics.json). Each phase is logged as it starts; `progress` (a common.progress.ProgressFn) receives the
-    cache and training stages' step events, as for `QwenImageEditTrainer.cache` and `.fit`."""
+    """Run the whole job into `out_dir` with `steps` LoRA steps on the toy model of `variant` (a variant whose family
+    ships a toy, `Family.toy`; with in-text references the control is reference 1); returns the metrics (also in
+    metrics.json). Each phase is logged as it starts; `progress` (a common.progress.ProgressFn) receives the cache and
+    training stages' step events, as for `QwenImageEditTrainer.cache` and `.fit`."""
     with one_thread():
         return _run(Path(out_dir), steps, variant, progress)
 
@@ -184,7 +184,8 @@ def _run(out_dir: Path, steps: int, variant: str, progress=None) -> dict:
         "latent_mse_ratio": after["latent_mse"] / before["latent_mse"],
         "edge_similarity_before": before["edge_similarity"], "edge_similarity_after": after["edge_similarity"],
         "train_steps": result.step, "first_loss": result.history[0][1], "last_loss": result.history[-1][1],
-        "lora": str(result.lora_path), "loss_plot": str(result.loss_plot), "before_after": str(out_dir / "before_after.png"),
+        "lora": str(result.lora_path), "loss_plot": str(result.loss_plot),
+        "before_after": str(out_dir / "before_after.png"),
         "seconds": time.perf_counter() - started}
     if few_after is not None:  # the saved LoRA's edit at the few-step schedule 2.1's users sample with
         metrics.update({"fewstep_sigmas": few_steps, "fewstep_pixel_mse_before": few_before["pixel_mse"],

@@ -121,6 +121,7 @@ class TrainingJob:
         self.device = config.train.device
         self.output_dir = Path(config.train.output_dir)
         self._resume, self._deliver, self._listeners = resume, deliver, listeners
+        self._lender: tuple[int | None, dict[int, int]] = (None, {})  # `_lender_storages`' last walk
         self._cancel = CancelToken()
         self._lock = threading.Lock()
         self._state, self._step, self._loss, self._error = "starting", 0, None, None
@@ -167,7 +168,8 @@ class TrainingJob:
         with self._lock:
             if event.stage == "train":
                 # in the job's thread, at the end of its step: its own bytes, and the next step's held back
-                self.memory.step_ended(storages_of(self.model, self.device), event.device_storages)
+                run = event.device_storages() if event.device_storages is not None else None
+                self.memory.step_ended(self._lender_storages(), run)
                 self._state, self._step = "training", event.step
                 if event.loss is not None:  # the loss is read every `logging.every` steps
                     self._loss = event.loss
@@ -180,12 +182,23 @@ class TrainingJob:
                 self._validations.append(event.path)
         self._notify("progress")
 
+    def _lender_storages(self) -> dict[int, int]:
+        """The lender's weights on the device (`storages_of`), walked again only at the run's first step (its
+        setup parked or offloaded what its levers replace) and when a loan moved lent tensors since
+        (speed.lending.moves): between those its storages stay as they were, so a step does not walk them."""
+        from qwen_edit_core.speed import lending
+        seen = lending.moves()
+        if seen != self._lender[0]:
+            self._lender = (seen, storages_of(self.model, self.device))
+        return self._lender[1]
+
     def _run(self) -> None:
         from qwen_edit_core.common.threads import torch_threads
         try:
             # pinned in this thread: two threads per operation on a small or busy machine ran each step several
             # times slower (BENCHMARKS.md, "The demo under load"); the caller's own threads keep their count
-            self.memory.started(storages_of(self.model, self.device))
+            self._lender = (None, storages_of(self.model, self.device))  # (lending.moves() when walked, storages)
+            self.memory.started(self._lender[1])
             with torch_threads(self.config.train.cpu_threads):
                 result = self._fit(self.config, resume=self._resume, progress=self._progress,
                                    cancel=self._cancel, lock=self._output_lock, model=self.model, **self._overwrite)

@@ -5,9 +5,9 @@ file's header (model/weight_files.py). `training` checks the
 output directory (created, writable, free space for what the run writes: `output_size`), every other folder the
 run writes (cache, checkpoints, validation), the LoRA to continue from and the LoRAs kept active (model.lora.stack,
 the previews'; readable, finite, matching the transformer's module names and shapes), the validation previews'
-settings, the batch against the data, the process count `accelerate launch` gave; `sampling`
-checks the prompts' lengths (the tokenizer alone), the LoRA files to apply and the output file's folder. The transformer's module names come from a
-meta-device model built from its config.json (no weights, no memory).
+settings, the batch against the data, the process count `accelerate launch` gave; `sampling` checks the prompts'
+lengths (the tokenizer alone), the LoRA files to apply and the output file's folder. The transformer's module names
+come from a meta-device model built from its config.json (no weights, no memory).
 """
 
 from __future__ import annotations

@@ -402,7 +402,8 @@ def save_lora(path, transformer, spec: LoraSpec, *, base_identity: str, steps: i
 
     `dtype` is the matrices' dtype: float32 (default, exact) or bfloat16/float16 (half the size); `.alpha` and
     DoRA's `.dora_scale` stay float32. Metadata (all strings): format, architecture, type (lora/lokr/loha), dora,
-    rank, alpha, targets (JSON), base_identity, steps, layout (when fused), then `extra_metadata` (which cannot override those).
+    rank, alpha, targets (JSON), base_identity, steps, layout (when fused), then `extra_metadata` (which cannot
+    override those).
     `layout` (LORA_FORMATS): "fused" writes ComfyUI's fused MLP layout (`fuse_mlp_tensors`), for a model whose
     blocks hold `gate_layer` and `proj`."""
     if dtype not in SAVE_DTYPES:

@@ -145,7 +145,8 @@ def row_norm(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().norm(dim=1, keepdim=True)
 
 
-def dora_weight(base: torch.Tensor, delta: torch.Tensor, dora_scale: torch.Tensor, strength: float = 1.0) -> torch.Tensor:
+def dora_weight(base: torch.Tensor, delta: torch.Tensor, dora_scale: torch.Tensor,
+                strength: float = 1.0) -> torch.Tensor:
     """The weight stock ComfyUI patches from a DoRA layer (dora_scale (out, 1)): W + s * (W' - W) with
     W' = dora_scale / (||W||_row + eps) * (W + delta); float32."""
     base = base.float()

@@ -173,7 +173,8 @@ def packed_layout(text_lengths: Sequence[int], text_len: int, image_lengths: Seq
     offsets = [0]
     for n_text, n_image in zip(text_lengths, image_lengths):
         offsets.append(offsets[-1] + n_text + n_image)
-    return {"varlen_index": torch.cat(runs).to(device), "varlen_offsets": torch.tensor(offsets, dtype=torch.int32).to(device)}
+    return {"varlen_index": torch.cat(runs).to(device),
+            "varlen_offsets": torch.tensor(offsets, dtype=torch.int32).to(device)}
 
 
 def image_lengths(img_shapes: Sequence[Sequence[Sequence[int]]]) -> list[int]:

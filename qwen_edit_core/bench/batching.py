@@ -3,8 +3,9 @@
 A LoRA training step (forward + backward) of the transformer with the batching adapter; prints samples/s of
 both, their ratio and the padding fraction; the batch runs with a key mask over the padding and with
 variable-length attention over the valid tokens (the product's path), with the attention kernels each ran and
-the largest difference of their outputs (they must agree: the GPU check of `multires.packed_attention`). Tiny model on the CPU by default (128^2 to 256^2); `--real-size`
-runs the real transformer config with random bf16 weights on a GPU at 512^2 to 1024^2.
+the largest difference of their outputs (they must agree: the GPU check of `multires.packed_attention`). Tiny
+model on the CPU by default (128^2 to 256^2); `--real-size` runs the real transformer config with random bf16
+weights on a GPU at 512^2 to 1024^2.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _agreement(model, samples, device, dtype) -> float:
 
 def run(real_size: bool = False, device: str = "cpu", repeats: int = 5) -> str:
     from qwen_edit_core.families import DEFAULT
-    from qwen_edit_core.model.tiny import transformer_config
+    transformer_config = DEFAULT.stage("tiny").transformer_config
 
     from qwen_edit_core.bench.common import real_transformer
     dev = resolve_device(device, component="bench device")

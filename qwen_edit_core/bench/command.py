@@ -43,7 +43,8 @@ def run_bench(args) -> None:
             print(fp8_copy_report(args.variant, as_json=args.json))  # noqa: T201
         elif args.sample:  # sampling on a card of --budget-gb GiB (default 24 and 48)
             from qwen_edit_core.bench.memory_sample import report as sample_report
-            print(sample_report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+            report = sample_report(args.variant, args.size, args.controls, args.budget_gb, as_json=args.json)
+            print(report)  # noqa: T201
         elif args.comfyui:  # the Train node's job on a card of --budget-gb GiB (default 24)
             from qwen_edit_core.bench.memory_comfyui import report as comfyui_report
             print(comfyui_report(args.variant, args.size, args.controls, args.budget_gb,  # noqa: T201

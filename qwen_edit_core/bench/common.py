@@ -90,9 +90,9 @@ def default_dtype(dtype: torch.dtype):
 def real_transformer(device: torch.device, dtype: torch.dtype, num_layers: int | None = None):
     """The real Qwen-Image transformer config with random weights, built directly on `device` in `dtype`."""
     from qwen_edit_core.families import DEFAULT
-    from qwen_edit_core.model.tiny import transformer_config
+    config = DEFAULT.stage("tiny").transformer_config("real", num_layers=num_layers)
     with default_dtype(dtype), torch.device(device):
-        model = DEFAULT.class_of("transformer")(**transformer_config("real", num_layers=num_layers))
+        model = DEFAULT.class_of("transformer")(**config)
     return model.eval().requires_grad_(False)
 
 

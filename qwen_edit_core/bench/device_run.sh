@@ -20,6 +20,8 @@
 # peak and pinned host bytes beside the simulated row's (about 8 minutes, half of it the simulation on the CPU):
 #   bash qwen_edit_core/bench/device_run.sh comfyui24
 # Writes <part>.log and device.txt under $OUT (default /tmp/qwen-edit-bench).
+# Runs on torch 2.11 or later: every torch call on its path is in 2.11.0's sources, or guarded
+# (torch.compile's recompile_limit, varlen attention, host memory statistics, torch.accelerator.empty_host_cache).
 # Needs torch, transformers, peft, accelerate and pyyaml; if diffusers is missing, it installs the wheels in
 # .whl/ (git-ignored), which a machine with internet access downloads with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

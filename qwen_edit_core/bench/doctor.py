@@ -32,8 +32,9 @@ def _cpu_seconds() -> float:
 
 
 def run(pairs: int = PAIRS, workers: int | None = None) -> dict:
-    """Write `pairs` pairs (and the 2 held-out ones), time the reader alone, then reader and doctor (cold, warm); prints and
-    returns pairs/s, with the CPU seconds (workers included) and the recall and precision on the planted faults."""
+    """Write `pairs` pairs (and the 2 held-out ones), time the reader alone, then reader and doctor (cold, warm);
+    prints and returns pairs/s, with the CPU seconds (workers included) and the recall and precision on the planted
+    faults."""
     workers = workers or default_workers()
     with tempfile.TemporaryDirectory(prefix="doctor-bench-") as tmp:
         start = time.perf_counter()
@@ -54,8 +55,9 @@ def run(pairs: int = PAIRS, workers: int | None = None) -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     recall, precision = score(report, dataset)
     kinds = Counter(f.kind for f in report.findings)
-    print(f"{pairs} pairs of {SIDE} px, {workers} worker process(es), {os.cpu_count()} CPUs, load average "  # noqa: T201
-          f"{load:.1f} at the end; {len(report.flagged)} flagged ({', '.join(f'{n} {k}' for k, n in kinds.items())}"
+    flagged = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    print(f"{pairs} pairs of {SIDE} px, {workers} worker process(es), {os.cpu_count()} CPUs, "  # noqa: T201
+          f"load average {load:.1f} at the end; {len(report.flagged)} flagged ({flagged}"
           f"): recall of the planted faults {recall:.0%}, precision {precision:.0%}")
     for label, rate in rates.items():
         used = f", {cpu[label]:.1f} CPU s: {pairs / cpu[label]:.0f} pairs per CPU second"

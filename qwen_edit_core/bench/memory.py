@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 #: H100 SXM dense peaks (NVIDIA H100 datasheet): bf16 and fp8 tensor-core FLOP/s
 H100_BF16, H100_FP8 = 989e12, 1979e12
-#: the reference's measured step on one H100 (BENCHMARKS.md, "Reference timings"): LoRA r16 on the image attention, every block
-#: checkpointed, bf16, 1024^2 Edit, no mask; and its one no-grad forward
+#: the reference's measured step on one H100 (BENCHMARKS.md, "Reference timings"): LoRA r16 on the image attention,
+#: every block checkpointed, bf16, 1024^2 Edit, no mask; and its one no-grad forward
 REFERENCE_STEP_S, REFERENCE_FORWARD_S = 1.91, 0.456
 #: the step-time targets (BENCHMARKS.md): a training step, and one sampling step (cond + uncond)
 TARGET_TRAIN_S, TARGET_SAMPLE_S = 0.9, 0.5
@@ -231,7 +231,8 @@ def _result(plan, kind, variant, side, controls, n_image, n_text, budget, estima
                      flops_per_step=float(flops.get_total_flops()),
                      roofline_s=roofline_seconds(flops.get_flop_counts().get("Global", {})),
                      categories_gib={k: round(v / GIB, 3) for k, v in categories.items()},
-                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB, levers=_levers_text(model, checkpointed),
+                     offloaded_resident_after_gib=_offloaded_resident(model) / GIB,
+                     levers=_levers_text(model, checkpointed),
                      reserved_gib=(total + margin_bytes(categories)) / GIB)
 
 
@@ -285,7 +286,8 @@ def simulate_sample(variant: str = variants.DEFAULT, side: int = 1024, controls:
     with mode, tracker, flops, torch.no_grad():
         # The guided velocity of one step, as `sampler.denoise` computes it (its scheduler reads tensor values
         # at construction, which fake tensors cannot answer; the Euler update itself is one latent-sized add).
-        latents = torch.empty(1, cond.img_shapes[0][1] * cond.img_shapes[0][2], 64, dtype=torch.bfloat16, device=fm.STAND_IN)
+        n_target = cond.img_shapes[0][1] * cond.img_shapes[0][2]
+        latents = torch.empty(1, n_target, 64, dtype=torch.bfloat16, device=fm.STAND_IN)
         denoiser = sampler._Denoiser(model, cond, settings)
         denoiser(latents, torch.tensor(1000.0, device=fm.STAND_IN))
     n_image = (1 + controls) * (side // 16) ** 2
@@ -295,11 +297,10 @@ def simulate_sample(variant: str = variants.DEFAULT, side: int = 1024, controls:
 
 def run(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, budgets=BUDGETS, *,
         reference: bool = True, sample_levers=SAMPLE_LEVERS) -> list[Simulated]:
-    """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on
-    the image attention, every block checkpointed, bf16: measured at 43.7 GiB on an H100, BENCHMARKS.md, "Reference timings"), and
-    one sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each
-    budget's plan only (its sampling: bench/memory_sample.py). Each row is announced in the log (stderr) before its
-    minutes of CPU."""
+    """Every plan of one edit size: the training step of each budget's plan, the reference's setting (LoRA on the image
+    attention, every block checkpointed, bf16: its measured peak is in BENCHMARKS.md, "Reference timings"), and one
+    sampling step per sampling lever. Qwen-Image-2.1 (references: `controls`): the training step of each budget's plan
+    only (its sampling: bench/memory_sample.py). Each row is announced in the log (stderr) before its minutes of CPU."""
     rows = [("train", b) for b in budgets]
     if fm.simulates_sampling(variant):
         rows += [("reference", None)] * reference + [("sample", lever) for lever in sample_levers]

@@ -43,7 +43,8 @@ def node_budget_gb(card_gib: float) -> float:
     return planner.free_memory_budget_gb(int(card_gib * memory.GIB) - planner.MARGIN_FIXED, 0)
 
 
-def simulate_comfyui(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, card_gib: float = 24.0,
+def simulate_comfyui(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
+                     card_gib: float = 24.0,
                      *, file_dtype: str = "fp8", num_layers: int | None = None) -> memory.Simulated:
     """One steady-state training step of the Train node's job on a `card_gib` card (module doc)."""
     from qwen_edit_core import speed
@@ -100,7 +101,8 @@ def _park_on_stand_in(graph_model, model, mode) -> int:
     return moved
 
 
-def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None, card_gib: float | None = None, *,
+def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
+           card_gib: float | None = None, *,
            file_dtype: str = "fp8", as_json: bool = False) -> str:
     """`qwen-edit bench memory --comfyui`'s output: the node's job on a `card_gib` card (default 24 GiB)."""
     log.info("bench memory --comfyui: %s %d px x%s, %s file, %g GiB card", variant, side,

@@ -54,8 +54,8 @@ class RandomSource:
 def random_source(dtype: torch.dtype, device: torch.device, num_layers: int | None = None) -> RandomSource:
     """`RandomSource` of the real transformer config (`num_layers` blocks; default 60), drawn on `device`."""
     from qwen_edit_core.families import DEFAULT
-    from qwen_edit_core.model.tiny import transformer_config
-    return RandomSource(transformer_config("real", num_layers=num_layers), DEFAULT, dtype, device)
+    config = DEFAULT.stage("tiny").transformer_config("real", num_layers=num_layers)
+    return RandomSource(config, DEFAULT, dtype, device)
 
 
 def random_transformer(device: torch.device, dtype: torch.dtype, plan=None, num_layers: int | None = None):

@@ -26,8 +26,8 @@ from qwen_edit_core.model import encode
 from qwen_edit_core.sample import sampler
 from qwen_edit_core.model.devices import resolve_device
 
-from qwen_edit_core.bench.common import (bench_components, bench_dtype, gib_text, matmul_peaks, median_time, peak_gib, print_table,
-                                         reset_peak, sync)
+from qwen_edit_core.bench.common import (bench_components, bench_dtype, gib_text, matmul_peaks, median_time, peak_gib,
+                                         print_table, reset_peak, sync)
 
 log = logging.getLogger(__name__)
 

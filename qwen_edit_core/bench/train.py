@@ -3,9 +3,10 @@
 Tiny (CPU): the tiny model on a synthetic 256^2 dataset; realtime encodes every batch with the text encoder
 and VAE, cached reads the embedding cache. `--real-size` (GPU): the real transformer config with random
 bf16 weights at 1024^2 Edit shapes (8192 image tokens and a real prompt's text tokens, `model.prompt_length`:
-1,409 at 1024^2 Edit; the last row repeats the last lever at a multiple of 64 beside it), our step against the plain reference
-of BENCHMARKS.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient checkpointing + AdamW); the
-realtime column there uses the real-width one-layer encoders, so it shows the plumbing, not a 7B encoder.
+1,409 at 1024^2 Edit; the last row repeats the last lever at a multiple of 64 beside it), our step against the
+plain reference of BENCHMARKS.md's reference timings (diffusers model + peft LoRA r16 on to_q/k/v/out.0 + gradient
+checkpointing + AdamW); the realtime column there uses the real-width one-layer encoders, so it shows the
+plumbing, not a 7B encoder.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def _build(device, dtype):
 
 
 def _reference(device, dtype, steps: int, item) -> dict:
-    """The plain reference of BENCHMARKS.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text mask."""
+    """The plain reference of BENCHMARKS.md's timings: diffusers model + peft LoRA + checkpointing + AdamW, no text
+    mask."""
     from peft import LoraConfig
     model = _build(device, dtype)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
@@ -198,7 +200,8 @@ PLANNED_ROWS = ("memory_budget_gb 16",)
 
 
 def bench_config(device: torch.device, steps: int, train_overrides: dict):
-    """The product's config for a bench row: `train_overrides` on bf16 autocast (none off CUDA), `steps` steps, no plot."""
+    """The product's config for a bench row: `train_overrides` on bf16 autocast (none off CUDA), `steps` steps, no
+    plot."""
     from qwen_edit_core.config import load_config
     work = Path(tempfile.mkdtemp(prefix="qwen-edit-bench-real-"))
     # lr 1e-30 (the config takes lr > 0): the step does the same work, and the fp32 LoRA weights do not move
@@ -367,10 +370,12 @@ def _real(device: str, steps: int, variants: list[str] | None = None, *, layers:
             results.append((name, {"error": f"{type(err).__name__}: {err}"[:120]}))
             _free(dev)
     rows = [_row(name, r, ref, flops / peaks["bf16"] / 1e12) for name, r in results]
-    return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({2 * (side // 16) ** 2} image + "
-                       f"{text_tokens} text tokens), batch 1, "
-                       f"{str(dtype).removeprefix('torch.')}, LoRA r16, {dev} ({_device_name(dev)}); MFU against the measured bf16 "
-                       f"peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); step = {flops:.2e} FLOPs",
+    image_tokens = 2 * (side // 16) ** 2
+    return print_table(f"train: real-size random transformer ({layers or 60} blocks), {side}^2 Edit ({image_tokens} "
+                       f"image + {text_tokens} text tokens), batch 1, "
+                       f"{str(dtype).removeprefix('torch.')}, LoRA r16, {dev} ({_device_name(dev)}); MFU against the "
+                       f"measured bf16 peak {peaks['bf16']:.0f} TFLOP/s (fp8 {peaks['fp8']:.0f}); "
+                       f"step = {flops:.2e} FLOPs",
                        ["implementation", "median s/step", "peak GiB", "reserved GiB", "pinned GiB", "planned GiB",
                         "MFU", "speed vs reference", "fixed-batch loss vs reference", "first step s (compile)",
                         "attention kernels (share of profiled forward)",

@@ -30,7 +30,8 @@ class Progress:
     run also reports each file it wrote: stage "checkpoint" (`path`: the checkpoint directory of `step`) and
     "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it); stage "device"
     when it is about to use its device (a step or a validation starts, and once its steps are over), and with each
-    "train" step the storages it holds there (`device_storages`: speed.device_use.run_storages)."""
+    "train" step a reader of the storages it holds there (`device_storages()`: speed.device_use.run_storages, a
+    walk over every parameter and optimizer state that only a consumer keeping a ledger calls, during the event)."""
 
     stage: str
     step: int
@@ -38,7 +39,7 @@ class Progress:
     loss: Optional[float] = None
     preview: Optional[torch.Tensor] = None
     path: Optional[Path] = None
-    device_storages: Optional[dict] = None
+    device_storages: Optional[Callable[[], dict]] = None
 
 
 ProgressFn = Callable[[Progress], None]
@@ -100,9 +101,9 @@ class SignalStop:
     Once `progress` has seen a "train" event, the first signal only cancels `token`: the loop stops at its next
     step boundary and saves a checkpoint there, so no signal lands inside an optimizer step or a checkpoint
     write (resume is exact). A second signal raises `Interrupted` at once, or, inside a block the token
-    shields (an optimizer step), when that block ends: the state left is a step boundary's. `received` is the first signal's
-    number (None if none came). The previous handlers are restored on exit; signal handlers can only be set in
-    the main thread, so elsewhere this does nothing."""
+    shields (an optimizer step), when that block ends: the state left is a step boundary's. `received` is the
+    first signal's number (None if none came). The previous handlers are restored on exit; signal handlers can
+    only be set in the main thread, so elsewhere this does nothing."""
 
     def __init__(self, token: CancelToken, signals=(signal.SIGINT, signal.SIGTERM)):
         self.token, self.signals = token, tuple(signals)

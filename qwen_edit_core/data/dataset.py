@@ -54,7 +54,8 @@ from qwen_edit_core.data.captions import (CAPTION_EXTENSION, CAPTIONS_DIR, EMPTY
 from qwen_edit_core.data.examples import (DatasetError, DatasetNotFoundError, DatasetReport,  # noqa: F401
                                           EditExample, Problem)  # (re-exported: the dataset's public values)
 from qwen_edit_core.data.masks import MASKS_DIR, inspect_mask, split_mask_stems
-from qwen_edit_core.model.geometry import MAX_PIXELS, MIN_SIDE, bucket_for, calculate_dimensions  # noqa: F401  (re-exported)
+from qwen_edit_core.model.geometry import (MAX_PIXELS, MIN_SIDE, bucket_for,  # noqa: F401 (re-exported)
+                                           calculate_dimensions)
 
 log = logging.getLogger(__name__)
 

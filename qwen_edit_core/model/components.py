@@ -347,8 +347,8 @@ def load_components(name_or_path: str | Path, plan, *, which=("transformer", "va
                       comps.variant)  # headers only
     log.info("%s: licence %s", family.title, family.licence)
     if (sigmas := shipped_sigmas(model_dir)) is not None:
-        log.info("a few-step checkpoint: it ships its own schedule of %d sigmas (model_index.json sample_sigmas), which "
-                 "sampling uses unless sigmas are given", len(sigmas))
+        log.info("a few-step checkpoint: it ships its own schedule of %d sigmas (model_index.json sample_sigmas), "
+                 "which sampling uses unless sigmas are given", len(sigmas))
     if "text_encoder" in which:
         comps.text_encoder = load_text_encoder(model_dir, device=plan.text_encoder, dtype=plan.dtype,
                                                quantize=quantize_text_encoder, text_encoder_file=text_encoder_file,

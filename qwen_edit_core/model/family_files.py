@@ -2,9 +2,10 @@
 the other family than the directory's (the scheduler, processor and encoders come from the directory), and the
 VAE file loaded as its family's model.
 
-A file's family is read from its header alone (`families.family_of_file`, `families.family_of_vae`). Qwen-Image-2.1's text
-encoder is not read from a single file: ComfyUI ships it only as int8 "convrot" (`qwen3vl_8b_int8_convrot`), a
-format this project does not read, so a 2.1 model takes its directory's text_encoder/.
+A file's family is read from its header alone (`families.family_of_file`, `families.family_of_vae`).
+Qwen-Image-2.1's text encoder is not read from a single file: ComfyUI ships it only as int8 "convrot"
+(`qwen3vl_8b_int8_convrot`), a format this project does not read, so a 2.1 model takes its directory's
+text_encoder/.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def check_file_family(files: dict[str, str | Path | None], family: Family, varia
             continue
         found = _DETECT[kind](file_stream.read_header(Path(path)))
         if found is not family:
-            raise ModelNotFoundError(f"{kind} file {str(path)!r} is a {found.file_title} {kind}, but the model directory is "
-                                     f"{family.title} ({variant}); give a model directory of the file's family (its "
-                                     "scheduler, processor and encoders are read from the directory)")
+            raise ModelNotFoundError(f"{kind} file {str(path)!r} is a {found.file_title} {kind}, but the model "
+                                     f"directory is {family.title} ({variant}); give a model directory of the "
+                                     "file's family (its scheduler, processor and encoders are read from the "
+                                     "directory)")
 
 
 def _quant_formats(path: Path) -> list[str]:

@@ -1,10 +1,12 @@
-"""Offline tiny Qwen-Image-Edit: the embedded default of the demo and the fixture of every test.
+"""Offline tiny models: the embedded default of the demo and the fixture of every test.
 
-`build_tiny` writes a complete diffusers-layout directory (model_index.json, transformer/, vae/,
-text_encoder/, tokenizer/, processor/, scheduler/) from nothing: random weights from a seed, a byte-level
-BPE tokenizer trained on the pipelines' own templates, Qwen-Image's real scheduler config. diffusers'
-`QwenImageEditPipeline` / `QwenImageEditPlusPipeline.from_pretrained` load it offline. The same arguments
-give byte-identical files. `transformer_config` also gives the real model's config, for in-memory benchmarks.
+`build_tiny` writes a complete diffusers-layout directory of any family from nothing, through the family's
+`tiny` stage (`write`): random weights from a seed, a byte-level BPE tokenizer trained on the family's own
+templates, the family's real scheduler config; its diffusers pipeline loads it offline. The same arguments give
+byte-identical files. What is shared by the families lives here: the tokenizer trainer, Qwen's special tokens,
+the seeded weight creation and the build's replace-in-place. Each family's `tiny` stage also gives its
+transformer's configs (`transformer_config(size, num_layers)`, "real" for in-memory benchmarks) and
+`SCHEDULER_CONFIG`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_edit_core.families import templates, variants
+from qwen_edit_core.families import variants
 
 log = logging.getLogger(__name__)
 
@@ -29,68 +31,16 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
-#: Qwen-Image's scheduler (FlowMatchEulerDiscreteScheduler) config, as shipped with the real model.
-SCHEDULER_CONFIG = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
-    "invert_sigmas": False, "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000,
-    "shift": 1.0, "shift_terminal": 0.02, "stochastic_sampling": False, "time_shift_type": "exponential",
-    "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-}
-
 # Words a demo or test prompt is likely to use, so prompts are short; anything else falls back to bytes.
 _EXTRA_WORDS = ("make turn add remove the a an sky cat dog red green blue purple yellow hat color colour image "
                 "picture object from into put blend sharpen brighter darker invert style photo of with and in on "
                 "background foreground person face light shadow")
 
 
-def transformer_config(size: str = "tiny", num_layers: int | None = None) -> dict:
-    """The Qwen-Image transformer's config (the default family's `transformer_class`): "tiny" (2 layers, 2x16
-    heads), "real-width" (real widths, one block) or "real" (the real 60-block, 20 B-parameter model; build it in
-    memory for benchmarks)."""
-    if size == "tiny":
-        cfg = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-                   num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
-    elif size in ("real-width", "real"):
-        cfg = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=1 if size == "real-width" else 60,
-                   attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
-                   axes_dims_rope=(16, 56, 56))
-    else:
-        raise ValueError(f"unknown size {size!r}; accepted: tiny, real-width, real")
-    cfg["guidance_embeds"] = False
-    if num_layers is not None:
-        cfg["num_layers"] = num_layers
-    return cfg
-
-
-def _text_config(size: str, vocab_size: int, token_ids: dict) -> dict:
-    # real-width: the real hidden size (it sets the transformer's joint_attention_dim), heads and key/value
-    # heads (28 and 4, as in Qwen2.5-VL-7B) with one layer and a narrow MLP, so the directory stays small;
-    # it checks shapes and plumbing, not the 7B encoder's cost.
-    hidden, heads, kv_heads, layers, inter = (32, 2, 2, 2, 64) if size == "tiny" else (3584, 28, 4, 1, 1024)
-    head_dim = hidden // heads
-    # mrope_section splits the head_dim/2 rotary pairs over (time, height, width), 1/4 : 3/8 : 3/8 as in
-    # Qwen2.5-VL ([16, 24, 24] for head_dim 128); transformers checks that it sums to head_dim/2.
-    time_pairs = head_dim // 8
-    space_pairs = head_dim // 2 - time_pairs
-    mrope = [time_pairs, space_pairs // 2, space_pairs - space_pairs // 2]
-    text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
-                bos_token_id=token_ids["<|endoftext|>"], eos_token_id=token_ids["<|im_end|>"])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                  fullatt_block_indexes=[1])
-    return dict(text_config=text, vision_config=vision, image_token_id=token_ids["<|image_pad|>"],
-                video_token_id=token_ids["<|video_pad|>"], vision_start_token_id=token_ids["<|vision_start|>"],
-                vision_end_token_id=token_ids["<|vision_end|>"], tie_word_embeddings=False)
-
-
 # -- tokenizer -----------------------------------------------------------------------------------------------
-def _train_tokenizer(texts: tuple[str, ...] | None = None):
-    """Byte-level BPE trained on the templates until every template word is one token, as in Qwen's vocab
-    (so the template prefixes come out at the pipelines' drop counts: 64 and 34). `texts`: another family's
-    corpus (families/qwen_image_21/tiny.py), default the 2025 templates.
+def _train_tokenizer(texts: tuple[str, ...]):
+    """Byte-level BPE trained on a family's templates (`texts`, its `tiny` stage's corpus) until every template
+    word is one token, as in Qwen's vocab (so the template prefixes come out at the pipelines' drop counts).
 
     Deterministic: the trainer merges until no pair is left inside any pre-token (the Qwen2 regex splits
     the corpus into words), so each word of the corpus ends up whole; `vocab_size` is only a cap well above
@@ -100,8 +50,6 @@ def _train_tokenizer(texts: tuple[str, ...] | None = None):
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-    texts = texts or (templates.EDIT_TEMPLATE, templates.EDIT_PLUS_TEMPLATE, templates.T2I_TEMPLATE,
-                      "".join(templates.EDIT_PLUS_IMAGE_PREFIX.format(i) for i in range(1, 4)), _EXTRA_WORDS)
     corpus = [piece for text in texts for piece in special.split(text.replace("{}", " ")) if piece]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -117,7 +65,9 @@ def _train_tokenizer(texts: tuple[str, ...] | None = None):
     return vocab, merges
 
 
-def _build_tokenizer(out: Path | None, texts: tuple[str, ...] | None = None):
+def _build_tokenizer(out: Path | None, texts: tuple[str, ...], check=None):
+    """The tiny Qwen2 tokenizer trained on `texts`; `check(tokenizer)` (the family's prefix check) runs before it
+    is saved to `out` (None: not saved)."""
     from transformers import Qwen2Tokenizer
 
     vocab, merges = _train_tokenizer(texts)
@@ -128,46 +78,11 @@ def _build_tokenizer(out: Path | None, texts: tuple[str, ...] | None = None):
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
                                eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                additional_special_tokens=list(SPECIAL_TOKENS[1:]), model_max_length=32768)
-    if texts is None:
-        _check_prefixes(tokenizer)
+    if check is not None:
+        check(tokenizer)
     if out is not None:
         tokenizer.save_pretrained(out)
     return tokenizer
-
-
-def _prompt_encodings() -> dict[str, tuple[str, str, int]]:
-    """{encoding: (dropped prefix text, a formatted prompt, tokens dropped)} of every variant's prompt encoding
-    (families/variants.py), plus Qwen-Image's text-to-image template as "t2i"."""
-    out = {}
-    for variant in variants.VARIANTS.values():
-        if variant.drop is None:
-            continue  # counted by the processor (Qwen-Image-2.1, families/qwen_image_21/tiny.py)
-        text, drop = variant.format_prompt("make it blue", 1)
-        out.setdefault(variant.encoding, (variant.template.split("{}")[0].split("<|vision_start|>")[0], text, drop))
-    out["t2i"] = (templates.T2I_TEMPLATE.split("{}")[0], templates.T2I_TEMPLATE.format("make it blue"),
-                  templates.T2I_DROP)
-    return out
-
-
-def prefix_lengths(tokenizer) -> dict[str, int]:
-    """Token counts of the template prefixes that the pipelines drop (must be 64, 64 and 34)."""
-    return {name: len(tokenizer(prefix)["input_ids"]) for name, (prefix, _, _) in _prompt_encodings().items()}
-
-
-def _check_prefixes(tokenizer) -> None:
-    """Raise unless the pipelines' drop counts cut every template exactly after "<|im_start|>user\n"."""
-    encodings = _prompt_encodings()
-    got = prefix_lengths(tokenizer)
-    want = {name: drop for name, (_, _, drop) in encodings.items()}
-    if got != want:
-        raise RuntimeError(f"tiny tokenizer splits the template prefixes into {got} tokens, expected {want}")
-    # The pipelines drop hidden states of the whole formatted prompt, so check the token right after the cut:
-    # it must be the first token of the text after the prefix ("<|vision_start|>", "Picture", "make").
-    for name, (prefix, text, drop) in encodings.items():
-        expected = tokenizer.convert_ids_to_tokens(tokenizer(text[len(prefix):])["input_ids"][0])
-        token = tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"][drop])
-        if token != expected:
-            raise RuntimeError(f"tiny tokenizer: token {drop} of a {name} prompt is {token!r}, expected {expected!r}")
 
 
 # -- the directory -------------------------------------------------------------------------------------------

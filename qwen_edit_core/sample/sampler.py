@@ -88,11 +88,13 @@ class SampleSettings:
         if self.shift_mode not in SHIFT_MODES:
             raise ValueError(f"shift_mode {self.shift_mode!r} is not accepted; accepted: {', '.join(SHIFT_MODES)}")
         if not self.memory_budget_gb >= 0:
-            raise ValueError(f"memory_budget_gb must be >= 0 (0: the device's free memory), got {self.memory_budget_gb}")
+            raise ValueError(f"memory_budget_gb must be >= 0 (0: the device's free memory), "
+                             f"got {self.memory_budget_gb}")
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.num_inference_steps > geometry.MAX_STEPS:
-            raise ValueError(f"num_inference_steps must be at most {geometry.MAX_STEPS}, got {self.num_inference_steps}")
+            raise ValueError(f"num_inference_steps must be at most {geometry.MAX_STEPS}, "
+                             f"got {self.num_inference_steps}")
         too_large = geometry.size_problem(self.width, self.height)
         if too_large:
             raise ValueError(too_large)
@@ -133,8 +135,8 @@ class _Denoiser:
     """Predicts the guided velocity for one step in the chosen CFG mode, for any family: its conditioning `cond`
     supplies the hooks (its family's `Conditioning`, families/<family>/sampler.py):
     - `cond.branch(transformer, which, settings)`: `predict(latents, t)` of the target's tokens for the "cond" or
-      "uncond" prompt, or "both" (one batch of 2, cfg_mode batched); a branch may keep state between steps (Qwen-Image-2.1's
-      prefix K/V cache fills on its first call);
+      "uncond" prompt, or "both" (one batch of 2, cfg_mode batched); a branch may keep state between steps
+      (Qwen-Image-2.1's prefix K/V cache fills on its first call);
     - `cond.to(device)`: the conditioning on the uncond replica's device (cfg_mode split);
     - `cond.guide(cond_pred, uncond_pred, settings)`: the guided velocity.
     Each prompt keeps its exact length, compiled or not (one graph serves every length: speed.compile), so a

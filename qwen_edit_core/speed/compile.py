@@ -7,13 +7,13 @@ BENCHMARKS.md, "Reference timings"):
   keep their exact length, compiled or not: a batch of one prompt (or of equal lengths) has no padding and no
   mask, and attention stays on the fused kernels (a padded prompt's key mask takes it off them).
 - A new graph is compiled for what changes the graph itself: batch size 1 against larger ones (a size of 1
-  is always specialised), a text or image padding mask present or not, gradients on or off (training against
-  sampling), which LoRA adapters are active (and their ranks), dtype, device or autocast, and on
-  Qwen-Image-2.1 the number of references (its blocks take the prompt's text and picture runs as a Python list,
-  `segments`, whose length the graph is guarded on: diffusers 0.42.1 transformer_qwenimage21.py,
-  `_qwenimage21_prefix_segments`). In training the first block has a graph of its own: its inputs need no
-  gradient (they come from the frozen input projections), the later blocks' do. These are few per run; every new graph is logged and counted
-  (`compile_stats`), and at most `RECOMPILE_LIMIT` are kept.
+  is always specialised), a text or image padding mask present or not, gradients on or off (training against sampling),
+  which LoRA adapters are active (and their ranks), dtype, device or autocast, and on Qwen-Image-2.1 the number of
+  references (its blocks take the prompt's text and picture runs as a Python list, `segments`, whose length the graph is
+  guarded on: diffusers 0.42.1 transformer_qwenimage21.py, `_qwenimage21_prefix_segments`). In training the first block
+  has a graph of its own: its inputs need no gradient (they come from the frozen input projections), the later blocks'
+  do. These are few per run; every new graph is logged and counted (`compile_stats`), and at most `RECOMPILE_LIMIT` are
+  kept.
 - LoRA strengths are not compiled in: `adapters.lora.use_adapters` keeps peft's per-adapter scales as 0-d
   tensors (graph inputs, not constants), so changing a strength reuses the graph.
 

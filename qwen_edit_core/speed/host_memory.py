@@ -103,4 +103,11 @@ def release_cache() -> None:
     page-locked, unswappable memory a long-lived process such as ComfyUI would hold after a job). A no-op
     where the accelerator's allocator never started."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.accelerator.empty_host_cache()
+        empty_host_cache()
+
+
+def empty_host_cache() -> None:
+    """Empty torch's pinned host cache: `torch.accelerator.empty_host_cache` where this torch has it (2.14 does,
+    2.11 does not); else `torch._C._host_emptyCache`, what torch 2.11's own torch/cuda/graphs.py calls for it."""
+    public = getattr(torch.accelerator, "empty_host_cache", None)
+    (public or torch._C._host_emptyCache)()

@@ -38,6 +38,20 @@ log = logging.getLogger(__name__)
 
 LENT = "_qwen_edit_lent"
 
+#: how many times a loan moved lent tensors (parked or restored them): a ledger that counts the lender's storages
+#: walks them again only when this changed (`moves`)
+_moves = 0
+
+
+def moves() -> int:
+    """A count that changes whenever a loan parks or restores lent tensors (their storages on the device change)."""
+    return _moves
+
+
+def _moved() -> None:
+    global _moves
+    _moves += 1
+
 
 def shared_copy(transformer: nn.Module) -> nn.Module:
     """A deep copy of the module tree whose parameters and buffers are the original's tensors (no weight is
@@ -80,6 +94,7 @@ class _Loan:
             self.parked_bytes += host.nbytes  # a shared copy is its maker's memory (the offloader's pinned region)
         self.parked.append((tensor, host, data.device))
         tensor.data = torch.empty(0, dtype=data.dtype, device=data.device)
+        _moved()
 
     def repark(self) -> int:
         """Park again what `restore` put back (the copy is in use again); returns the bytes parked."""
@@ -97,6 +112,8 @@ class _Loan:
         with torch.no_grad():
             for tensor, host, device in self.parked:
                 tensor.data = host.to(device)
+        if self.parked:
+            _moved()
         self.parked, self.parked_bytes = [], 0
         for param, flag in self.flags:
             param.requires_grad_(flag)

@@ -89,12 +89,12 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     LoRA with its gradient and optimizer state, and the margin for the CUDA context, cuBLAS workspaces and
     fragmentation).
 
-    Every constant comes from the real-size simulator (`qwen-edit bench memory`, see the constants above);
-    its table is in BENCHMARKS.md. A non-checkpointed block saves `activation_factor` x tokens x dim bf16
-    values (the working set: `working_factor`, by fp8 base and checkpointing; both are the model family's), a checkpointed one its two input streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device
-    only while they run, `OFFLOAD_IN_FLIGHT` at a time. Sharded over `shards` processes (FSDP2), each holds
-    1/shards of the frozen weights, plus the whole of the two blocks in flight (the running one, the next one
-    prefetched) and of the root's own weights (gathered for the whole forward).
+    Every constant comes from the real-size simulator (`qwen-edit bench memory`, see the constants above); its table is
+    in BENCHMARKS.md. A non-checkpointed block saves `activation_factor` x tokens x dim bf16 values (the working set:
+    `working_factor`, by fp8 base and checkpointing; both are the model family's), a checkpointed one its two input
+    streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device only while they run, `OFFLOAD_IN_FLIGHT` at a time.
+    Sharded over `shards` processes (FSDP2), each holds 1/shards of the frozen weights, plus the whole of the two blocks
+    in flight (the running one, the next one prefetched) and of the root's own weights (gathered for the whole forward).
     """
     bytes_per_weight = 1 if fp8 else 2
     in_flight = min(OFFLOAD_IN_FLIGHT, n_offloaded) * block_params * bytes_per_weight

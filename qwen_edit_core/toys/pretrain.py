@@ -5,14 +5,13 @@ reference-1 batches in families/qwen_image_21/pretrain.py); the data, the flow-m
 manifest are this module's. The steps below are the 2025 toy's; families/qwen_image_21/pretrain.py describes the
 2.1 toy's.
 
-1. The VAE (the family's `vae_class`: 8 base channels, 16 latent channels, 8x downscale) starts from
-   constructed weights (families/qwen_image/pretrain.py `constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
-   its decoder upsamples the cell colours smoothly. The encoder is kept as constructed (`latents_mean`/
-   `latents_std` are its latents' measured per-channel statistics, so normalized latents have unit scale as
-   the flow-matching maths assumes); the decoder's residual branches are then trained by gradient descent
-   on synthetic pictures (`train_vae_decoder`), starting at the constructed output. (Training the whole
-   architecture from random weights barely moved in the CPU time available: 300 Adam steps, pixel MSE
-   0.17 -> 0.15 in [-1, 1] units.)
+1. The VAE (the family's `vae_class`: 8 base channels, 16 latent channels, 8x downscale) starts from constructed weights
+   (families/qwen_image/pretrain.py `constructed_vae`): its encoder averages 4x4-pixel squares into the latent channels,
+   its decoder upsamples the cell colours smoothly. The encoder is kept as constructed (`latents_mean`/`latents_std`
+   are its latents' measured per-channel statistics, so normalized latents have unit scale as the flow-matching maths
+   assumes); the decoder's residual branches are then trained by gradient descent on synthetic pictures
+   (`train_vae_decoder`), starting at the constructed output. (Training the whole architecture from random weights
+   barely moved in the CPU time available: 300 Adam steps, pixel MSE 0.17 -> 0.15 in [-1, 1] units.)
 2. The transformer (the family's `transformer_class`: 2 blocks, 2 heads of 32) learns the edits of
    `synthetic.EDITS` from (control, prompt) -> target pairs in that VAE's latent space with the trainer's own
    flow-matching loss (train/batch.py `flow_loss`: the sampler's shifted timesteps, per-sample generators).

@@ -1,4 +1,5 @@
-"""What the toy models' constructed VAEs share (the 2025 toy's in families/qwen_image/pretrain.py, the toy 2.1's in families/qwen_image_21/pretrain.py).
+"""What the toy models' constructed VAEs share (the 2025 toy's in families/qwen_image/pretrain.py, the toy 2.1's in
+families/qwen_image_21/pretrain.py).
 
 Each starts as `blank_vae`: the family's VAE class with every weight zero but the RMS norms' gains (one), so
 every residual branch and attention output is zero and each block is the identity (plus its shortcut). A

@@ -90,8 +90,8 @@ def flow_loss(transformer, batch, config: Config, scheduler_config: dict) -> tup
     """Flow-matching loss on each sample's target tokens: predict noise - latents at a sampled sigma.
 
     Padding is masked out of the loss, so each sample's loss equals its one-by-one loss. A Qwen-Image-2.1 batch
-    (families/qwen_image_21/batch.py) predicts with one call per token layout and is weighed the same way. Samples with a mask
-    weight each token by `train.unmasked_weight` outside the edited region and `train.mask_weight` inside.
+    (families/qwen_image_21/batch.py) predicts with one call per token layout and is weighed the same way. Samples with
+    a mask weight each token by `train.unmasked_weight` outside the edited region and `train.mask_weight` inside.
     """
     t = config.train
     pred, target, token_mask, sig = predict(transformer, batch, config, scheduler_config)

@@ -37,10 +37,10 @@ def share_of(items: Sequence[T], rank: int, world: int) -> list[T]:
 
 
 def run_shared(missing: Sequence[T], encode: Callable[[list[T]], dict], *, cpu: bool) -> dict:
-    """Encode this process's share of `missing` with `encode(share)` (which returns build_cache's counts), then
-    wait until every process has finished its share. Returns this process's counts with "total" set to the
-    whole stage's. Every process calls it, also with nothing missing: the first wait keeps an early process's
-    writes out of a later process's list of what is missing. Raises RuntimeError on every process when any process's share failed."""
+    """Encode this process's share of `missing` with `encode(share)` (which returns build_cache's counts), then wait
+    until every process has finished its share. Returns this process's counts with "total" set to the whole stage's.
+    Every process calls it, also with nothing missing: the first wait keeps an early process's writes out of a later
+    process's list of what is missing. Raises RuntimeError on every process when any process's share failed."""
     from accelerate import PartialState
 
     from qwen_edit_core.train.distributed import COLLECTIVE_TIMEOUT

@@ -1,11 +1,11 @@
 """Training checkpoints: written whole or not at all, found by their own metadata, the last K kept.
 
-A checkpoint is a directory `checkpoints/step-0000012/` (the step, seven digits) holding `adapter.safetensors` (the trainable LoRA
-parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
-`optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`), `ema.safetensors` (the LoRA's moving average, with
-`train.ema_decay`) and `state.json` (step, LR
-scheduler, data position, config). It is assembled under a temporary name and renamed into place, so a
-process killed mid-write leaves only a temporary directory that resume ignores and the next save removes.
+A checkpoint is a directory `checkpoints/step-0000012/` (the step, seven digits) holding `adapter.safetensors` (the
+trainable LoRA parameters by name, float32, exact), `lora.safetensors` (the ComfyUI/diffusers file users load),
+`optimizer.pt` and `rng.pt` (tensors only; read with `weights_only=True`), `ema.safetensors` (the LoRA's moving average,
+with `train.ema_decay`) and `state.json` (step, LR scheduler, data position, config). It is assembled under a temporary
+name and renamed into place, so a process killed mid-write leaves only a temporary directory that resume ignores and the
+next save removes.
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def file_problems(path: Path) -> tuple[dict[str, tuple[int, ...]], list[str]]:
             try:
                 torch.load(path / name, weights_only=True)
             except Exception as err:  # noqa: BLE001 - a damaged file makes torch raise several types
-                problems.append(f"{name} cannot be read ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})")
+                first_line = (str(err).splitlines() or [""])[0][:120]
+                problems.append(f"{name} cannot be read ({type(err).__name__}: {first_line})")
     if STATE_FILE not in missing:
         try:
             read_state(path)

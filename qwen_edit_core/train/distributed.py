@@ -107,10 +107,10 @@ class Distributed:
 
 def ignore_frozen(model: torch.nn.Module) -> int:
     """Leave every frozen parameter and every buffer of `model` out of DistributedDataParallel (torch's
-    `_set_params_and_buffers_to_ignore_for_model`, read when DDP wraps the model): DDP broadcasts from rank 0 at
-    wrap every parameter and buffer it is not told to ignore (`_sync_module_states`), which for the frozen base is
-    the whole transformer (docs/MODEL.md, "The real model's sizes") that every process already loaded from the same files; frozen weights
-    have no gradients to average. Returns how many names are ignored."""
+    `_set_params_and_buffers_to_ignore_for_model`, read when DDP wraps the model): DDP broadcasts from rank 0 at wrap
+    every parameter and buffer it is not told to ignore (`_sync_module_states`), which for the frozen base is the whole
+    transformer (docs/MODEL.md, "The real model's sizes") that every process already loaded from the same files; frozen
+    weights have no gradients to average. Returns how many names are ignored."""
     from torch.nn.parallel import DistributedDataParallel
     names = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -106,7 +106,8 @@ class HeldOutMetrics:
         from qwen_edit_core.families import family_of
         transformer = self.components.transformer
         sampling = family_of(pair.tensors).stage("sampler")  # the entry's family samples and packs it
-        cond = sampling.conditioning_from_entry(pair.tensors, next(transformer.parameters()).device, transformer.img_in.weight.dtype)
+        cond = sampling.conditioning_from_entry(pair.tensors, next(transformer.parameters()).device,
+                                                transformer.img_in.weight.dtype)
         latents = sampling.denoise(self.components, cond, self.settings)
         target = sampling.pack(pair.tensors["target_latents"][None]).to(latents.device, torch.float32)
         latent_mse = float(((latents.float() - target) ** 2).mean())

@@ -9,6 +9,7 @@ The maths of one micro-step (batches, dropout, noise, loss) lives in `train.batc
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -303,8 +304,9 @@ def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: Progress
     if run.losslog is not None and loss is not None:
         run.losslog.add(step, loss, run.lr_scheduler.get_last_lr()[0])
     if progress is not None:
+        # a reader, not the reading: only a consumer that keeps a ledger (a background job) walks the storages
         progress(Progress("train", step, t.max_steps, loss=loss,
-                          device_storages=run_storages(run.transformer, run.optimizer, run.device)))
+                          device_storages=functools.partial(run_storages, run.transformer, run.optimizer, run.device)))
     if t.validation_every and step % t.validation_every == 0:
         if progress is not None:
             progress(Progress("device", step, t.max_steps))

@@ -282,8 +282,8 @@ def _inject(config: Config, transformer, spec: lora_mod.LoraSpec) -> None:
 def fit(config: Config, *, encoders=None, shared: comp.Components | None = None,
         release: Callable[[], None] = lambda: None,
         ready: Callable[[comp.Components, lora_mod.LoraSpec], None] = lambda comps, spec: None,
-        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None, resume=None, progress=None, cancel=None,
-        overwrite: bool = False):
+        check: Callable[[Path, int], None] = lambda model_dir, n_examples: None,
+        resume=None, progress=None, cancel=None, overwrite: bool = False):
     """Train a LoRA on `data.folder` (from the cache when `cache.enabled`, else encoding in real time) and write
     it to `train.output_dir`; returns loop.TrainResult.
 

@@ -102,8 +102,9 @@ def shard_frozen_base(model: torch.nn.Module, device: torch.device, world: int) 
                          "bf16 transformer file), or train with data parallel (plain `accelerate launch`)")
     wrap = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", BLOCK_CLASS)
     if wrap not in block_classes():
+        ours = type(model.transformer_blocks[0]).__name__
         raise ValueError(f"fsdp_transformer_layer_cls_to_wrap {wrap!r}: the unit must be the transformer block "
-                         f"({' or '.join(block_classes())}; this model's is {type(model.transformer_blocks[0]).__name__})")
+                         f"({' or '.join(block_classes())}; this model's is {ours})")
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard")
     mesh = init_device_mesh(torch.device(device).type, (world,))
     lora = {p for p in model.parameters() if p.requires_grad}

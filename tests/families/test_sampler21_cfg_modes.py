@@ -97,3 +97,22 @@ def test_batched_cfg_is_refused_naming_the_option(comps):
     with pytest.raises(ValueError, match="cfg_mode 'batched' is not available for Qwen-Image-2.1.*'sequential' or "
                                          "'split'"):
         sampler.sample(comps, "p", _references(), _settings(cfg_mode="batched"))
+
+
+def test_a_batch_of_two_sizes_samples_each_edit_as_alone(comps):
+    """`sample_batch` takes Qwen-Image-2.1 too: its transformer reads one token layout per call, so the edits run
+    one after the other through the family's own loop, each equal to sampling it alone, progress counted over the
+    batch."""
+    from qwen_edit_core.sample.batch import sample_batch
+    rng = np.random.default_rng(7)
+    images = [[Image.fromarray(rng.integers(0, 255, (48, 96, 3), dtype=np.uint8))],
+              [Image.fromarray(rng.integers(0, 255, (64, 32, 3), dtype=np.uint8))]]
+    prompts = ["make the sky purple", "add a hat"]
+    singles = [sampler.sample(comps, p, refs, dataclasses.replace(_settings(), seed=s))
+               for p, refs, s in zip(prompts, images, (5, 6))]
+    events = []
+    batched = sample_batch(comps, prompts, images, _settings(), seeds=[5, 6], progress=events.append)
+    assert singles[0].shape != singles[1].shape
+    for one, many in zip(singles, batched):
+        assert torch.equal(one, many)
+    assert [(e.step, e.total) for e in events] == [(k, 2 * STEPS) for k in range(1, 2 * STEPS + 1)]

@@ -260,7 +260,7 @@ def test_a_plan_larger_than_the_card_is_refused_before_any_weight_is_read(six_bl
 def test_the_loader_runs_without_weights_under_fake_tensors(family):
     """A shapes-only source on the stand-in device under FakeTensorMode (how a real-size load is simulated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from qwen_edit_core.model import tiny
+    from qwen_edit_core.families.qwen_image import tiny
     from qwen_edit_core.families.qwen_image_21 import tiny as tiny21
     config = tiny.transformer_config("tiny", num_layers=N_BLOCKS) if family == "2025" else \
         {**tiny21.transformer_config("tiny"), "num_layers": N_BLOCKS}

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from qwen_edit_core.families import templates
-from qwen_edit_core.model.tiny import SCHEDULER_CONFIG, SPECIAL_TOKENS, build_tiny, prefix_lengths, transformer_config
+from qwen_edit_core.families.qwen_image.tiny import SCHEDULER_CONFIG, prefix_lengths, transformer_config
+from qwen_edit_core.model.tiny import SPECIAL_TOKENS, build_tiny
 
 
 def _digests(root):
@@ -115,7 +116,7 @@ def test_transformer_configs():
 def test_real_width_configs_match_each_other():
     """The real-width build's configs (checked without writing its 1.7 GB: CI disks may be small): the text
     encoder's width is the transformer's joint_attention_dim and its rope sections fit its heads."""
-    from qwen_edit_core.model.tiny import _text_config
+    from qwen_edit_core.families.qwen_image.tiny import _text_config
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     text = _text_config("real-width", 600, ids)["text_config"]
     transformer = transformer_config("real-width")

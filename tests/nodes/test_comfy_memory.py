@@ -336,7 +336,7 @@ def test_comfyuis_free_memory_leaves_out_what_a_running_jobs_next_step_needs(com
             other.append(allocator.alloc(7000))  # another prompt loads a model while the job trains
             activations = [allocator.alloc(3000), allocator.alloc(2000)]
             del activations  # the step is over: reserved, inactive
-            progress(Progress("train", step, 2, device_storages={1: 400}))  # the run's LoRA and optimizer state
+            progress(Progress("train", step, 2, device_storages=lambda: {1: 400}))  # the run's LoRA and optimizer state
             between.set()
             go_on.wait()
             go_on.clear()
@@ -501,7 +501,7 @@ def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(mon
         model.weight.data = torch.empty(0)  # parked
         other = allocator.alloc(200)  # another model, loaded beside the job  # noqa: F841
         progress(jobs.Progress(stage="train", step=1, total=1,
-                               device_storages=device_use.storages_on([fp8_copy], torch.device("cpu"))))
+                               device_storages=lambda: device_use.storages_on([fp8_copy], torch.device("cpu"))))
         stepped.set()
         finish.wait()
         return TrainResult(state="done", step=1, lora_path=None, loss_plot=None)
@@ -515,3 +515,29 @@ def test_a_job_that_parks_its_lenders_weights_reports_its_fp8_and_lora_bytes(mon
     finally:
         finish.set()
         job.wait()
+
+
+def test_a_job_walks_its_lenders_weights_only_after_its_setup_and_when_a_loan_moves_them(monkeypatch, tmp_path):
+    """A step's ledger entry does not walk the lender's parameters again: they change only when the run's setup
+    parks or offloads them (before its first step) or a loan parks or restores them later (speed.lending.moves)."""
+    from qwen_edit_core.speed import lending
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(16, 16, bias=False)  # 1024 bytes
+    walks, seen = [], []
+    real = jobs.storages_of
+    monkeypatch.setattr(jobs, "storages_of", lambda *a: walks.append(sum(real(*a).values())) or real(*a))
+
+    def five_steps(config, *, resume, progress, cancel, lock=None, model=None):
+        copy = lending.lend(model)
+        for step in range(1, 6):
+            if step == 4:  # a host copy made elsewhere (the block offloader's) lets the loan park a CPU tensor
+                lending.loan_of(copy).park(model.weight, model.weight.detach().clone())
+            progress(jobs.Progress("train", step, 5, device_storages=lambda: {}))
+            seen.append(list(walks))
+        lending.give_back(copy)
+        return TrainResult(state="done", step=5, lora_path=None, loss_plot=None)
+
+    monkeypatch.setattr(jobs, "REGISTRY", jobs.JobRegistry(fit=five_steps, preflight=lambda config, resume: None))
+    from qwen_edit_core.config import load_config
+    jobs.REGISTRY.start(load_config(overrides={"train": {"output_dir": "run", "device": "cpu"}}), model=model).wait()
+    assert seen == [[1024, 1024]] * 3 + [[1024, 1024, 0]] * 2  # the start, the first step, the parked weight

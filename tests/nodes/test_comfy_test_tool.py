@@ -171,3 +171,37 @@ def test_a_workflow_is_queued_with_its_id_as_the_frontend_queues_it(tool, tmp_pa
     assert server.queue({"1": {}}, workflow_id="w-1") == server.queue({"1": {}}) == "p"
     assert sent[0][1]["extra_data"] == {"extra_pnginfo": {"workflow": {"id": "w-1"}}}
     assert "extra_data" not in sent[1][1] and sent[0][0] == sent[1][0] == "/prompt"
+
+
+def test_the_runner_reads_the_packs_own_modules_without_an_install(tmp_path):
+    """ComfyUI's Python has the pack's requirements, not the pack: the runner (edit_check's edge similarity, the
+    lifecycle check's checkpoints) imports qwen_edit_core from the checkout it runs from."""
+    import os
+    import subprocess
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]  # no install\n"
+            "sys.path[:] = [p for p in sys.path if p and 'site-packages' in p or 'python3' in p]\n"
+            f"sys.path.insert(0, {str(TOOL)!r})\n"
+            "import run, qwen_edit_core\n"
+            "print(qwen_edit_core.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).parent == TOOL.parents[1] / "qwen_edit_core"
+
+
+def test_a_failed_workflow_is_in_the_fail_line_once(tool, monkeypatch, capsys, caplog):
+    """The workflows check's summary names each failure with its reason; the runner prints it as the FAIL line
+    alone (no traceback repeating it)."""
+    comfy, run = tool
+
+    def failing(args):
+        raise run.ChecksFailed("1 of 2 workflows failed (1 ok: ['a.json']):\nb.json: KeyError after 1 s: 'x'")
+
+    args = type("Args", (), {"front_end_root": None, "time_scale": 1.0, "only": "workflows"})
+    monkeypatch.setattr(run, "check_workflows", failing)
+    with caplog.at_level("INFO"):
+        code = run._run_checks(args)
+    printed = capsys.readouterr()
+    everything = printed.out + printed.err + caplog.text
+    assert code == 1 and everything.count("b.json") == 1 and everything.count("a.json") == 1, everything

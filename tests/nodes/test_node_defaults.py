@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nodes
-from nodes.common import (AUTO_CFG, TINY_21_MODEL, TINY_MODEL, TOY_MODEL, ModelHandle, resolve_model,
+from nodes.common import (AUTO_CFG, TINY_21_MODEL, TINY_MODEL, TOY_MODEL, DatasetHandle, ModelHandle, resolve_model,
                           training_defaults)
 from nodes.sample_nodes import cfg_of
 from qwen_edit_core import jobs
@@ -82,6 +82,6 @@ def test_validation_previews_on_the_toy_sample_at_cfg_1(tmp_path, monkeypatch):
     toy = _handle(TOY_MODEL, "edit")
     toy = ModelHandle(Components(model_dir=toy.components.model_dir, variant="edit", scheduler_config={},
                                  transformer=torch.nn.Linear(2, 2)))
-    data = type("Data", (), {"folder": tmp_path})
+    data = DatasetHandle(tmp_path, report=None)
     (preview,) = previews_from_config(_config(toy, data, output_dir=tmp_path / "run", resolution=0))
     assert preview.settings.true_cfg_scale == 1.0 and preview.label.endswith("CFG 1"), preview.label

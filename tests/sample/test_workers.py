@@ -84,7 +84,7 @@ def test_too_little_shared_memory_is_refused_before_any_worker_starts(monkeypatc
     letting its workers die mid-transfer."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qwen_edit_core.model.tiny import transformer_config
+    from qwen_edit_core.families.qwen_image.tiny import transformer_config
     model = QwenImageTransformer2DModel(**transformer_config("tiny", num_layers=1))
     needed = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     assert workers.host_tensor_bytes(model) == needed

@@ -14,7 +14,7 @@ from diffusers import QwenImageTransformer2DModel
 from qwen_edit_core import speed
 from qwen_edit_core.adapters import lora, multires
 from qwen_edit_core.model.encode import pad_embeddings
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 from qwen_edit_core.speed import compile as compile_mod
 
 from tolerances import TINY_FORWARD_ROUNDINGS, assert_close_fp32

@@ -87,31 +87,66 @@ def _text_lengths(cache_dir) -> list[int]:
     return lengths
 
 
-def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_eager(one_block_dir, tmp_path,
-                                                                                     caplog):
-    """Twelve captions of twelve token lengths (several 64-token buckets), images in two size buckets (72 and
-    48 tokens), batches of 2: the compiled run's losses and LoRA equal the eager run's within the float32
-    rounding of the training steps, one block
-    graph compiles (dynamic lengths; gradients on, batch 2, padded text), and the run's log reports it."""
-    from safetensors.torch import load_file
+class _Runs:
+    """Training runs of one config over twelve captions of twelve token lengths (several 64-token buckets) and
+    images in two size buckets (72 and 48 tokens), batches of 2, eager or compiled."""
 
-    from qwen_edit_core import QwenImageEditTrainer
-    data = _pairs(tmp_path / "data", [(96, 96), (96, 64)] * 6,
-                  [("invert the colors " + "now " * (5 * k)).strip() for k in range(12)])
+    def __init__(self, model_dir, root):
+        self.model_dir, self.root = model_dir, root
+        self.data = _pairs(root / "data", [(96, 96), (96, 64)] * 6,
+                           [("invert the colors " + "now " * (5 * k)).strip() for k in range(12)])
 
-    def fit(name: str, compile: bool):
-        config = train_config(one_block_dir, data, tmp_path / name, cache_dir=tmp_path / "cache",
+    def fit(self, name: str, compile: bool):
+        from qwen_edit_core import QwenImageEditTrainer
+        config = train_config(self.model_dir, self.data, self.root / name, cache_dir=self.root / "cache",
                               model={"lora": {"rank": 4, "alpha": 4.0, "targets": "attn"}},
                               data={"vae_area": 7000, "batch_size": 2},
                               train={"max_steps": 6, "compile": compile}, logging={"plot": False})
         trainer = QwenImageEditTrainer(config)
         return trainer, trainer.fit()
 
-    _, eager = fit("eager", False)
-    lengths = _text_lengths(tmp_path / "cache")
+
+@pytest.fixture(scope="module")
+def runs(one_block_dir, tmp_path_factory):
+    """The twelve-caption runs and their eager run (shared by the compiled runs it is compared with)."""
+    runs = _Runs(one_block_dir, tmp_path_factory.mktemp("runs"))
+    runs.eager = runs.fit("eager", False)[1]
+    return runs
+
+
+def test_training_compiled_by_a_backend_that_keeps_the_numbers_gives_the_eager_lora_bit_for_bit(runs, monkeypatch):
+    """Compiled by `aot_eager` (dynamo and AOTAutograd's joint forward and backward graph, run by eager kernels:
+    no fusion, no reordering), the run's losses and LoRA are the eager run's, bit for bit. A compiled block hands
+    zero gradients, not none, to what its outputs the model discards feed: a LoRA there would take AdamW's weight
+    decay only when compiled (`inject_lora` leaves those modules out: test_lora.py derives them by autograd)."""
+    import functools
+
+    from safetensors.torch import load_file
+
+    from qwen_edit_core.speed import compile as compile_mod, levers
+    monkeypatch.setattr(levers, "compile_blocks", functools.partial(compile_mod.compile_blocks, backend="aot_eager"))
+    try:
+        trainer, same = runs.fit("aot_eager", True)
+    finally:
+        torch._dynamo.reset()  # the inductor run after it compiles its own graphs
+    stats = speed.compile_stats(trainer.components.transformer)
+    assert stats.fallback is None and stats.graphs >= 1, stats
+    assert same.history == runs.eager.history
+    got, expected = load_file(same.lora_path), load_file(runs.eager.lora_path)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_compiled_training_over_twelve_caption_lengths_and_two_buckets_matches_eager(runs, caplog):
+    """The twelve-caption runs (`_Runs`): the inductor-compiled run's losses and LoRA equal the eager run's within
+    the float32 rounding of the training steps, one block graph compiles (dynamic lengths; gradients on, batch 2,
+    padded text), and the run's log reports it."""
+    from safetensors.torch import load_file
+
+    eager = runs.eager
+    lengths = _text_lengths(runs.root / "cache")
     assert len(set(lengths)) >= 12 and len({-(-n // 64) for n in lengths}) >= 2, lengths
     with caplog.at_level(logging.INFO):
-        trainer, fast = fit("compiled", True)
+        trainer, fast = runs.fit("compiled", True)
     stats = speed.compile_stats(trainer.components.transformer)
     assert stats.fallback is None and stats.graphs <= 1, stats
     assert len(_compiled_graph_lines(caplog)) == stats.graphs

@@ -9,7 +9,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 
 from qwen_edit_core import speed
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 from qwen_edit_core.speed import host_memory
 
 GIB = 2**30
@@ -98,3 +98,12 @@ def test_giving_back_a_lent_model_empties_the_host_cache(monkeypatch):
     copy = speed.lend(model)
     speed.give_back(copy)
     assert released == [True]
+
+
+def test_the_host_cache_empties_on_a_torch_without_torch_accelerator_empty_host_cache(monkeypatch):
+    """torch 2.11 has no `torch.accelerator.empty_host_cache`: the older binding it has serves."""
+    called = []
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: called.append("older"))
+    host_memory.empty_host_cache()
+    assert called == ["older"]

@@ -9,7 +9,7 @@ from diffusers import QwenImageTransformer2DModel
 
 from qwen_edit_core import speed
 from qwen_edit_core.speed import lending
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 
 
 def _model(num_layers: int = 2):

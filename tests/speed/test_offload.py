@@ -16,7 +16,7 @@ from diffusers import QwenImageTransformer2DModel
 
 from qwen_edit_core import speed
 from qwen_edit_core.adapters import lora
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 from qwen_edit_core.speed import offload
 
 OFFLOADED = [1, 3]

@@ -13,7 +13,7 @@ from qwen_edit_core.bench.common import top_kernels
 from qwen_edit_core.bench.random_weights import RandomSource
 from qwen_edit_core.families import DEFAULT
 from qwen_edit_core.model.planned_load import load_transformer_planned
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from qwen_edit_core.adapters import multires as batching
 from qwen_edit_core.adapters import lora
 from qwen_edit_core import speed as perf
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 
 from conftest import train_config
 from tolerances import TINY_FORWARD_ROUNDINGS, TINY_SAMPLER_ROUNDINGS, assert_close_fp32

@@ -117,7 +117,7 @@ if accelerator.is_main_process:
 def _tiny_transformer():
     from diffusers import QwenImageTransformer2DModel
 
-    from qwen_edit_core.model.tiny import transformer_config
+    from qwen_edit_core.families.qwen_image.tiny import transformer_config
     return QwenImageTransformer2DModel(**transformer_config("tiny")).requires_grad_(False)
 
 

@@ -91,16 +91,19 @@ def poll(check, timeout: float, what: str, every: float = 0.25):
 class ComfyServer:
     """`python main.py --cpu` of the ComfyUI checkout at `comfyui_dir`, with the pack symlinked into
     `<base>/custom_nodes/`; `base` is a fresh temporary directory unless given (to restart on the same one), removed
-    by `close()` (and on leaving a `with` block) when the server made it."""
+    by `close()` (and on leaving a `with` block) when the server made it; `flags` go to main.py after ours."""
 
-    def __init__(self, comfyui_dir: Path, python: str, base: Path | None = None, log_dir: Path | None = None):
-        self.comfyui_dir, self.python = Path(comfyui_dir).resolve(), python
+    def __init__(self, comfyui_dir: Path, python: str, base: Path | None = None, log_dir: Path | None = None,
+                 flags: tuple[str, ...] = ()):
+        self.comfyui_dir, self.python, self.flags = Path(comfyui_dir).resolve(), python, tuple(flags)
         self.owns_base = base is None
         self.base = Path(base) if base else Path(tempfile.mkdtemp(prefix="qwen_edit_comfy_"))
         self.log_dir = Path(log_dir or self.base)
         self.proc, self.port, self.starts = None, None, 0
 
     def start(self, timeout: float = 900) -> "ComfyServer":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"the server on port {self.port} is running: stop() it before starting it again")
         nodes_dir = self.base / "custom_nodes"
         nodes_dir.mkdir(parents=True, exist_ok=True)
         link = nodes_dir / PACK_DIR_NAME
@@ -113,7 +116,8 @@ class ComfyServer:
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
                 [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                 "--base-directory", str(self.base), "--disable-auto-launch", *server_flags(self.comfyui_dir)],
+                 "--base-directory", str(self.base), "--disable-auto-launch", *server_flags(self.comfyui_dir),
+                 *self.flags],
                 cwd=self.comfyui_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             poll(lambda: self.proc.poll() is not None and self._died() or self._ready(), timeout,

@@ -5,7 +5,10 @@ frontend queues them (each with its own workflow id): the real-time training one
 then the sampling one while the job trains. With the same Load Model settings ComfyUI serves node 1's cached output,
 the job's model, and sampling on it is refused naming the job and Load Model's `instance`; with instance 1 the sample
 succeeds and the job keeps training on its own model (a real-time step runs its text encoder and VAE, which the
-second load once moved to `meta`), then stops with a checkpoint and its LoRA delivered to models/loras.
+second load once moved to `meta`), then stops with a checkpoint and its LoRA delivered to models/loras, and the
+same graph resumes and finishes. Throughout, ComfyUI's ledger (read through ledger_probe.py) lists the job once with
+its bytes, the unload ComfyUI runs after every prompt (--disable-smart-memory) is declined, and none of the job's
+weights is freed.
 
 `check_unload_memory`: a real-width model (one block at the real widths, about 1.5 GB in float32) loaded by a
 graph that samples one step, then ComfyUI's "Free model and node cache" (POST /free): the server's resident memory falls by most of the
@@ -15,6 +18,7 @@ anew)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +29,9 @@ from comfy import PACK, ComfyServer, limit, poll
 from convert import set_inputs, to_api
 
 TEMPLATES = PACK / "example_workflows"
+#: the test server's custom node that shows ComfyUI's list of loaded models (ledger_probe.py), and its route
+LEDGER_PROBE = Path(__file__).resolve().with_name("ledger_probe.py")
+LEDGER_ROUTE = "/comfy_test/loaded_models"
 #: the share of the model's weight bytes the server's resident memory must give back after POST /free
 RETURNED_SHARE = 0.6
 
@@ -33,9 +40,26 @@ def _workflow(name: str, object_info: dict) -> dict:
     return to_api(json.loads((TEMPLATES / f"{name}.json").read_text()), object_info)
 
 
+def _job_entry(server: ComfyServer, name: str) -> dict:
+    """The ledger row (ledger_probe.py) of training job `name`; fails unless ComfyUI lists exactly one, with bytes
+    counted and none of the job's weights freed."""
+    rows = server.get(LEDGER_ROUTE)
+    entries = [row for row in rows if row.get("job") == name]
+    assert len(entries) == 1, f"ComfyUI's loaded models should list job {name!r} once: {rows}"
+    entry = entries[0]
+    assert entry["bytes"] > 0 and entry["tensors"] > 0 and entry["freed"] == 0, entry
+    return entry
+
+
 def check_job_models(args) -> list[str]:
+    """The server runs with --disable-smart-memory: ComfyUI then unloads every model of the device after each
+    prompt (execution.py, 0.3.64), which on the CPU is the largest request for memory a prompt can make (ComfyUI's
+    loaders free memory before a load only on a GPU)."""
     name = "node_one_job"
-    with ComfyServer(args.comfyui_dir, args.python, log_dir=args.out) as server:
+    server = ComfyServer(args.comfyui_dir, args.python, log_dir=args.out, flags=("--disable-smart-memory",))
+    (server.base / "custom_nodes").mkdir(parents=True, exist_ok=True)
+    shutil.copy(LEDGER_PROBE, server.base / "custom_nodes" / "comfy_test_ledger_probe.py")
+    with server:  # starts it
         info = server.get("/object_info")
         train = set_inputs(_workflow("qwen_edit_train_realtime", info), "QwenEditTrainLoRA", lora_name=name,
                            steps=100_000, checkpoint_every=0, validation_every=0)
@@ -43,16 +67,20 @@ def check_job_models(args) -> list[str]:
         sample = _workflow("qwen_edit_sample_with_lora", info)
         assert train["1"]["class_type"] == sample["1"]["class_type"] == "QwenEditModelLoader", (train, sample)
         sample_id = str(uuid.uuid4())
-        server.run(train, workflow_id=str(uuid.uuid4()))
+        server.run(train, workflow_id=str(uuid.uuid4()))  # its end unloads every model: the job keeps its own
         server.job_where(name, lambda j: j["step"] >= 1 or j["finished"], 900, "the first real-time step")
+        counted = _job_entry(server, name)
         try:  # the same settings give back ComfyUI's cached output of node 1: the job's own model
             server.run(sample, workflow_id=sample_id)
             raise AssertionError("sampling on the running job's model was not refused")
         except RuntimeError as refused:
             assert name in str(refused) and "instance" in str(refused), refused
+        # another model (Load Model's instance 1) loads, samples, and is unloaded at the prompt's end
         server.run(set_inputs(sample, "QwenEditModelLoader", instance=1), workflow_id=sample_id)
         after = server.jobs()[name]
         assert after["state"] == "training", f"the job did not survive the other workflow's load: {after}"
+        kept = _job_entry(server, name)
+        assert kept["declined"] > counted["declined"] >= 1, (counted, kept)  # asked again, and declined again
         moved_on = server.job_where(name, lambda j: j["step"] >= after["step"] + 2 or j["finished"], 900,
                                     "two more real-time steps after the sample")
         assert moved_on["state"] == "training", f"the job failed after the other workflow's load: {moved_on}"
@@ -60,10 +88,19 @@ def check_job_models(args) -> list[str]:
         stopped = server.jobs()[name]
         lora = server.base / "models" / "loras" / f"{name}.safetensors"
         assert stopped["state"] == "cancelled" and stopped["delivered"] == str(lora) and lora.is_file(), stopped
+        # the same graph resumes on the model that went through those unloads and finishes: its LoRA delivered
+        final = stopped["step"] + 2
+        server.run(set_inputs(set_inputs(train, "QwenEditTrainLoRA", resume=True, steps=final),
+                              "QwenEditTrainStatus", wait=True), workflow_id=str(uuid.uuid4()))
+        done = server.jobs()[name]
+        assert done["state"] == "done" and done["step"] == final and done["delivered"] == str(lora), done
     return [f"two workflows with Load Model as node 1: sampling on the job's model was refused naming the job and "
             f"`instance`; with instance 1 the sample ran while the real-time job trained (step {after['step']}), the "
             f"job went on to step {moved_on['step']}, stopped at step {stopped['step']} and delivered its LoRA to "
-            "models/loras"]
+            "models/loras",
+            f"memory: ComfyUI's ledger listed the running job once ({kept['bytes'] / 2**20:.1f} MiB counted) through "
+            f"{kept['declined']} unloads of every model (--disable-smart-memory, after each prompt), none of its "
+            f"{kept['tensors']} tensors freed; the resumed job finished at step {done['step']} and delivered its LoRA"]
 
 
 def _rss_mb(pid: int) -> float:

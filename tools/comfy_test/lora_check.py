@@ -39,7 +39,7 @@ import comfy.sd, folder_paths, nodes
 from diffusers import QwenImageTransformer2DModel
 from safetensors.torch import save_file
 from qwen_edit_core.adapters import lora
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 
 WORK, KINDS, TARGETS = sys_work, sys_kinds, sys_targets
 not_loaded = []

@@ -27,6 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import comfy  # noqa: E402
 from comfy import PACK, TRAIN_WORKFLOW, ComfyServer  # noqa: E402
+
+# the checks read the pack's own helpers (qwen_edit_core: checkpoints, the demo's edge similarity) in this process;
+# appended, so that nothing of the pack shadows ComfyUI's or the tool's modules
+if str(PACK) not in sys.path:
+    sys.path.append(str(PACK))
 from convert import set_inputs, to_api  # noqa: E402
 from edit_check import check_edits  # noqa: E402
 from thumbnails import keep_thumbnail  # noqa: E402
@@ -36,6 +41,11 @@ TEMPLATES = PACK / "example_workflows"
 WORKFLOWS = sorted(TEMPLATES.glob("*.json"))
 #: one workflow's time limit on the reference machine (comfy.REFERENCE_WORK_S), scaled by comfy.TIME_SCALE
 WORKFLOW_LIMIT_S = 900
+
+
+class ChecksFailed(RuntimeError):
+    """A check's complete account of its own failures (each named once, with its reason): reported as its FAIL line
+    alone, without a traceback that would repeat it."""
 
 
 def check_workflows(args) -> list[str]:
@@ -71,13 +81,12 @@ def check_workflows(args) -> list[str]:
             log.info(results[-1])
     if failures:
         passed = [p.name for p in chosen if p.name not in {f.split(":")[0] for f in failures}]
-        raise RuntimeError(f"{len(failures)} of {len(chosen)} workflows failed ({len(passed)} ok: {passed}):\n"
+        raise ChecksFailed(f"{len(failures)} of {len(chosen)} workflows failed ({len(passed)} ok: {passed}):\n"
                            + "\n".join(failures))
     return results
 
 
 def _latest_checkpoint_step(base: Path, name: str) -> int:
-    sys.path.insert(0, str(PACK))
     from qwen_edit_core.train.checkpoint import latest_checkpoint
     found = latest_checkpoint(base / "output" / "qwen_edit_runs" / name / "checkpoints")
     return found.step if found else -1
@@ -171,7 +180,8 @@ def main(argv=None) -> int:
                              "ComfyUI to free a GPU), model_memory (the pack's models in ComfyUI's memory "
                              "manager; a loader run twice holds one transformer), job_memory (a running job stays "
                              "counted and loaded through ComfyUI's unloads), job_models (a real-time job trains on "
-                             "while another workflow whose Load Model is also node 1 samples), unload_memory "
+                             "while another workflow whose Load Model is also node 1 samples, ComfyUI's ledger "
+                             "counting it through --disable-smart-memory's unloads), unload_memory "
                              "(ComfyUI's Free model and node cache gives back a real-width model's resident "
                              "memory), view (each workflow opened at "
                              "1920x1080 is readable), frontend (the live view inside a subgraph and with the Vue "
@@ -233,7 +243,8 @@ def _run_checks(args) -> int:
             for line in checks[name](args):
                 print(f"PASS {name}: {line}", flush=True)
         except Exception as err:  # noqa: BLE001 - report every check, then fail
-            log.exception("%s failed", name)
+            if not isinstance(err, ChecksFailed):
+                log.exception("%s failed", name)
             failed.append(f"{name}: {type(err).__name__}: {err}")
     for line in failed:
         print(f"FAIL {line}", flush=True)

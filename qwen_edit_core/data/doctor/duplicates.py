@@ -24,7 +24,8 @@ def _signature(pair: Measured) -> tuple[int, int]:
 def _levels(pair: Measured) -> np.ndarray:
     """The levels of the pair's target and edited control, in 8-bit levels."""
     m = pair.measures
-    return np.concatenate([np.take(m.target_features, LEVEL_FEATURES), np.take(m.control_features, LEVEL_FEATURES)]) * 255
+    levels = [np.take(m.target_features, LEVEL_FEATURES), np.take(m.control_features, LEVEL_FEATURES)]
+    return np.concatenate(levels) * 255
 
 
 def _gap(a: Measured, b: Measured) -> float:

@@ -80,7 +80,8 @@ def luminance(rgb: np.ndarray) -> np.ndarray:
 
 
 def resized(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """A float array (h, w) or (h, w, 3) resized to `size` (w, h) (bilinear): pictures of a pair compared on one grid."""
+    """A float array (h, w) or (h, w, 3) resized to `size` (w, h) (bilinear): pictures of a pair compared on one
+    grid."""
     if array.shape[1] == size[0] and array.shape[0] == size[1]:
         return array
     if array.ndim == 2:

@@ -12,7 +12,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Container, Optional, Sequence
 
 from qwen_edit_core.common.files import write_bytes
 from qwen_edit_core.data.doctor import alignment, captions, duplicates, references, regions, sizes, swapped
@@ -55,13 +55,13 @@ def _greys(example: EditExample) -> list[bool]:
     return [False] * (len(example.controls) + 1) + [True]
 
 
-def measure_pair(example: EditExample, cached: dict) -> tuple[str, dict]:
+def measure_pair(example: EditExample, known: Container[str]) -> tuple[str, Optional[dict]]:
     """(the pair's cache key, its measures as a dict) for a pair the dataset reader did not hand over: every file
-    read once and hashed; decoded and measured only when `cached` lacks the key."""
+    read once and hashed; decoded and measured only when its key is not in `known` (the cache's keys; then None)."""
     read = [read_bytes(path) for path in _files(example)]
     key = pair_key(example, [sha for sha, _ in read])
-    if key in cached:
-        return key, cached[key]
+    if key in known:
+        return key, None
     return key, measure(_pair(example, [decode(*r, grey=g) for r, g in zip(read, _greys(example))])).as_dict()
 
 
@@ -69,9 +69,10 @@ class PairMeasurer:
     """The doctor's measures of a dataset's pairs, taken as the dataset reader validates them: pass it as
     `load_dataset(on_pair=...)` and each pair is measured from the reader's own decode of its files (no second read)
     unless the cache in `cache_dir` (CACHE_FILE) already holds its files' content. With `workers` above 1, that
-    many processes measure the pairs while this one reads on (the measuring is two thirds of the work).
-    `diagnose` takes it as `measured`, measures what it lacks, and `save`s the new measures there. Use it in a
-    `with` block: an error before `finish` (a bad dataset, a bad held-out setting) still stops the processes."""
+    many processes measure the pairs while this one reads on (the measuring is two thirds of the work), and the
+    same processes read and measure the pairs the reader did not hand over (`measure_unread`). `diagnose` takes it
+    as `measured`, measures what it lacks, and `save`s the new measures there. Use it in a `with` block: an error
+    before `finish` (a bad dataset, a bad held-out setting) still stops the processes."""
 
     def __init__(self, cache_dir=None, workers: int = 1):
         self.cache_path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
@@ -81,7 +82,7 @@ class PairMeasurer:
         self.helpers = workers if workers > 1 else 0
         self._pool: Optional[ProcessPoolExecutor] = None
         self._batch: list[tuple[str, PairPictures]] = []
-        self._pending: deque = deque()  # (keys, future) of the batches sent to the pool, oldest first
+        self._pending: deque = deque()  # (what takes the result, future) of each task sent, oldest first
 
     def __call__(self, example: EditExample, checks: dict) -> None:
         """Measure `example` from its files' `images.ImageCheck`s (by path), unless its key is known."""
@@ -99,27 +100,32 @@ class PairMeasurer:
         if len(self._batch) >= _BATCH:
             self._send()
 
-    def _send(self) -> None:
-        """Send the gathered pairs to the pool; at most two batches a helper wait there (the pictures held in
-        memory stay bounded however fast the reader is)."""
-        if not self._batch:
-            return
+    def _submit(self, take: Callable, task: Callable, *args) -> None:
+        """Run `task(*args)` in a helper process (the pool starts with the first task) and `take` its result when
+        it comes; at most two tasks a helper wait (the pictures held in memory stay bounded however fast the
+        reader is)."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=self.helpers)
-        keys, pairs = zip(*self._batch)
-        self._pending.append((keys, self._pool.submit(_measure_pictures, pairs)))
-        self._batch = []
+        self._pending.append((take, self._pool.submit(task, *args)))
         while len(self._pending) > 2 * self.helpers:
             self._receive()
 
-    def _receive(self) -> None:
-        """Wait for the oldest batch sent and keep its measures."""
-        keys, future = self._pending.popleft()
-        self.fresh.update(zip(keys, future.result()))
+    def _send(self) -> None:
+        """Send the gathered pairs to the helpers."""
+        if not self._batch:
+            return
+        keys, pairs = zip(*self._batch)
+        self._batch = []
+        self._submit(lambda measures: self.fresh.update(zip(keys, measures)), _measure_pictures, pairs)
 
-    def finish(self) -> None:
-        """Wait for the measures the helper processes are taking, then let them go (a last batch with no pool
-        started yet, a small dataset's, is measured here: starting a process would cost more)."""
+    def _receive(self) -> None:
+        """Wait for the oldest task sent and take its result."""
+        take, future = self._pending.popleft()
+        take(future.result())
+
+    def drain(self) -> None:
+        """Wait for every task sent (a last batch with no pool started yet, a small dataset's, is measured here:
+        starting a process would cost more)."""
         if self._pool is None and self._batch:
             keys, pairs = zip(*self._batch)
             self.fresh.update(zip(keys, _measure_pictures(pairs)))
@@ -127,6 +133,36 @@ class PairMeasurer:
         self._send()
         while self._pending:
             self._receive()
+
+    def measure_unread(self, examples: Sequence[EditExample],
+                       progress: Optional[Callable[[int], None]] = None) -> dict:
+        """{example: its measures dict} of pairs the reader did not hand over, each read, hashed and (unless
+        cached) measured, in batches on the helpers when there are several; `progress(n)` after each batch with
+        the pairs done so far. Their keys and new measures are kept as the reader's are."""
+        batches = [list(examples[i:i + _BATCH]) for i in range(0, len(examples), _BATCH)]
+        known = frozenset(self.cached)  # sent with each batch: the cache's measures stay here
+        done: dict = {}
+
+        def take(batch: Sequence[EditExample], results: list[tuple[str, Optional[dict]]]) -> None:
+            for example, (key, value) in zip(batch, results):
+                self.keys[example] = key
+                if self.get(key) is None:
+                    self.fresh[key] = value
+                done[example] = value if value is not None else self.get(key)
+            if progress:
+                progress(len(done))
+
+        for batch in batches:
+            if self.helpers and len(batches) > 1:
+                self._submit(lambda results, batch=batch: take(batch, results), _measure_batch, batch, known)
+            else:
+                take(batch, _measure_batch(batch, known))
+        self.drain()
+        return done
+
+    def finish(self) -> None:
+        """Wait for the measures the helper processes are taking, then let them go."""
+        self.drain()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -165,23 +201,14 @@ class PairMeasurer:
                         self.cache_path, err.strerror or err)
 
 
-#: a worker process's copy of the cached measures (set once per worker by `_keep_cache`, not sent with each batch)
-_WORKER_CACHE: dict = {}
-
-
-def _keep_cache(cached: dict) -> None:
-    global _WORKER_CACHE
-    _WORKER_CACHE = cached
-
-
 def _measure_pictures(pairs: Sequence[PairPictures]) -> list[dict]:
     """The measures (as dicts) of pairs already read (a helper process's task)."""
     return [measure(pair).as_dict() for pair in pairs]
 
 
-def _measure_batch(examples: Sequence[EditExample], cached: Optional[dict] = None) -> list[tuple[str, dict]]:
-    cached = _WORKER_CACHE if cached is None else cached
-    return [measure_pair(e, cached) for e in examples]
+def _measure_batch(examples: Sequence[EditExample], known: Container[str]) -> list[tuple[str, Optional[dict]]]:
+    """`measure_pair` of each of `examples` (a helper process's task, or run here)."""
+    return [measure_pair(e, known) for e in examples]
 
 
 def load_cache(path: Optional[Path]) -> dict:
@@ -196,32 +223,16 @@ def load_cache(path: Optional[Path]) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measure_all(examples: Sequence[EditExample], measured: PairMeasurer, workers: int = 1,
+def measure_all(examples: Sequence[EditExample], measured: PairMeasurer,
                 progress: Optional[Callable[[int, int], None]] = None) -> list[Measures]:
     """The measures of each example, in order: those `measured` took from the dataset reader or its cache, the
-    others read, hashed and measured here (in `workers` processes when above 1); then `measured.save()`."""
-    measured.finish()
+    others read, hashed and measured by it (`measure_unread`, on its helper processes); then its helpers let go and
+    `measured.save()`."""
+    measured.drain()
     known = {e: measured.get(measured.keys[e]) for e in examples if e in measured.keys}
     todo = [e for e in examples if known.get(e) is None]
-    batches = [todo[i:i + _BATCH] for i in range(0, len(todo), _BATCH)]
-    done: dict = {}
-
-    def take(results: list[tuple[str, dict]], batch: Sequence[EditExample]) -> None:
-        for example, (key, value) in zip(batch, results):
-            measured.keys[example] = key
-            if measured.get(key) is None:
-                measured.fresh[key] = value
-            done[example] = value
-        if progress:
-            progress(len(known) + len(done), len(examples))
-
-    if workers > 1 and len(batches) > 1:
-        with ProcessPoolExecutor(max_workers=workers, initializer=_keep_cache, initargs=(measured.cached,)) as pool:
-            for batch, results in zip(batches, pool.map(_measure_batch, batches)):
-                take(results, batch)
-    else:
-        for batch in batches:
-            take(_measure_batch(batch, measured.cached), batch)
+    done = measured.measure_unread(todo, progress and (lambda n: progress(len(known) + n, len(examples))))
+    measured.finish()
     log.debug("doctor: %d pair(s) measured in this run, the others' measures from the cache", len(measured.fresh))
     measured.save()
     return [Measures.from_dict(known.get(e) or done[e]) for e in examples]
@@ -234,12 +245,16 @@ def diagnose(examples: Sequence[EditExample], held_out: Sequence[EditExample] = 
              count_tokens: Optional[Callable[[str], int]] = None) -> DoctorReport:
     """Every check on the training pairs `examples` and the `held_out` pairs (validated dataset examples):
     a DoctorReport, its findings worst first. `measured`: the PairMeasurer the dataset reader handed the pairs to
-    (its cache folder, not `cache_dir`, is used); without it each picture is read here, once. `count_tokens`: the
+    (its cache folder and helper processes, not `cache_dir` and `workers`, are used); without it each picture is
+    read here, once, in `workers` processes. `count_tokens`: the
     text encoder's tokenizer, for the captions' lengths (None: a note says they were not checked). With an already
     loaded `text_encoder` (model.components.TextEncoder) it also asks it whether each target shows its caption's
     edit (`vlm`)."""
-    measured = measured if measured is not None else PairMeasurer(cache_dir)
-    measures = measure_all([*examples, *held_out], measured, workers, progress)
+    if measured is None:  # its own, whose helper processes end with the measuring
+        with PairMeasurer(cache_dir, workers) as own:
+            measures = measure_all([*examples, *held_out], own, progress)
+    else:
+        measures = measure_all([*examples, *held_out], measured, progress)
     pairs = [Measured(e.name, e, m) for e, m in zip(examples, measures)]
     held = [Measured(e.name, e, m) for e, m in zip(held_out, measures[len(examples):])]
     results = [swapped.check(pairs, settings), alignment.check(pairs, settings),

@@ -26,9 +26,9 @@ def prepare_controls(images: Sequence[Image.Image], variant: str, *, vae_area: i
                      sizes: Sequence[tuple[int, int]] | None = None):
     """Control images as the pipelines prepare them: (VL images, VAE pixels, VAE sizes (w, h)).
 
-    Edit (`vl_own_area` False) resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit Plus resizes each
-    image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call this, so
-    they see the same inputs. `sizes` ((w, h) per control, multiples of 16) replaces the VAE-area sizing:
+    Edit (`vl_own_area` False) resizes once to the VAE area and feeds that same image to the VL and the VAE; Edit
+    Plus resizes each image to `vl_area` for the VL and to `vae_area` for the VAE. Training and sampling both call
+    this, so they see the same inputs. `sizes` ((w, h) per control, multiples of 16) replaces the VAE-area sizing:
     pixel-aligned pairs resize every control to exactly the target's size (`control_size: target`).
     """
     if not images:
@@ -60,7 +60,8 @@ def encode_prompts(text_encoder, processor, prompts: Sequence[str], images: Sequ
         raise EncodeError(f"{len(prompts)} prompts but {len(images)} image lists")
     if variants.get(variant).drop is None:
         raise EncodeError(f"{variants.get(variant).title} prompts are encoded with their reference images' vision "
-                          "slots (families/qwen_image_21/encode.py, used by the sampler); this encoder is the 2025 family's")
+                          "slots (families/qwen_image_21/encode.py, used by the sampler); this encoder is the 2025 "
+                          "family's")
     check_prompt_lengths(processor, prompts, max_tokens)
     texts, drops = zip(*(variants.get(variant).format_prompt(p, len(imgs)) for p, imgs in zip(prompts, images)))
     flat = [img for imgs in images for img in imgs]

@@ -27,8 +27,9 @@ def encode_example(components, example, settings) -> dict[str, torch.Tensor]:
     controls = [load_rgb(p, convert_modes=settings.convert_modes) for p in example.controls]
     target_size = encode.image_size_at_area(target, settings.vae_area)
     sizes = [target_size] * len(controls) if settings.control_size == "target" else None
-    vl_images, control_pixels, _ = family_encode.prepare_controls(controls, settings.variant, vae_area=settings.vae_area,
-                                                           vl_area=settings.vl_area, sizes=sizes)
+    vl_images, control_pixels, _ = family_encode.prepare_controls(controls, settings.variant,
+                                                                  vae_area=settings.vae_area,
+                                                                  vl_area=settings.vl_area, sizes=sizes)
     te = components.text_encoder
     try:
         prompt, empty = family_encode.encode_prompts(te.model, te.processor, [example.caption, EMPTY_PROMPT],

@@ -23,7 +23,7 @@ def fake_mode() -> FakeTensorMode:
 
 def real_config(variant: str, num_layers: int | None = None) -> dict:
     """The real transformer configuration of `variant` (zero_cond_t for Edit-2511)."""
-    from qwen_edit_core.model.tiny import transformer_config
+    from qwen_edit_core.families.qwen_image.tiny import transformer_config
     cfg = transformer_config("real", num_layers=num_layers)
     if variants.get(variant).zero_cond_t:
         cfg["zero_cond_t"] = True

@@ -15,7 +15,7 @@ import torch
 from qwen_edit_core.data import synthetic
 from qwen_edit_core.families.qwen_image import encode as family_encode
 from qwen_edit_core.model import encode
-from qwen_edit_core.model.tiny import transformer_config
+from qwen_edit_core.families.qwen_image.tiny import transformer_config
 from qwen_edit_core.toys.pretrain import cosine, vae_input
 from qwen_edit_core.toys.vae import CONST, blank_vae, head_gain, identity_latents
 

@@ -210,17 +210,40 @@ def guide(cond_pred: torch.Tensor, uncond_pred: torch.Tensor, scale: float,
     return comb * (torch.norm(cond_pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
 
+def start(components, cond: Conditioning, settings: SampleSettings, seed: int):
+    """The run's start for `cond`: (initial noise as packed tokens on the conditioning's device, scheduler,
+    timesteps, mu)."""
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    channels = components.transformer.config.in_channels // 4
+    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
+    return (latents, *make_timesteps(components.scheduler_config, settings, latents.shape[1], device))
+
+
+def forward_many(transformer, latents: list[torch.Tensor], conds: list[Conditioning], embeds: list[PromptEmbeds],
+                 timesteps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One transformer call over several samples of any sizes, each [target | controls] with its own prompt
+    (the multi-resolution adapter, installed on `transformer`, packs them); per-sample target predictions."""
+    from qwen_edit_core.adapters import multires
+    device = next(transformer.parameters()).device
+    text = encode.pad_embeddings([e.valid(0) for e in embeds]).to(device)
+    packed = multires.pack_samples([x[0] for x in latents], [c.control_tokens[0].to(device) for c in conds],
+                                   [c.img_shapes for c in conds])
+    dtype = latents[0].dtype
+    t = torch.stack([ts.to(device=device, dtype=dtype) for ts in timesteps])
+    out = transformer(hidden_states=packed.hidden, timestep=t / 1000, encoder_hidden_states=text.embeds,
+                      encoder_hidden_states_mask=text.mask_or_none(), img_shapes=packed.img_shapes,
+                      attention_kwargs=packed.packed_kwargs(text.lengths, text.embeds.shape[1]), return_dict=False)[0]
+    return [out[b: b + 1, : x.shape[1]] for b, x in enumerate(latents)]
+
+
 @torch.no_grad()
 def denoise(components, cond: Conditioning, settings: SampleSettings, *, uncond_transformer=None, cfg_split=None,
             progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
     """The 2025 family's noise and schedule through `euler`; returns packed latents (1, N, 64) on the
     conditioning's device (the transformer's)."""
     transformer = components.transformer
-    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-    channels = transformer.config.in_channels // 4
-    latents = initial_noise(seed, cond.width, cond.height, channels, device, dtype, settings.schedule)
-    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, settings, latents.shape[1], device)
+    latents, scheduler, timesteps, mu = start(components, cond, settings, seed)
     log.info("sampling %dx%d, %d steps, schedule %s, cfg %.2f (%s), mu %.3f, seed %d", cond.width, cond.height,
              len(timesteps), settings.schedule, settings.true_cfg_scale,
              settings.cfg_mode if settings.do_cfg else "off", mu, seed)

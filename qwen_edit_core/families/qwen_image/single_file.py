@@ -22,8 +22,8 @@ def detect_config(tensors: dict[str, torch.Tensor], flags: dict, source: str = "
     """The diffusers config of a Qwen-Image transformer state dict, from its shapes."""
     other = family_of_file(tensors)
     if other.file_layout != __name__:  # another family's file (its `file_marker`)
-        raise SingleFileError(f"{source}: a {other.file_title} transformer, not a {DEFAULT.file_title} one: give it with "
-                              f"a {other.file_title} model directory, which loads it as its family's")
+        raise SingleFileError(f"{source}: a {other.file_title} transformer, not a {DEFAULT.file_title} one: give it "
+                              f"with a {other.file_title} model directory, which loads it as its family's")
     needed = ("img_in.weight", "txt_in.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight")
     missing = [k for k in needed if k not in tensors]
     if missing:

@@ -128,7 +128,8 @@ def detect_text_encoder_config(tensors: dict[str, torch.Tensor], token_ids: dict
                     "out_hidden_size": vision["out_hidden_size"]}
         if expected != shapes:
             continue
-        layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"model\.language_model\.layers\.(\d+)\.", k)))
+        layers = 1 + max(int(m.group(1)) for k in tensors
+                         if (m := re.match(r"model\.language_model\.layers\.(\d+)\.", k)))
         depth = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"model\.visual\.blocks\.(\d+)\.", k)))
         width, channels, temporal, patch, _ = _shape(tensors, vis + "patch_embed.proj.weight", source)
         merged = _shape(tensors, vis + "merger.mlp.0.weight", source, 1)

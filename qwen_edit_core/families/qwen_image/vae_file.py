@@ -37,7 +37,7 @@ def load_vae(path, *, device: torch.device, dtype: torch.dtype, config: dict | N
         wrong = [f"{k}: {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
                  if k in tensors and tensors[k].shape != v.shape]
         if missing or wrong:
-            raise single_file.SingleFileError(f"{path}: does not match a Qwen-Image VAE {config}: missing {missing[:4]}, "
-                                  f"wrong shapes {wrong[:4]}")
+            raise single_file.SingleFileError(f"{path}: does not match a Qwen-Image VAE {config}: "
+                                              f"missing {missing[:4]}, wrong shapes {wrong[:4]}")
         model.load_state_dict({k: tensors[k] for k in expected})
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

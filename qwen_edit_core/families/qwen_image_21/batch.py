@@ -103,5 +103,6 @@ def predict(transformer, batch: TrainBatch21, config, scheduler_config: dict):
     n_max = max(n)
     token_mask = None
     if any(k != n_max for k in n):
-        token_mask = torch.arange(n_max, device=preds[0].device)[None] < torch.tensor(n, device=preds[0].device)[:, None]
+        device = preds[0].device
+        token_mask = torch.arange(n_max, device=device)[None] < torch.tensor(n, device=device)[:, None]
     return _padded(preds, n_max), _padded(velocities, n_max), token_mask, torch.cat(sigmas).to(preds[0].device)

@@ -1,5 +1,5 @@
-"""One Qwen-Image-2.1 training sample's tensors, encoded exactly as the 2.1 sampler (families/qwen_image_21/sampler.py) and
-diffusers' `QwenImage21Pipeline` encode them.
+"""One Qwen-Image-2.1 training sample's tensors, encoded exactly as the 2.1 sampler
+(families/qwen_image_21/sampler.py) and diffusers' `QwenImage21Pipeline` encode them.
 
 - Each control image of the pair is a 2.1 reference, in the pair's order (1 to 10): resized once to its own
   aspect at the VAE area (`encode21.prepare_references`), or to exactly the target's size for pixel-aligned pairs

@@ -78,4 +78,5 @@ def run(real_size: bool = False, device: str = "cpu", steps: int = 4, repeats: i
                          f"{(latents[True] - latents[False]).abs().max():.1e}" if cache else "-"])
     title = (f"sample Qwen-Image-2.1: {'real-size' if real_size else 'tiny'} transformer, {len(refs)} references, "
              f"{side}^2, {steps} steps, {dev}, {dtype}: prefix K/V cache (default) vs none")
-    return print_table(title, ["cfg", "prefix cache", "denoise median s", "peak GiB", "speed-up", "max |diff| vs off"], rows)
+    columns = ["cfg", "prefix cache", "denoise median s", "peak GiB", "speed-up", "max |diff| vs off"]
+    return print_table(title, columns, rows)

@@ -26,7 +26,8 @@ NEGATIVE_TOKENS = 1
 
 
 def _prompt(references: int, side: int, caption_tokens: int, target_slots: int, mode) -> PromptWithSlots:
-    slots = torch.cat([fake21.prompt_slots(references, side, caption_tokens), torch.ones(target_slots, dtype=torch.bool)])
+    slots = torch.cat([fake21.prompt_slots(references, side, caption_tokens),
+                       torch.ones(target_slots, dtype=torch.bool)])
     width = fake21.transformer_config(1)["context_in_dim"]
     with mode:
         embeds = torch.empty(1, slots.shape[0] - target_slots, width, dtype=torch.bfloat16, device=STAND_IN)

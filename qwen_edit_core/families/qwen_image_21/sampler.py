@@ -303,6 +303,18 @@ def plan_branches(transformer, cond: Conditioning21, settings, n_target: int, *,
     return dataclasses.replace(cond, cache_plan=plan, uncond_cache_plan=uncond_plan)
 
 
+def start(components, cond: Conditioning21, settings, seed: int):
+    """The run's start for `cond`: (initial noise as latent tokens on the conditioning's device, scheduler,
+    timesteps, mu): the model's own `sample_sigmas` unless the settings name sigmas or ComfyUI's schedule."""
+    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
+    comfyui = settings.schedule == "comfyui"  # ComfyUI's noise is drawn in float32; it ignores sample_sigmas
+    latents = initial_noise(seed, cond.width, cond.height, components.transformer.config.in_channels, device, dtype,
+                            draw_dtype=torch.float32 if comfyui else None)
+    sigmas = settings.sigmas or (None if comfyui else model_sigmas(components.model_dir))
+    return (latents, *make_timesteps(components.scheduler_config, sigmas, settings.num_inference_steps,
+                                     latents.shape[1], device, schedule=settings.schedule, shift=settings.shift))
+
+
 @torch.no_grad()
 def denoise(components, cond: Conditioning21, settings, *, uncond_transformer=None, cfg_split=None,
             progress: ProgressFn | None = None, cancel: CancelToken | None = None) -> torch.Tensor:
@@ -312,15 +324,8 @@ def denoise(components, cond: Conditioning21, settings, *, uncond_transformer=No
     from qwen_edit_core.sample.sampler import euler
 
     transformer = components.transformer
-    device, dtype = cond.cond.embeds.device, cond.cond.embeds.dtype
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-    comfyui = settings.schedule == "comfyui"  # ComfyUI's noise is drawn in float32; it ignores sample_sigmas
-    latents = initial_noise(seed, cond.width, cond.height, transformer.config.in_channels, device, dtype,
-                            draw_dtype=torch.float32 if comfyui else None)
-    sigmas = settings.sigmas or (None if comfyui else model_sigmas(components.model_dir))
-    scheduler, timesteps, mu = make_timesteps(components.scheduler_config, sigmas, settings.num_inference_steps,
-                                              latents.shape[1], device, schedule=settings.schedule,
-                                              shift=settings.shift)
+    latents, scheduler, timesteps, mu = start(components, cond, settings, seed)
     n = latents.shape[1]
     cond = plan_branches(transformer, cond, settings, n, uncond_transformer=uncond_transformer, cfg_split=cfg_split)
     plan, uncond_plan = cond.cache_plan, cond.uncond_cache_plan
@@ -373,7 +378,8 @@ def conditioning_from_entry(tensors: dict, device, dtype) -> Conditioning21:
     _, rows, cols = shapes[0]
 
     def prompt(name: str) -> PromptWithSlots:
-        slots = torch.cat([tensors[f"{name}_slots"], torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)])
+        target_slots = torch.ones(rows * cols // encode21.TOKENS_PER_SLOT, dtype=torch.bool)
+        slots = torch.cat([tensors[f"{name}_slots"], target_slots])
         return PromptWithSlots(tensors[f"{name}_embeds"][None].to(device, dtype), slots[None].to(device))
     refs = [encode21.pack(tensors[f"control_latents_{i}"][None]) for i in range(len(shapes) - 1)]
     return Conditioning21(prompt("prompt"), prompt("empty_prompt"),

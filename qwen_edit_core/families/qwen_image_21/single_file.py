@@ -52,8 +52,9 @@ def is_21(tensors) -> bool:
 
 def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ComfyUI's fused `img_mlp.gate_up` (gate rows first) -> diffusers' `gate_layer` and `proj`, as stored or
-    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale (`.scale_weight`,
-    `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors unchanged."""
+    upcast: the weight's rows split in two (each half its own tensor), a scaled-fp8 file's per-tensor scale
+    (`.scale_weight`, `.weight_scale`) given to both halves, a per-row one split with the rows; other tensors
+    unchanged."""
     out = {}
     for key, value in tensors.items():
         module, _, leaf = key.rpartition(".")

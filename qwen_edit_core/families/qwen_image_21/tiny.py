@@ -45,17 +45,21 @@ SCHEDULER_CONFIG = {
 VISION = dict(patch_size=16, merge_size=2, temporal_patch_size=2)
 
 
-def transformer_config(size: str = "tiny") -> dict:
+def transformer_config(size: str = "tiny", num_layers: int | None = None) -> dict:
     """QwenImage21Transformer2DModel config: "tiny" (2 layers, 2x16 heads), "real-width" (real widths, one
-    block) or "real" (the real 32-block 7 B model, for in-memory benchmarks)."""
+    block) or "real" (the real 32-block 7 B model, for in-memory benchmarks); `num_layers` replaces the count."""
     if size == "tiny":
-        return dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32, mlp_ratio=3,
-                    axes_dims_rope=(4, 6, 6), in_channels=64, out_channels=64, patch_size=1)
-    if size in ("real-width", "real"):
-        return dict(num_layers=1 if size == "real-width" else 32, attention_head_dim=128, num_attention_heads=32,
-                    context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56), in_channels=64, out_channels=64,
-                    patch_size=1)
-    raise ValueError(f"unknown size {size!r}; accepted: tiny, real-width, real")
+        cfg = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32, mlp_ratio=3,
+                   axes_dims_rope=(4, 6, 6), in_channels=64, out_channels=64, patch_size=1)
+    elif size in ("real-width", "real"):
+        cfg = dict(num_layers=1 if size == "real-width" else 32, attention_head_dim=128, num_attention_heads=32,
+                   context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56), in_channels=64, out_channels=64,
+                   patch_size=1)
+    else:
+        raise ValueError(f"unknown size {size!r}; accepted: tiny, real-width, real")
+    if num_layers is not None:
+        cfg["num_layers"] = num_layers
+    return cfg
 
 
 def _text_config(size: str, vocab_size: int, ids: dict) -> dict:

@@ -87,7 +87,8 @@ def run(model, prompt: str, references: list, settings, unique_id=None, preview_
 
     def progress(event):
         due = preview_due is None or preview_due(event.step, event.total)
-        bar.update_absolute(event.step, event.total, _preview(sampling, event.preview, cond.width, cond.height) if due else None)
+        preview = _preview(sampling, event.preview, cond.width, cond.height) if due else None
+        bar.update_absolute(event.step, event.total, preview)
         if comfy_runtime.interrupt_requested():
             token.cancel()
 

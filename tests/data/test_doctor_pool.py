@@ -1,0 +1,47 @@
+"""The doctor's one pool of helper processes (runner.PairMeasurer) also reads and measures the pairs the dataset
+reader did not hand over: the same measures as in this process, the cache's pairs not measured again, and no
+helper process left after an error."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from qwen_edit_core.data.dataset import load_dataset
+from qwen_edit_core.data.doctor import runner
+from qwen_edit_core.data.synthetic import DEMO_EDIT, write_pairs
+
+
+@pytest.fixture
+def examples(tmp_path):
+    write_pairs(tmp_path / "pairs", 9, 0, DEMO_EDIT[0], 64)
+    return list(load_dataset(tmp_path / "pairs").examples)
+
+
+def test_unread_pairs_are_measured_by_the_one_pool_as_here(examples, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "_BATCH", 2)  # five batches, at most four waiting on two helpers
+    here = runner.measure_all(examples, runner.PairMeasurer())
+    started, real_pool = [], runner.ProcessPoolExecutor
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or real_pool(**kw))
+    steps = []
+    with runner.PairMeasurer(tmp_path / "cache", workers=2) as measured:
+        pooled = runner.measure_all(examples, measured, progress=lambda done, total: steps.append((done, total)))
+    assert started == [{"max_workers": 2}] and pooled == here
+    assert steps == [(n, 9) for n in (2, 4, 6, 8, 9)]
+    monkeypatch.setattr(runner, "measure", _measured_again)  # the helpers, forked from here, have it too
+    with runner.PairMeasurer(tmp_path / "cache", workers=2) as warm:  # every pair's measures in the cache
+        assert runner.measure_all(examples, warm) == here
+
+
+def _measured_again(pair):
+    raise AssertionError(f"{pair.example.name} measured again")
+
+
+def test_an_error_in_a_helper_leaves_no_helper_process(examples, monkeypatch):
+    monkeypatch.setattr(runner, "_BATCH", 2)
+    examples[5].target.unlink()  # read by a helper in the third batch
+    before = set(multiprocessing.active_children())
+    with pytest.raises(FileNotFoundError, match=examples[5].target.name):
+        runner.diagnose(examples, workers=2)
+    assert set(multiprocessing.active_children()) <= before
