@@ -84,7 +84,7 @@ MARGIN_FRAGMENTATION = 0.10
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
                     activation_factor: float = ACTIVATION_FACTOR, working_factor: dict | None = None,
-                    shards: int = 1) -> MemoryEstimate:
+                    shards: int = 1, base_bytes: float = 2.0) -> MemoryEstimate:
     """A step's device memory: resident weights, saved activations, and a fixed part (the working set, the
     LoRA with its gradient and optimizer state, and the margin for the CUDA context, cuBLAS workspaces and
     fragmentation).
@@ -95,8 +95,9 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device only while they run, `OFFLOAD_IN_FLIGHT` at a time.
     Sharded over `shards` processes (FSDP2), each holds 1/shards of the frozen weights, plus the whole of the two blocks
     in flight (the running one, the next one prefetched) and of the root's own weights (gathered for the whole forward).
+    `base_bytes`: bytes a frozen parameter element holds outside fp8 (bf16: 2; a bitsandbytes base: `base_bytes_of`).
     """
-    bytes_per_weight = 1 if fp8 else 2
+    bytes_per_weight = 1 if fp8 else base_bytes
     in_flight = min(OFFLOAD_IN_FLIGHT, n_offloaded) * block_params * bytes_per_weight
     gathered = (min(2, n_blocks) * block_params + other_params) * (1 - 1 / shards)
     resident = (n_blocks - n_offloaded) * block_params + other_params

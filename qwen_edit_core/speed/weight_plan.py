@@ -89,6 +89,14 @@ def base_limits(transformer: torch.nn.Module) -> tuple[str | None, str | None]:
     return no_fp8, no_offload
 
 
+def base_bytes_of(transformer: torch.nn.Module) -> float:
+    """Bytes per frozen parameter element of the transformer's blocks as stored (a bitsandbytes base: int8 one,
+    nf4's packed bytes one per element; what `planner.estimate_memory` takes as `base_bytes`)."""
+    tensors = [t for block in transformer.transformer_blocks
+               for t in (*block.parameters(), *block.buffers()) if not t.requires_grad]
+    return sum(t.numel() * t.element_size() for t in tensors) / max(1, sum(t.numel() for t in tensors))
+
+
 def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, tokens: int, *,
                   available: int | None = None, already_fp8: bool = False, shards: int = 1,
                   no_fp8: str | None = None, no_offload: str | None = None) -> WeightPlan:

@@ -139,3 +139,39 @@ def test_a_loaded_model_carrying_such_an_adapter_is_planned_without_fp8(six_bloc
     train = load_config(overrides={"train": {"gradient_checkpointing": True, "memory_budget_gb": 6}}).train
     levers = speed.configure_training(model, train, torch.device("cpu"), tokens=9601)
     assert not levers.fp8 and levers.offloaded
+
+
+class Linear8bitLt(torch.nn.Linear):
+    """Stands in for bitsandbytes' int8 layer (not installed here): the planner reads the package a layer comes from
+    and the bytes its weight holds."""
+
+
+Linear8bitLt.__module__ = "bitsandbytes.nn.modules"
+
+
+def test_a_bitsandbytes_base_is_planned_with_its_own_bytes_without_fp8_or_offload(six_block_dir, monkeypatch):
+    """`model.quantize: int8` loads through diffusers, never planned before loading: the training levers then plan
+    checkpointing alone (fp8 and offload cannot apply to its layers) with its weights' int8 bytes, not bf16's."""
+    from qwen_edit_core.speed import weight_plan
+    model = comp.load_transformer(six_block_dir, device=torch.device("cpu"), dtype=torch.float32)
+    for block in model.transformer_blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    int8 = Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None)
+                    int8.weight = torch.nn.Parameter(torch.zeros(int8.weight.shape, dtype=torch.int8),
+                                                     requires_grad=False)
+                    setattr(parent, name, int8.requires_grad_(False))
+    assert speed.base_limits(model) == (weight_plan.NO_FP8_BNB, weight_plan.NO_OFFLOAD_BNB)
+    asked = {}
+    real_plan = weight_plan.plan_for_budget
+    monkeypatch.setattr(weight_plan, "plan_for_budget", lambda *a, **kw: asked.update(kw) or real_plan(*a, **kw))
+    train = load_config(overrides={"train": {"gradient_checkpointing": True, "memory_budget_gb": 8}}).train
+    levers = speed.configure_training(model, train, torch.device("cpu"), tokens=116)
+    assert not levers.fp8 and not levers.offloaded
+    assert asked["no_fp8"] == weight_plan.NO_FP8_BNB and asked["no_offload"] == weight_plan.NO_OFFLOAD_BNB
+    assert 1.0 <= asked["base_bytes"] < 1.2  # int8 weights; the biases and norms stay float32
+    with pytest.raises(ValueError, match=r"train.offload_blocks 2: bitsandbytes keeps each weight's quantization"):
+        speed.plan_training(load_config(overrides={"train": {"gradient_checkpointing": True,
+                                                             "offload_blocks": 2}}).train,
+                            "cpu", torch.bfloat16, REAL, 9601, no_offload=weight_plan.NO_OFFLOAD_BNB)
