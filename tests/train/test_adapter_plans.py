@@ -175,3 +175,19 @@ def test_a_bitsandbytes_base_is_planned_with_its_own_bytes_without_fp8_or_offloa
         speed.plan_training(load_config(overrides={"train": {"gradient_checkpointing": True,
                                                              "offload_blocks": 2}}).train,
                             "cpu", torch.bfloat16, REAL, 9601, no_offload=weight_plan.NO_OFFLOAD_BNB)
+
+
+def test_training_with_dora_loads_into_the_plan_it_made_before_loading(tiny_edit_dir, pairs_dir, tmp_path):
+    """`fit` with DoRA and an offloaded block: planned before loading (bf16, the block offloaded), loaded into that
+    plan, the adapter made on the offloaded block's host copy, and one step trained."""
+    from qwen_edit_core import QwenImageEditTrainer
+    trainer = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", model={"lora": {
+        "rank": 2, "targets": "attn-img", "dora": True}}, train={"max_steps": 1, "gradient_checkpointing": True,
+                                                                 "offload_blocks": 1}))
+    assert trainer.fit().state == "done"
+    transformer = trainer.components.transformer
+    plan = speed.loaded_plan(transformer)
+    assert plan is not None and not plan.fp8 and plan.offloaded == (1,)
+    assert sorted(transformer._qwen_edit_offloader.slots) == [1]
+    magnitudes = [p for n, p in transformer.named_parameters() if "transformer_blocks.1." in n and "magnitude" in n]
+    assert magnitudes and all(p.device.type == "cpu" and p.numel() > 0 for p in magnitudes)
