@@ -49,10 +49,10 @@ def meta_transformer(model_dir: Path | None):
         return None
     from accelerate import init_empty_weights
 
-    from qwen_edit_core.families import DEFAULT, family_of_class
+    from qwen_edit_core.families import DEFAULT, family_of
     config = DEFAULT.class_of("transformer").load_config(Path(model_dir) / "transformer")
     # the family's class, as config.json names it
-    cls = family_of_class(config.get("_class_name", "")).class_of("transformer")
+    cls = family_of(config).class_of("transformer")
     with init_empty_weights():
         return cls.from_config(config)
 
@@ -79,14 +79,14 @@ def trained_tensors(config: Config, model_dir: Path, *, left_out: set | None = N
     import torch
 
     from qwen_edit_core.adapters import lora
-    from qwen_edit_core.families import family_of_model
+    from qwen_edit_core.families import family_of
     from qwen_edit_core.train.run import lora_spec
     # ComfyUI runs nodes under inference mode, and peft refuses to inject into inference tensors
     with torch.inference_mode(False):
         meta = meta_transformer(model_dir)
         if meta is None:
             return None
-        lora.inject_lora(meta, lora_spec(config, family_of_model(meta)))
+        lora.inject_lora(meta, lora_spec(config, family_of(meta)))
     if left_out is not None:
         left_out.update(lora.unreached_modules(meta))
     return {name: tuple(p.shape) for name, p in meta.named_parameters() if p.requires_grad}

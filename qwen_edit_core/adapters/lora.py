@@ -205,9 +205,12 @@ def train_only(transformer, adapter_name: str = "default") -> None:
 def check_family(transformer, weights: LoraWeights) -> None:
     """ValueError naming both families when the file was trained for another model family than `transformer`'s
     (a Qwen-Image-2.1 LoRA on a 2509 model: some module names match, the effect would be noise)."""
-    from qwen_edit_core.families import FAMILIES, family_of
-    trained_for = FAMILIES.get(weights.metadata.get("architecture", ""))
-    if trained_for is None:  # another tool's file: its module names and shapes are checked instead
+    from qwen_edit_core.families import family_of
+    if "architecture" not in weights.metadata:  # another tool's file: its module names and shapes are checked instead
+        return
+    try:
+        trained_for = family_of(weights.metadata)
+    except KeyError:  # a family this code does not know: its module names and shapes are checked instead
         return
     family = family_of(transformer)
     if trained_for is not family:

@@ -105,6 +105,10 @@ STEP_VARIANTS = ("ours, no mask", "+ cuDNN attention", "+ compiled blocks", "+ f
 def _apply_variant(name: str, comps, dev, settings: sampler.SampleSettings) -> sampler.SampleSettings:
     if name == "+ cuDNN attention":
         return dataclasses.replace(settings, attention="cudnn")
+    if name in ("+ compiled blocks", "+ fp8 base"):
+        # the previous row's graphs are of a form the model leaves: forget them, so this row's graphs stay within
+        # a torch.compile without a per-call recompile_limit (torch 2.11: dynamo's 8 for every block graph together)
+        torch._dynamo.reset()
     if name == "+ compiled blocks":
         speed.configure_inference(comps.transformer, dev, fp8=False, compile=True)
     elif name == "+ fp8 base":
@@ -248,8 +252,9 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
             denoiser = sampler._Denoiser(comps.transformer, cond, settings)
             with speed.attention_kernel(settings.attention):
                 reset_peak(dev)
-                rows.append([name, median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2),
-                             peak_gib(dev), speed.kernels_text(speed.kernels_ran(lambda: denoiser(latents, t), dev))])
+                s = median_time(lambda: denoiser(latents, t), dev, repeats, warmup=2)
+                rows.append([name + eager_note(comps.transformer), s, peak_gib(dev),
+                             speed.kernels_text(speed.kernels_ran(lambda: denoiser(latents, t), dev))])
             log.info("sampler step %s (reference %.3f s)", rows[-1], t_ref)  # kept if a time limit cuts the run
         except Exception as err:  # noqa: BLE001 - a failed lever is reported, the others still run
             log.exception("sampler lever %s failed", name)
@@ -260,6 +265,12 @@ def _lever_rows(run: _RealRun, settings, repeats: int):
                 run.full_edit("qwen_edit_core sampler, plain",
                               lambda s=settings: sampler.sample(comps, PROMPT, [run.image], s))
     return rows, t_ref, settings
+
+
+def eager_note(transformer) -> str:
+    """What a row's name gains when its compiled blocks fell back to eager (its time is then not compiled)."""
+    stats = speed.compile_stats(transformer)
+    return f" (ran eager: {stats.fallback})" if stats is not None and stats.fallback else ""
 
 
 def aligned(cond):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from qwen_edit_core.families import FAMILIES, family_of_cache_name
+from qwen_edit_core.families import FAMILIES, family_of
 
 if TYPE_CHECKING:
     from qwen_edit_core.data.cache import CacheKey
@@ -62,7 +62,7 @@ def check_tensors(key: CacheKey, tensors: Mapping[str, torch.Tensor]) -> str | N
     """What is wrong with an entry's tensors for `key` (None if nothing). Works on meta tensors too, except
     that `img_shapes` must hold its values."""
     try:
-        family = family_of_cache_name(key.family)
+        family = family_of(key)
     except KeyError:
         known = ", ".join(repr(f.cache_name) for f in FAMILIES.values())
         return f"of model family {key.family!r}, which this code does not train ({known})"

@@ -221,10 +221,12 @@ def unregister(family: Family) -> None:
 
 
 def family_of(thing) -> Family:
-    """Which family `thing` belongs to: a transformer (its class), a model directory (its transformer's
-    config.json class), a transformer file's keys (a family's `file_marker`), a cache key (its `family` field),
-    a cache entry's tensors (a family's `cache_tensors`), or a training batch (its `family`). Anything without
-    another family's mark is the DEFAULT family's."""
+    """Which family `thing` belongs to, the one question every stage asks: a transformer (its class), a model
+    directory (its transformer's config.json class), a diffusers config (its `_class_name`), a training batch (its
+    `family`), a cache key (its `family` field), a cache entry's tensors (a family's `cache_tensors`), a file's
+    header or keys (a transformer file's `file_marker`, else a VAE file a family's `vae_file` stage claims), or a
+    file's metadata strings (a LoRA's `architecture`: the family name; a validation file's `family`: the cache
+    name; KeyError for a name no family has). Anything without another family's mark is the DEFAULT family's."""
     import torch
     if isinstance(thing, torch.nn.Module):
         return family_of_model(thing)
@@ -235,11 +237,30 @@ def family_of(thing) -> Family:
         return thing.family
     if isinstance(getattr(thing, "family", None), str):  # a cache key
         return family_of_cache_name(thing.family)
-    if isinstance(thing, Mapping) and thing and all(isinstance(v, torch.Tensor) for v in thing.values()):
-        marked = [f for f in FAMILIES.values() if f.cache_tensors and set(f.cache_tensors) <= set(thing)]
-        if marked:
-            return marked[0]
+    if isinstance(thing, Mapping) and thing:
+        if "_class_name" in thing:  # a diffusers config
+            return family_of_class(thing["_class_name"])
+        if all(isinstance(v, str) for v in thing.values()):  # a safetensors file's metadata
+            return _family_of_metadata(thing)
+        if all(isinstance(v, torch.Tensor) for v in thing.values()):
+            marked = [f for f in FAMILIES.values() if f.cache_tensors and set(f.cache_tensors) <= set(thing)]
+            if marked:
+                return marked[0]
+            if family_of_file(thing) is DEFAULT:  # no transformer file's marker: perhaps a VAE file's header
+                return family_of_vae(thing)
     return family_of_file(thing)
+
+
+def _family_of_metadata(metadata: Mapping[str, str]) -> Family:
+    """The family a safetensors file's metadata names: `architecture` (a LoRA file: the family's name) or `family`
+    (a validation latents file: its cache name); KeyError for a name no family has; DEFAULT when neither is set."""
+    if "architecture" in metadata:
+        found = FAMILIES.get(metadata["architecture"])
+        if found is None:
+            raise KeyError(f"model family {metadata['architecture']!r}: not a family this code knows "
+                           f"(known: {', '.join(map(repr, FAMILIES))})")
+        return found
+    return family_of_cache_name(metadata.get("family", DEFAULT.cache_name))
 
 
 def family_of_vae(header) -> Family:

@@ -2,7 +2,7 @@
 the other family than the directory's (the scheduler, processor and encoders come from the directory), and the
 VAE file loaded as its family's model.
 
-A file's family is read from its header alone (`families.family_of_file`, `families.family_of_vae`).
+A file's family is read from its header alone (`families.family_of`).
 Qwen-Image-2.1's text encoder is not read from a single file: ComfyUI ships it only as int8 "convrot"
 (`qwen3vl_8b_int8_convrot`), a format this project does not read, so a 2.1 model takes its directory's
 text_encoder/.
@@ -17,10 +17,7 @@ import torch
 
 from qwen_edit_core.model import file_stream, single_file
 from qwen_edit_core.model.weight_files import ModelNotFoundError
-from qwen_edit_core.families import Family, family_of_file, family_of_vae
-
-#: which family each kind of file is, from its header
-_DETECT = {"transformer": family_of_file, "vae": family_of_vae}
+from qwen_edit_core.families import Family, family_of
 
 
 def check_file_family(files: dict[str, str | Path | None], family: Family, variant: str) -> None:
@@ -32,7 +29,7 @@ def check_file_family(files: dict[str, str | Path | None], family: Family, varia
         if kind == "text_encoder":
             check_text_encoder_file(path, family)
             continue
-        found = _DETECT[kind](file_stream.read_header(Path(path)))
+        found = family_of(file_stream.read_header(Path(path)))
         if found is not family:
             raise ModelNotFoundError(f"{kind} file {str(path)!r} is a {found.file_title} {kind}, but the model "
                                      f"directory is {family.title} ({variant}); give a model directory of the "

@@ -230,8 +230,8 @@ def read_vae_state_dict(path) -> dict[str, torch.Tensor]:
 
 
 def load_vae_file(path, *, device: torch.device, dtype: torch.dtype, config: dict | None = None):
-    """A VAE file as its family's model (`families.family_of_vae` reads the family from the header; its
+    """A VAE file as its family's model (`families.family_of` reads the family from the header; its
     families/<family>/vae_file.py `load_vae` loads it); `config` as that loader takes it."""
-    from qwen_edit_core.families import DEFAULT, family_of_vae
-    family = family_of_vae(checked_header(path, "VAE")) if Path(path).is_file() else DEFAULT
+    from qwen_edit_core.families import DEFAULT, family_of
+    family = family_of(checked_header(path, "VAE")) if Path(path).is_file() else DEFAULT
     return family.stage("vae_file").load_vae(path, device=device, dtype=dtype, config=config)

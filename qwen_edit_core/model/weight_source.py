@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from qwen_edit_core.model import file_stream, single_file
-from qwen_edit_core.families import DEFAULT, Family, family_of_class, family_of_file
+from qwen_edit_core.families import DEFAULT, Family, family_of
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
@@ -56,7 +56,7 @@ class DirectorySource:
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(f"{str(folder)!r} has no config.json: expected a diffusers transformer folder")
         self._config = json.loads((folder / "config.json").read_text())
-        self.family = family_of_class(self._config.get("_class_name", ""))
+        self.family = family_of(self._config)
         if (folder / INDEX_NAME).is_file():
             weight_map = json.loads((folder / INDEX_NAME).read_text()).get("weight_map", {})
             where = {key: folder / name for key, name in weight_map.items()}
@@ -93,7 +93,7 @@ class SingleFileSource:
     def __init__(self, path: Path, fp8: str = "auto"):
         self.name, self.path, self.fp8 = str(path), Path(path), fp8
         self._raw, self._names, flags = single_file._read_header(self.path)
-        self.family = family_of_file(self._raw)
+        self.family = family_of(self._raw)
         self._layout = self.family.layout()
         self._config = self._layout.detect_config(self._raw, flags, source=self.name)
 

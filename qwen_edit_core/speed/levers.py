@@ -139,8 +139,8 @@ def _apply(transformer, plan: WeightPlan, *, compile: bool, compile_mode: str | 
     if plan.offloaded and previous is None:
         transformer._qwen_edit_offloader = BlockOffloader(transformer.transformer_blocks, plan.offloaded, device,
                                                           loan=loan_of(transformer))
-    # Offloaded blocks compile their forward alone: the offloader's hooks run eagerly around it. (Left eager, the 37
-    # offloaded blocks of a 16 GiB plan ran uncompiled: measured 2.08 s/step on an H100, BENCHMARKS.md.)
+    # Offloaded blocks compile their forward alone: the offloader's hooks run eagerly around it. (Left eager, a
+    # plan that offloads most blocks would run most of the model uncompiled: BENCHMARKS.md has the step times.)
     compiled = compile_blocks(transformer, forward_only=list(plan.offloaded), mode=compile_mode,
                               hooks_outside=hooks_outside) if compile else 0
     levers = Levers(fp8=has_fp8(transformer), checkpointed=tuple(checkpointed), offloaded=plan.offloaded,

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from qwen_edit_core.model import encode
-from qwen_edit_core.families import family_of, family_of_cache_name
+from qwen_edit_core.families import family_of
 from qwen_edit_core.config import ValidationPreview
 from qwen_edit_core.sample import sampler, schedules
 from qwen_edit_core.data.dataset import EditExample, check_image
@@ -257,7 +257,7 @@ def decode_file(vae, path: Path) -> Path:
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         labels = json.loads((f.metadata() or {}).get("labels", "[]"))
-        unpack = family_of_cache_name((f.metadata() or {}).get("family", "")).stage("sampler").unpack
+        unpack = family_of(f.metadata() or {}).stage("sampler").unpack
     data = load_file(path)
     width, height = data["size"].tolist()
     images = []

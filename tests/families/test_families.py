@@ -108,6 +108,17 @@ def test_family_of_answers_for_each_kind_of_thing(tiny_edit_dir, tiny_21_dir):
     entry = {"prompt_embeds": torch.zeros(2, 4), **{name: torch.ones(2, dtype=torch.bool)
                                                      for name in QWEN_IMAGE_21.cache_tensors}}
     assert family_of(entry) is QWEN_IMAGE_21 and family_of({"prompt_embeds": torch.zeros(2, 4)}) is QWEN_IMAGE
+    # a VAE file's header, a diffusers config, a LoRA's and a validation file's metadata
+    from qwen_edit_core.model.file_stream import read_header
+    for model_dir, family in ((tiny_edit_dir, QWEN_IMAGE), (tiny_21_dir, QWEN_IMAGE_21)):
+        assert family_of(read_header(model_dir / "vae" / "diffusion_pytorch_model.safetensors")) is family
+        assert family_of(read_header(model_dir / "transformer" / "diffusion_pytorch_model.safetensors")) is family
+    assert family_of({"_class_name": QWEN_IMAGE_21.transformer_class, "num_layers": 2}) is QWEN_IMAGE_21
+    assert family_of({"format": "comfyui-lora", "architecture": QWEN_IMAGE_21.name}) is QWEN_IMAGE_21
+    assert family_of({"labels": "[]", "family": QWEN_IMAGE_21.cache_name}) is QWEN_IMAGE_21
+    assert family_of({"labels": "[]"}) is QWEN_IMAGE
+    with pytest.raises(KeyError, match="'a-future-family'"):
+        family_of({"architecture": "a-future-family"})
     with pytest.raises(families.MissingStage, match=r"has no 'nowhere' stage module: add "
                                                     r"qwen_edit_core\.families\.qwen_image\.nowhere") as missing:
         QWEN_IMAGE.stage("nowhere")

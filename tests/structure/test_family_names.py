@@ -152,6 +152,15 @@ def test_stages_never_name_a_family(path: Path):
                      "Family.stage; see docs/DESIGN.md, 'Adding a model family'):\n" + "\n".join(bad))
 
 
+def test_stages_ask_which_family_through_one_function():
+    """Outside `families/`, `families.family_of` alone answers which family a model, directory, config, file header,
+    file metadata, cache key or entry, or batch is; the helpers it dispatches to are the families' own."""
+    helper = re.compile(r"\bfamily_of_\w+")
+    bad = [f"{path.relative_to(ROOT)}:{n}: {match.group(0)}" for path in _stage_modules()
+           for n, line in enumerate(path.read_text().splitlines(), start=1) if (match := helper.search(line))]
+    assert not bad, "ask `families.family_of` instead:\n" + "\n".join(bad)
+
+
 def test_the_allowlist_holds_only_what_is_still_there():
     stale = [rel for rel in ALLOWED if not (ROOT / rel).is_file() or not names_of_families(ROOT / rel)]
     assert not stale, f"remove these from ALLOWED (they no longer name a family): {stale}"

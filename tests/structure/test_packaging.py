@@ -65,3 +65,25 @@ def test_ci_runs_the_readmes_test_command_and_the_slow_tests_stay_runnable():
     assert commands[-2:] == ["make test", "make test-slow"], commands
     makefile = (ROOT / "Makefile").read_text()
     assert '-m "not slow and not simulation"' in makefile and "-m slow" in makefile and "-m simulation" in makefile
+
+
+def test_a_pip_install_carries_every_file_the_core_reads():
+    """`pip install` ships what the core reads besides its Python source (the toys' weights and manifests, which
+    `qwen-edit demo` and `qwen-edit tiny --pretrained` load, the architecture tables, the device script): every
+    such tracked file under qwen_edit_core/ matches [tool.setuptools.package-data], and each family's toy weights
+    are found inside the package."""
+    import subprocess
+
+    from qwen_edit_core.families import FAMILIES
+    from qwen_edit_core.toys import toy
+
+    core = ROOT / "qwen_edit_core"
+    tracked = subprocess.run(["git", "ls-files", "qwen_edit_core"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    data = {ROOT / p for p in tracked if not p.endswith(".py")}
+    shipped = {p for pattern in _pyproject()["tool"]["setuptools"]["package-data"]["qwen_edit_core"]
+               for p in core.glob(pattern)}
+    assert data and not data - shipped, f"not in package-data: {sorted(str(p) for p in data - shipped)}"
+    for family in (f for f in FAMILIES.values() if f.toy is not None):
+        weights = toy.weights_of(family)
+        assert core in weights.parents and (weights / "transformer.safetensors") in shipped, family.name

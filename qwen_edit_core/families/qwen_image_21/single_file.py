@@ -27,7 +27,7 @@ import re
 import torch
 
 from qwen_edit_core.model import single_file
-from qwen_edit_core.families import QWEN_IMAGE_21, family_of_file
+from qwen_edit_core.families import QWEN_IMAGE_21
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ TEXT_ENCODER_REFUSAL = (
     "Qwen-Image-2.1's text encoder (Qwen3-VL) is not read from {found}. ComfyUI ships it only as int8 'convrot' "
     "(qwen3vl_8b_int8_convrot.safetensors), which this project does not read: leave the text encoder file empty, "
     "and the 2.1 model directory's text_encoder/ (Qwen3VLForConditionalGeneration) is loaded")
-
-
-def is_21(tensors) -> bool:
-    """Whether a transformer file's keys (prefixes stripped or not) are a Qwen-Image-2.1 transformer's."""
-    return family_of_file(tensors) is QWEN_IMAGE_21
 
 
 def split_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

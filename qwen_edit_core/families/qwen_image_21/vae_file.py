@@ -54,8 +54,9 @@ def _strip(keys) -> dict[str, str]:
     return {k: k for k in keys}
 
 
-def is_21(header: dict[str, torch.Tensor]) -> bool:
-    """Whether a VAE file's tensors (meta tensors will do) are Qwen-Image-2.1's, in ComfyUI's or diffusers' names."""
+def claims(header: dict[str, torch.Tensor]) -> bool:
+    """Whether a VAE file's tensors (meta tensors will do) are Qwen-Image-2.1's, in ComfyUI's or diffusers' names
+    (`families.family_of` asks each family's `claims`)."""
     tensors = {short: header[key] for key, short in _strip(header).items()}
     head = tensors.get(HEAD)
     if all(m in tensors for m in MARKERS) and head is not None:
@@ -194,11 +195,6 @@ def to_comfy(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         conv = value.ndim == 4 and not key.endswith("gamma") and not any(p in key for p in _CONV2D)
         out[name] = value.unsqueeze(2) if conv else value
     return out
-
-
-def claims(header: dict[str, torch.Tensor]) -> bool:
-    """Whether a VAE file's header is this family's (`families.family_of_vae`)."""
-    return is_21(header)
 
 
 def directory_config(config: dict | None) -> dict | None:
