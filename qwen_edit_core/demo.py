@@ -71,6 +71,15 @@ def edge_similarity(picture: np.ndarray, target: np.ndarray) -> float:
     return float(np.corrcoef(magnitude(picture), magnitude(target))[0, 1])
 
 
+def luminance_correlation(picture: np.ndarray, target: np.ndarray) -> float:
+    """How well `picture` keeps the light and dark of `target`, both (H, W, 3) RGB in [0, 1]: the Pearson
+    correlation of their luminance (the channels' mean) pixel by pixel. For grey targets, whose edges are faint
+    where shapes of different hues have close luminance, it says what `edge_similarity` cannot."""
+    def luminance(image: np.ndarray) -> np.ndarray:
+        return np.asarray(image, dtype=np.float64)[..., :3].mean(axis=-1).ravel()
+    return float(np.corrcoef(luminance(picture), luminance(target))[0, 1])
+
+
 def _family_sampler(components):
     """The sampler module of the components' family (families/<family>/sampler.py: its conditioning, loop,
     decoding and latent packing)."""

@@ -31,7 +31,8 @@ class Progress:
     "validation" (`path`: the validation latents of `step`; its PNG, once decoded, is beside it); stage "device"
     when it is about to use its device (a step or a validation starts, and once its steps are over), and with each
     "train" step a reader of the storages it holds there (`device_storages()`: speed.device_use.run_storages, a
-    walk over every parameter and optimizer state that only a consumer keeping a ledger calls, during the event)."""
+    walk over every parameter and optimizer state that only a consumer keeping a ledger calls, during the event;
+    it holds them weakly and reads {} once the run let them go)."""
 
     stage: str
     step: int

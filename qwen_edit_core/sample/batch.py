@@ -28,7 +28,10 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
     family = variants.get(components.variant).family
     family_sampler = family.stage("sampler")
     if settings.cfg_mode == "split":
-        raise ValueError("sample_batch runs CFG on one device; use cfg_mode 'sequential' or 'batched'")
+        modes = _one_device_modes(family_sampler, settings)
+        if not modes:  # the family refuses these settings for another reason: that error says what to change
+            family_sampler.check_settings(settings)
+        raise ValueError(f"sample_batch runs CFG on one device; use cfg_mode {' or '.join(map(repr, modes))}")
     seeds = list(seeds) if seeds is not None else [settings.seed if settings.seed is not None else 0] * len(prompts)
     conds = [family_sampler.build_conditioning(components, p, imgs, settings) for p, imgs in zip(prompts, images)]
     if not family.padded_batches:
@@ -43,6 +46,21 @@ def sample_batch(components, prompts: Sequence[str], images: Sequence[Sequence],
         latents = _denoise_many(transformer, family_sampler.forward_many, conds, latents, schedules, settings,
                                 progress, cancel)
     return [family_sampler.decode(components, x, c.width, c.height) for x, c in zip(latents, conds)]
+
+
+def _one_device_modes(family_sampler, settings: sampler.SampleSettings) -> list[str]:
+    """The cfg modes running both CFG branches on one device that the family's `check_settings` accepts with
+    `settings` (a family may refuse some: Qwen-Image-2.1's transformer cannot batch cond and uncond)."""
+    modes = []
+    for mode in sampler.CFG_MODES:
+        if mode == "split":
+            continue
+        try:
+            family_sampler.check_settings(dataclasses.replace(settings, cfg_mode=mode))
+        except ValueError:
+            continue
+        modes.append(mode)
+    return modes
 
 
 def _one_by_one(components, family_sampler, conds, settings, seeds, progress, cancel) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ to one for the build (float sums then do not depend on the machine's core count)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -75,6 +76,12 @@ class Recipe:
     #: (families/qwen_image_21/pretrain.py `constructed_vae`; the 2025 family refuses other values)
     constant_latents: int = 0
     latent_basis: str = "squares"
+    #: a second phase for a family that takes several references (`train_references`): this many more steps from
+    #: the first phase's transformer, at `reference_lr`, on the pairs drawn again with `reference_share` of them
+    #: given one or two more references after the edited picture
+    reference_steps: int = 0
+    reference_share: float = 0.5
+    reference_lr: float = 1e-3
 
     @property
     def family(self):
@@ -134,26 +141,47 @@ def _batch(recipe: Recipe, picked: list[dict], generators: list):
 
 def train_transformer(recipe: Recipe, items: list[dict], scheduler_config: dict):
     """The toy transformer trained on `items` with the trainer's flow-matching loss."""
+    transformer = _new_transformer(recipe)
+    return _fit(recipe, transformer, items, scheduler_config, recipe.transformer_steps, recipe.transformer_lr,
+                seed=recipe.seed, order_seed=recipe.seed + 3)
+
+
+def train_references(recipe: Recipe, transformer, vae, text_encoder, processor, scheduler_config: dict):
+    """The second phase (`recipe.reference_steps`): `transformer` trained on, with a fresh optimizer and schedule,
+    the pairs drawn again with `recipe.reference_share` of them given more references after the edited one. The
+    first phase only ever shows one reference, and the transformer then mixes every reference's tokens at the
+    same spatial position (the rotary grid is the same for each image), so the 2.1 sample workflow's reference 2,
+    the colour inversion of reference 1, cancels it to grey (BENCHMARKS.md, "Toy model builds"). A family whose toy takes one control refuses the
+    extra references (its `edit_dataset`)."""
+    shared = _dataset(dataclasses.replace(recipe, extra_references=recipe.reference_share), vae, text_encoder,
+                      processor)
+    return _fit(recipe, transformer, shared, scheduler_config, recipe.reference_steps, recipe.reference_lr,
+                seed=recipe.seed + 1, order_seed=recipe.seed + 7)
+
+
+def _fit(recipe: Recipe, transformer, items: list[dict], scheduler_config: dict, steps: int, lr: float, *,
+         seed: int, order_seed: int):
+    """`steps` AdamW steps (cosine schedule from `lr`, clipped gradients) of `recipe.transformer_batch` items drawn
+    from `order_seed`, with per-sample noise from `seed`; returns `transformer`."""
     from qwen_edit_core.config import load_config
     from qwen_edit_core.train.batch import flow_loss, sample_generator
 
-    transformer = _new_transformer(recipe)
     config = load_config()
-    opt = torch.optim.AdamW(transformer.parameters(), lr=recipe.transformer_lr, weight_decay=0.0)
-    order = torch.Generator().manual_seed(recipe.seed + 3)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    order = torch.Generator().manual_seed(order_seed)
     started = time.perf_counter()
-    for step in range(recipe.transformer_steps):
+    for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = recipe.transformer_lr * cosine(step, recipe.transformer_steps)
+            group["lr"] = lr * cosine(step, steps)
         picked = [items[i] for i in torch.randint(len(items), (recipe.transformer_batch,), generator=order)]
-        batch = _batch(recipe, picked, [sample_generator(recipe.seed, step, 0, i) for i in range(len(picked))])
+        batch = _batch(recipe, picked, [sample_generator(seed, step, 0, i) for i in range(len(picked))])
         loss, _ = flow_loss(transformer, batch, config, scheduler_config)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         opt.step()
-        if step % 100 == 0 or step == recipe.transformer_steps - 1:
-            log.info("transformer step %d/%d: loss %.4f (%.0f s)", step + 1, recipe.transformer_steps, loss.item(),
+        if step % 100 == 0 or step == steps - 1:
+            log.info("transformer step %d/%d: loss %.4f (%.0f s)", step + 1, steps, loss.item(),
                      time.perf_counter() - started)
     return transformer
 
@@ -199,6 +227,9 @@ def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
                 vae = _stage(recipe).make_vae(recipe)
                 items = _dataset(recipe, vae, text_encoder, processor)
                 transformer = train_transformer(recipe, items, scheduler_config)
+                if recipe.reference_steps:
+                    transformer = train_references(recipe, transformer, vae, text_encoder, processor,
+                                                   scheduler_config)
                 if recipe.family.toy.vae_trains_alone:
                     _stage(recipe).train_vae_decoder(recipe, vae)
     finally:
@@ -230,3 +261,40 @@ def pretrain_vae(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     _save(Path(weights_dir), info, {"vae": vae})
     log.info("toy VAE written to %s in %.0f s", weights_dir, time.perf_counter() - started)
     return info
+
+
+def pretrain_references(weights_dir: Path, recipe: Recipe) -> dict:
+    """Run only the second phase of `recipe` (`train_references`) on the transformer in `weights_dir`, which must be
+    the first phase's: built by the same recipe with `reference_steps` 0 (its manifest says so). The VAE is the
+    one in `weights_dir` (`make_vae`'s, as its sha256 says), so the whole build from scratch writes the same
+    files. Updates `transformer.safetensors` and `toy.json`; returns the manifest."""
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor
+
+    info = toy.check_weights(weights_dir)
+    first = asdict(dataclasses.replace(recipe, reference_steps=0))
+    if {**first, **info["recipe"]} != first:
+        raise ValueError(f"{Path(weights_dir) / toy.MANIFEST}: built by the recipe {info['recipe']}, not the first "
+                         f"phase of {asdict(recipe)}; run the whole build with `{info['command']}`")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tiny = build_tiny(Path(tmp) / "tiny", variant=recipe.variant, seed=0)
+            text_encoder = recipe.family.class_of("text_encoder").from_pretrained(tiny / "text_encoder").eval()
+            processor = AutoProcessor.from_pretrained(tiny / "processor")
+            scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+            with torch.random.fork_rng(devices=[]):
+                with _isolated_init(recipe.seed):
+                    vae = recipe.family.class_of("vae")(**info["vae_config"]).eval()
+                vae.load_state_dict(load_file(str(Path(weights_dir) / "vae.safetensors")))
+                transformer = _new_transformer(recipe)
+                transformer.load_state_dict(load_file(str(Path(weights_dir) / "transformer.safetensors")))
+                transformer = train_references(recipe, transformer, vae, text_encoder, processor, scheduler_config)
+    finally:
+        torch.set_num_threads(threads)
+    fresh = {**_manifest(recipe, vae), "sha256": dict(info["sha256"])}
+    _save(Path(weights_dir), fresh, {"transformer": transformer})
+    log.info("toy transformer's second phase written to %s in %.0f s", weights_dir, time.perf_counter() - started)
+    return fresh

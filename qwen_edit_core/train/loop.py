@@ -9,10 +9,10 @@ The maths of one micro-step (batches, dropout, noise, loss) lives in `train.batc
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -294,6 +294,21 @@ def read_pending(run: RunState, cancel: CancelToken | None = None) -> float | No
     return sum(kept) / len(kept) if kept else None
 
 
+def storages_reader(transformer: torch.nn.Module, optimizer, device: torch.device) -> Callable[[], dict[int, int]]:
+    """A "train" event's `device_storages`: `run_storages` of the run's transformer and optimizer, holding both
+    weakly, so a consumer that keeps its events (a test, a log) does not keep the model and the optimizer state
+    alive after the run; {} once either is gone."""
+    model = weakref.ref(transformer)
+    state = weakref.ref(optimizer) if optimizer is not None else None
+
+    def read() -> dict[int, int]:
+        held, opt = model(), state() if state is not None else None
+        if held is None or (state is not None and opt is None):
+            return {}  # the run is over: nothing of it is on the device any more
+        return run_storages(held, opt, device)
+    return read
+
+
 def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: ProgressFn | None, validate,
                cancel: CancelToken | None = None) -> None:
     """Log the loss when due (the one host read of a logging interval: `read_pending`), report progress,
@@ -306,7 +321,7 @@ def after_step(run: RunState, loss: torch.Tensor, write_lora, progress: Progress
     if progress is not None:
         # a reader, not the reading: only a consumer that keeps a ledger (a background job) walks the storages
         progress(Progress("train", step, t.max_steps, loss=loss,
-                          device_storages=functools.partial(run_storages, run.transformer, run.optimizer, run.device)))
+                          device_storages=storages_reader(run.transformer, run.optimizer, run.device)))
     if t.validation_every and step % t.validation_every == 0:
         if progress is not None:
             progress(Progress("device", step, t.max_steps))

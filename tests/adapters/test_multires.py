@@ -200,6 +200,9 @@ def test_sampler_batch_of_two_sizes_equals_two_single_edits(tiny_edit_dir):
         assert one.shape == many.shape
         assert_close_fp32(many, one, ops=TINY_SAMPLER_ROUNDINGS, what="picture sampled in a batch vs alone")
     assert singles[0].shape != singles[1].shape
+    with pytest.raises(ValueError, match="runs CFG on one device; use cfg_mode 'sequential' or 'batched'$"):
+        split = sampler.SampleSettings(**{**settings.__dict__, "cfg_mode": "split"})
+        sample_batch(comps, prompts[:1], [[images[0]]], split)
 
 
 def _batched_packed(model, inputs, t):

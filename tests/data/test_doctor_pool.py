@@ -22,20 +22,23 @@ def examples(tmp_path):
 def test_unread_pairs_are_measured_by_the_one_pool_as_here(examples, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "_BATCH", 2)  # five batches, at most four waiting on two helpers
     here = runner.measure_all(examples, runner.PairMeasurer())
-    started, real_pool = [], runner.ProcessPoolExecutor
-    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or real_pool(**kw))
+    started, returned, real_pool = [], [], runner.ProcessPoolExecutor
+
+    class Pool(real_pool):  # keeps what each task returns, whatever start method the helper processes have
+        def submit(self, task, *args):
+            returned.append(super().submit(task, *args))
+            return returned[-1]
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", lambda **kw: started.append(kw) or Pool(**kw))
     steps = []
     with runner.PairMeasurer(tmp_path / "cache", workers=2) as measured:
         pooled = runner.measure_all(examples, measured, progress=lambda done, total: steps.append((done, total)))
     assert started == [{"max_workers": 2}] and pooled == here
     assert steps == [(n, 9) for n in (2, 4, 6, 8, 9)]
-    monkeypatch.setattr(runner, "measure", _measured_again)  # the helpers, forked from here, have it too
+    returned.clear()
     with runner.PairMeasurer(tmp_path / "cache", workers=2) as warm:  # every pair's measures in the cache
         assert runner.measure_all(examples, warm) == here
-
-
-def _measured_again(pair):
-    raise AssertionError(f"{pair.example.name} measured again")
+    # the helpers measured nothing: each pair's key came back without measures
+    assert len(returned) == 5 and [m for f in returned for _, m in f.result()] == [None] * 9
 
 
 def test_an_error_in_a_helper_leaves_no_helper_process(examples, monkeypatch):

@@ -116,3 +116,9 @@ def test_a_batch_of_two_sizes_samples_each_edit_as_alone(comps):
     for one, many in zip(singles, batched):
         assert torch.equal(one, many)
     assert [(e.step, e.total) for e in events] == [(k, 2 * STEPS) for k in range(1, 2 * STEPS + 1)]
+
+
+def test_a_batch_with_split_cfg_is_refused_naming_only_the_modes_the_family_accepts(comps):
+    from qwen_edit_core.sample.batch import sample_batch
+    with pytest.raises(ValueError, match="runs CFG on one device; use cfg_mode 'sequential'$"):
+        sample_batch(comps, ["p"], [_references()], _settings(cfg_mode="split"))

@@ -12,6 +12,12 @@ from qwen_edit_core.data import synthetic
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.toys import toy
 
+#: The sample workflow's grey picture keeps reference 1's light and dark: its luminance correlates with the
+#: grayscale target's by this (`demo.luminance_correlation`). Both toys reach it on held-out pictures; the 2.1 toy
+#: without its second phase does not (reference 2, the inversion, cancels reference 1 to grey): the scores are
+#: BENCHMARKS.md's, "Toy model builds".
+KEEPS_THE_LUMINANCE = 0.6
+
 
 def test_the_manifest_names_the_2_1_family():
     assert toy.check_weights(toy.weights_of(QWEN_IMAGE_21))["variant"] == "image-2.1"
@@ -55,16 +61,24 @@ def test_the_dct_basis_and_constant_latents():
 
 
 def test_a_short_build_writes_weights_that_load_as_a_2_1_model(tmp_path):
-    """The build machinery for the 2.1 family end to end on a tiny recipe: the manifest names the family and
-    its command, and `build_toy` turns the files into a Qwen-Image-2.1 directory with the fitted VAE."""
+    """The build machinery for the 2.1 family end to end on a tiny recipe, its second phase run alone
+    (`pretrain_references`, which refuses weights that are not its first phase's): the manifest names the family,
+    its command and the whole recipe, and `build_toy` turns the files into a Qwen-Image-2.1 directory with the
+    fitted VAE."""
+    import dataclasses
     import json
 
-    from qwen_edit_core.toys.pretrain import Recipe, pretrain
+    from qwen_edit_core.toys.pretrain import Recipe, pretrain, pretrain_references
 
-    info = pretrain(tmp_path / "weights", Recipe(variant="image-2.1", pictures=4, transformer_steps=2,
-                                                 transformer_batch=2))
-    assert info["variant"] == "image-2.1" and info["recipe"]["variant"] == "image-2.1"
+    recipe = Recipe(variant="image-2.1", pictures=1, transformer_steps=1, transformer_batch=2, reference_steps=1)
+    first = pretrain(tmp_path / "weights", dataclasses.replace(recipe, reference_steps=0))
+    info = pretrain_references(tmp_path / "weights", recipe)
+    assert info["variant"] == "image-2.1" and info["recipe"]["reference_steps"] == 1
+    assert info["sha256"]["vae.safetensors"] == first["sha256"]["vae.safetensors"]
+    assert info["sha256"]["transformer.safetensors"] != first["sha256"]["transformer.safetensors"]
     assert info["command"] == "qwen-edit tiny --variant image-2.1 --pretrained --train --weights-dir WEIGHTS_DIR OUT_DIR"
+    with pytest.raises(ValueError, match="not the first phase"):
+        pretrain_references(tmp_path / "weights", recipe)
     model = toy.build_toy(tmp_path / "model", tmp_path / "weights")
     index = json.loads((model / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImage21Pipeline" and index["vae"][1] == "AutoencoderKLQwenImage21"
@@ -72,35 +86,44 @@ def test_a_short_build_writes_weights_that_load_as_a_2_1_model(tmp_path):
     assert vae_config["patch_size"] == 16 and vae_config["z_dim"] == 64
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the toy 2.1 does not keep shapes yet in the sample workflow's grayscale edit with two "
-                          "references (scores and the recipes tried: BENCHMARKS.md, 'Toy model builds')")
-def test_the_sample_workflows_edit_keeps_reference_1s_shapes(tmp_path):
-    """As the 2.1 sample workflow runs it (reference 1 a picture, reference 2 its inverse, "make it grayscale", 20
-    steps, CFG 1), the picture keeps reference 1's shapes: its edge similarity to the grayscale target reaches
-    what the 2025 demo's pictures reach (demo.edge_similarity, KEEPS_THE_SHAPES), on held-out pictures."""
+@pytest.mark.parametrize("variant", ["edit", "image-2.1"])
+def test_the_sample_workflows_grayscale_edit_keeps_reference_1s_light_and_dark(variant, tmp_path):
+    """As the sample workflow runs it ("make it grayscale", 20 steps, CFG 1; the 2.1 workflow with reference 1 a
+    picture and reference 2 its colour inversion), the grey picture shows reference 1's light and dark: its
+    luminance correlates with the grayscale target's by KEEPS_THE_LUMINANCE, on held-out pictures, for both toys.
+
+    Why not the demo's edge similarity: a grey target's edges are faint (shapes of different hues but close
+    luminance vanish), so the 2025 toy itself stays under KEEPS_THE_SHAPES there, while a person sees the picture's
+    light and dark kept; the luminance correlation measures that, and a grey blank or a blend with reference 2 fails
+    it (BENCHMARKS.md, "Toy model builds")."""
     from PIL import ImageOps
 
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.config import load_config
-    from qwen_edit_core.demo import edge_similarity
+    from qwen_edit_core.demo import luminance_correlation
+    from qwen_edit_core.families import variants
     from qwen_edit_core.families.qwen_image_21 import sampler as sampler21
     from qwen_edit_core.sample import sampler
-    from conftest import KEEPS_THE_SHAPES
 
-    model = toy.ensure_toy(tmp_path / "toy21", toy.weights_of(QWEN_IMAGE_21))
-    trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)}}))
+    family = variants.get(variant).family
+    model = toy.ensure_toy(tmp_path / "toy", toy.weights_of(family))
+    trainer = QwenImageEditTrainer(load_config(overrides={"model": {"pretrained_model_name_or_path": str(model)},
+                                                         "predict": {"vae_area": 128 * 128}}))
     trainer.load_model()
     settings = sampler.SampleSettings(num_inference_steps=20, true_cfg_scale=1.0, negative_prompt=None, seed=0,
                                       vae_area=128 * 128)
     rng = np.random.default_rng(12345)  # the builds draw from seeds 0-4; these pictures are new
     for picture in [synthetic.picture(rng, 128) for _ in range(3)]:
-        references = [picture, ImageOps.invert(picture.convert("RGB"))]
-        cond = sampler21.build_conditioning(trainer.components, "make it grayscale", references, settings)
-        latents = sampler21.denoise(trainer.components, cond, settings)
-        image = sampler21.decode(trainer.components, latents, cond.width, cond.height)[0][..., :3].numpy()
+        if family is QWEN_IMAGE_21:
+            references = [picture, ImageOps.invert(picture.convert("RGB"))]
+            cond = sampler21.build_conditioning(trainer.components, "make it grayscale", references, settings)
+            latents = sampler21.denoise(trainer.components, cond, settings)
+            image = sampler21.decode(trainer.components, latents, cond.width, cond.height)[0][..., :3].numpy()
+        else:
+            image = trainer.predict(picture, "make it grayscale", negative_prompt=None, num_inference_steps=20,
+                                    true_cfg_scale=1.0, seed=0)[..., :3]
         target = np.asarray(synthetic.EDITS["make it grayscale"](picture), dtype=np.float32) / 255.0
-        assert edge_similarity(image, target) >= KEEPS_THE_SHAPES
+        assert luminance_correlation(image, target) >= KEEPS_THE_LUMINANCE
 
 
 def test_extra_references_follow_the_edited_picture(tmp_path):

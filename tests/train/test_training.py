@@ -273,8 +273,13 @@ def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cac
     config = train_config(tiny_edit_dir, pairs_dir, out, cache={"enabled": cached}, train={
         "max_steps": 4, "validation_every": 2, "validation_steps": 2, "checkpoint_every": 3,
         "validation_image": str(pairs_dir / "p0_control.png"), "validation_prompt": "invert the colors"})
-    events = []
-    result = QwenImageEditTrainer(config).fit(progress=events.append)
+    events, held = [], []
+
+    def keep(event):  # a ledger's consumer reads what the run holds during the event
+        events.append(event)
+        if event.stage == "train":
+            held.append(sum(event.device_storages().values()))
+    result = QwenImageEditTrainer(config).fit(progress=keep)
     assert [p.name for p in result.validation_images] == ["step-0000002.png", "step-0000004.png"]
     assert all(p.is_file() for p in result.validation_images)
     # every file the run writes is reported as it is written (the job's live view shows only its own run's)
@@ -287,8 +292,26 @@ def test_validation_images_every_n_steps(tiny_edit_dir, pairs_dir, tmp_path, cac
     assert [(e.stage, e.step) for e in events if e.stage in ("device", "train")] == [
         ("device", 1), ("train", 1), ("device", 2), ("train", 2), ("device", 2), ("device", 3), ("train", 3),
         ("device", 4), ("train", 4), ("device", 4), ("device", 4)]
-    # ... as a reader: a consumer that keeps no ledger (this one, the command line's) never walks the storages
-    assert walks == [] and all(sum(e.device_storages().values()) > 0 for e in events if e.stage == "train")
+    # ... as a reader: the run never walks the storages itself, only a consumer that asks (a ledger's) does
+    assert len(walks) == len(held) == 4 and all(n > 0 for n in held)
+
+
+def test_kept_progress_events_keep_neither_the_model_nor_the_optimizer(tiny_edit_dir, pairs_dir, tmp_path,
+                                                                     monkeypatch):
+    """A consumer that keeps the "train" events after the run (this test, a log) keeps no optimizer state or
+    model alive: the events' storages reader holds them weakly."""
+    import gc
+    import weakref
+    from qwen_edit_core.train import loop
+    optimizers, real = [], loop.make_optimizer
+    monkeypatch.setattr(loop, "make_optimizer", lambda *a: optimizers.append(weakref.ref(opt := real(*a))) or opt)
+    events = []
+    trainer = QwenImageEditTrainer(train_config(tiny_edit_dir, pairs_dir, tmp_path / "o", train={"max_steps": 1}))
+    trainer.fit(progress=events.append)
+    del trainer
+    gc.collect()
+    assert len(optimizers) == 1 and optimizers[0]() is None
+    assert [e.device_storages() for e in events if e.stage == "train"] == [{}]
 
 
 def test_the_run_lets_go_of_its_hold_before_the_validation_pictures_decode(tiny_edit_dir, pairs_dir, tmp_path,

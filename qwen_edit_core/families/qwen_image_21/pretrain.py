@@ -171,7 +171,7 @@ def _stats_picture(rng: np.random.Generator, size: int):
 
 
 #: this toy's changes to `toys.pretrain.Recipe`'s defaults (`toys.pretrain.recipe_for` says why)
-RECIPE = dict(transformer_steps=3000, transformer_lr=3e-3, layers=3)
+RECIPE = dict(transformer_steps=3000, transformer_lr=3e-3, layers=3, reference_steps=400)
 
 
 @torch.no_grad()
