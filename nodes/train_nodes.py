@@ -270,7 +270,8 @@ class QwenEditTrain:
                                            "tooltip": "pick checkpointing, fp8 and CPU offload to fit this many "
                                                       "GiB of GPU memory (estimated; 16 for 1024^2 Edit); 0: fit "
                                                       "the GPU's free memory once ComfyUI unloaded its models. A 24 "
-                                                      "GB card needs the scaled-fp8 transformer file; the host RAM "
+                                                      "GB card needs the scaled-fp8 transformer file (or the "
+                                                      "loader's transformer_fp8 on); the host RAM "
                                                       "each card needs: docs/MEMORY.md, \"What a machine needs\""}),
             "fp8_base": ("BOOLEAN", {"default": False, "tooltip": "fp8 matmuls for the frozen base (Ada/Hopper); "
                                                                   "the LoRA trains in bf16/fp32"}),

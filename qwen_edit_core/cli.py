@@ -546,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory --comfyui: the ComfyUI transformer file the graph's model came from")
     p.add_argument("--sample", action="store_true", help="memory: sampling on a card of --budget-gb GiB (default 24 "
                    "and 48); Qwen-Image-2.1: with its prefix K/V cache planned, --controls references")
+    p.add_argument("--adapter", choices=("lora", "dora"), default="lora",
+                   help="memory: the --budget-gb training row with this adapter kind (dora: a LoRA with DoRA)")
     p.add_argument("--fp8-copy", action="store_true", help="memory: the device bytes of the Sampling Speed node's "
                    "fp8 copy of the real-size --variant transformer, parking its input's bf16 linears and not")
     p.set_defaults(func=cmd_bench)

@@ -182,7 +182,8 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
     refuse_fp8(transformer, modules, spec.type, spec.dora)
     config = peft_config(spec.type, r=spec.rank, alpha=spec.alpha, targets=modules, dora=spec.dora,
                          dropout=spec.dropout, init=spec.init)
-    add_adapter(transformer, config, adapter_name)
+    with speed.base_in_host_memory(transformer):  # blocks a planned load left in host memory: the real base
+        add_adapter(transformer, config, adapter_name)
     use_adapters(transformer, [adapter_name], [1.0])  # on, even where a removed adapter left the layers off
     train_only(transformer, adapter_name)
     log.info("%s adapter %r: rank %d, alpha %g on %d modules%s", f"{spec.type}{' + DoRA' if spec.dora else ''}",
@@ -275,6 +276,12 @@ def load_lora_into(transformer, weights: LoraWeights, adapter_name: str = "defau
     Active adapters' parameters require grad (peft's convention): run sampling under torch.no_grad."""
     weights = check_against(transformer, weights)
     unmerge_lora(transformer)  # weights change below: a merged delta would go stale
+    with speed.base_in_host_memory(transformer):  # DoRA reads the base of blocks left in host memory
+        _load_into(transformer, weights, adapter_name, strength)
+
+
+def _load_into(transformer, weights: LoraWeights, adapter_name: str, strength: float) -> None:
+    """`load_lora_into` once the weights are checked: into the existing adapter, else a new one, activated."""
     if adapter_name in _adapter_names(transformer):
         # a file trained before such modules were left out: their delta changes no output, so dropping it is exact
         unreached = unreached_modules(transformer).intersection(weights.layers)

@@ -377,11 +377,14 @@ def key_prefix(transformer) -> str:
 def lora_state_dict_comfy(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """ComfyUI-layout tensors of one adapter (float32 copies on the CPU), keys `<key_prefix>P.<suffix>`:
     LoRA `lora_down.weight`, `lora_up.weight` and `alpha` = scale * rank (so `alpha / rank * up @ down` is the
-    delta peft applies), plus `dora_scale` for DoRA; LoKr and LoHa factors (`layer_file_tensors`)."""
+    delta peft applies), plus `dora_scale` for DoRA; LoKr and LoHa factors (`layer_file_tensors`). DoRA's scale
+    reads the base weight: blocks offloaded to host memory are read there (`speed.base_in_host_memory`)."""
+    from qwen_edit_core import speed
     prefix = key_prefix(transformer)
-    return {f"{prefix}{path}.{suffix}": tensor
-            for path, layer in adapter_layers(transformer, adapter_name).items()
-            for suffix, tensor in layer_file_tensors(layer, adapter_name).items()}
+    with speed.base_in_host_memory(transformer):
+        return {f"{prefix}{path}.{suffix}": tensor
+                for path, layer in adapter_layers(transformer, adapter_name).items()
+                for suffix, tensor in layer_file_tensors(layer, adapter_name).items()}
 
 
 def effective_delta(layer: FileLayer, base: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:

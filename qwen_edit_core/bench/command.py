@@ -39,6 +39,11 @@ def run_bench(args) -> None:
         from qwen_edit_core.families import variants
         variant = variants.DEFAULT if args.variant is None else args.variant
         check_edit(variant, args.size, args.controls)
+        other = [flag for flag, on in (("--fp8-copy", args.fp8_copy), ("--sample", args.sample),
+                                       ("--comfyui", args.comfyui)) if on]
+        if args.adapter != "lora" and other:
+            raise ValueError(f"--adapter {args.adapter} is a training row of the command "
+                             f"line's plan; {other[0]} simulates LoRA only: leave out one of the two")
         if args.fp8_copy:  # the Sampling Speed node's fp8 copy of the real-size transformer
             from qwen_edit_core.bench.memory_fp8_copy import report as fp8_copy_report
             print(fp8_copy_report(variant, as_json=args.json))  # noqa: T201
@@ -52,7 +57,8 @@ def run_bench(args) -> None:
                                  file_dtype=args.file_dtype, as_json=args.json))
         else:
             from qwen_edit_core.bench.memory import report
-            print(report(variant, args.size, args.controls, args.budget_gb, as_json=args.json))  # noqa: T201
+            print(report(variant, args.size, args.controls, args.budget_gb, as_json=args.json,  # noqa: T201
+                         adapter=args.adapter))
     else:
         from qwen_edit_core.bench.train import run
         run(real_size=args.real_size, device=args.device, steps=max(args.steps, 3),

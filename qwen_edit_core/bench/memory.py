@@ -83,19 +83,34 @@ def roofline_seconds(flops_by_op: dict) -> float:
     return fp8 / H100_FP8 + (sum(flops_by_op.values()) - fp8) / H100_BF16
 
 
-def _config(budget_gb: float, targets: str, fp8: bool = False, variant: str = ""):
+#: `--adapter`: the adapter kinds a training row simulates ("dora": a LoRA with `model.lora.dora`). Not LoKr and
+#: LoHa: peft's forward of both draws `torch.rand(1) > module_dropout` and branches on it, which fake tensors cannot
+#: answer (peft 0.21 `tuners/lokr/layer.py`, `tuners/loha/layer.py`)
+ADAPTERS = ("lora", "dora")
+
+
+def _adapter_keys(adapter: str) -> dict:
+    """`model.lora`'s type and dora of an `ADAPTERS` name."""
+    if adapter not in ADAPTERS:
+        raise ValueError(f"bench memory: --adapter {adapter!r} is not accepted; accepted: {', '.join(ADAPTERS)}")
+    return {"type": "lora" if adapter == "dora" else adapter, "dora": adapter == "dora"}
+
+
+def _config(budget_gb: float, targets: str, fp8: bool = False, variant: str = "", adapter: str = "lora"):
     from qwen_edit_core.config import load_config
-    return load_config(None, {"model": {"variant": variant, "lora": {"rank": 16, "alpha": 16, "targets": targets}},
+    lora = {"rank": 16, "alpha": 16, "targets": targets, **_adapter_keys(adapter)}
+    return load_config(None, {"model": {"variant": variant, "lora": lora},
                               "train": {"mixed_precision": "bf16", "gradient_checkpointing": True,
                                         "memory_budget_gb": budget_gb, "fp8_base": fp8}})
 
 
-def lora_spec(targets: str, variant: str = variants.DEFAULT):
-    """The simulated LoRA: rank 16 (the default `model.lora`) on `targets` (a preset of the variant's family, or
-    names)."""
+def lora_spec(targets: str, variant: str = variants.DEFAULT, adapter: str = "lora"):
+    """The simulated adapter: rank 16 (the default `model.lora`) of kind `adapter` (`ADAPTERS`) on `targets` (a
+    preset of the variant's family, or names)."""
     from qwen_edit_core.adapters import lora as lora_mod
     presets = variants.get(variant).family.lora_targets
-    return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets, presets))
+    return lora_mod.LoraSpec(rank=16, alpha=16, targets=lora_mod.resolve_targets(targets, presets),
+                             **_adapter_keys(adapter))
 
 
 def _bucket(side: int, controls: int):
@@ -155,8 +170,10 @@ def _planned(config, transformer, bucket, budget_gb: float):
     if budget_gb <= 0:
         return None
     tokens = sequence_tokens([bucket], config.model.variant, config.data.vl_area)  # as train.loop.setup plans
+    no_fp8, no_offload = speed.base_limits(transformer)
     return speed.plan_for_budget(budget_gb, prefer_fp8=config.train.fp8_base, tokens=tokens,
-                                 already_fp8=speed.has_fp8(transformer), **speed.model_sizes(transformer))
+                                 already_fp8=speed.has_fp8(transformer), no_fp8=no_fp8, no_offload=no_offload,
+                                 **speed.model_sizes(transformer))
 
 
 def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
@@ -174,15 +191,16 @@ def _train_step(run, config, batch, scheduler_config: dict, mode) -> None:
 
 def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
                    budget_gb: float = 0.0, *, targets: str = "attn", fp8: bool = False,
-                   num_layers: int | None = None) -> Simulated:
-    """One steady-state training step (LoRA r16 on `targets`, bf16 autocast, AdamW) under the memory plan the
-    product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
+                   num_layers: int | None = None, adapter: str = "lora") -> Simulated:
+    """One steady-state training step (LoRA r16 on `targets`, or another `adapter` kind, bf16 autocast, AdamW)
+    under the memory plan the product picks for `budget_gb` (0: every block checkpointed, no fp8, no offload)."""
     from qwen_edit_core.train import loop
     from qwen_edit_core.train.batch import collate
     from qwen_edit_core.train.distributed import image_tokens
     controls = fm.default_controls(variant) if controls is None else controls
-    config, bucket, mode = _config(budget_gb, targets, fp8, variant), _bucket(side, controls), fm.fake_mode(variant)
-    model = fm.fake_transformer(variant, mode, lora=lora_spec(targets, variant), num_layers=num_layers)
+    config, bucket, mode = _config(budget_gb, targets, fp8, variant, adapter), _bucket(side, controls), \
+        fm.fake_mode(variant)
+    model = fm.fake_transformer(variant, mode, lora=lora_spec(targets, variant, adapter), num_layers=num_layers)
     scheduler_config = dict(variants.get(variant).family.stage("tiny").SCHEDULER_CONFIG)
     plan = _planned(config, model, bucket, budget_gb)
     with tempfile.TemporaryDirectory() as out, mode:
@@ -195,7 +213,8 @@ def simulate_train(variant: str = variants.DEFAULT, side: int = 1024, controls: 
     tracker.track_external(model, run.optimizer)
     with mode, tracker, flops:
         _train_step(run, config, batch, scheduler_config, mode)
-    return _result(f"train {budget_gb:g} GiB" if budget_gb else f"train no budget ({targets})", "train", variant,
+    name = f"train {budget_gb:g} GiB" if budget_gb else f"train no budget ({targets})"
+    return _result(name if adapter == "lora" else f"{name}, {adapter}", "train", variant,
                    side, controls, image_tokens(bucket), fm.text_tokens(variant, side, controls), budget_gb or None,
                    plan.estimate.total / GIB if plan else None, tracker, flops, model,
                    plan.checkpoint_blocks if plan else -1)
@@ -337,9 +356,13 @@ def check_edit(variant: str, side: int, controls: int | None) -> None:
 
 
 def report(variant: str = variants.DEFAULT, side: int = 1024, controls: int | None = None,
-           budget_gb: float | None = None, *, as_json: bool = False) -> str:
+           budget_gb: float | None = None, *, as_json: bool = False, adapter: str = "lora") -> str:
     """`qwen-edit bench memory`'s output: the table, or one JSON object per line (`as_json`). `budget_gb`: that
-    budget's training row only."""
+    budget's training row only; `adapter` other than "lora": that budget's row training that adapter kind."""
+    if adapter != "lora":
+        if budget_gb is None:
+            raise ValueError(f"bench memory --adapter {adapter}: give the row's --budget-gb")
+        return render([simulate_train(variant, side, controls, budget_gb, adapter=adapter)], as_json)
     results = run(variant, side, controls, BUDGETS) if budget_gb is None else \
         run(variant, side, controls, (budget_gb,), reference=False, sample_levers=())
     return render(results, as_json)

@@ -144,6 +144,25 @@ def _check(model: torch.nn.Module, source, plan: speed.WeightPlan, keep: bool) -
     return converted
 
 
+def check_card(converted: dict[str, torch.Tensor], plan: speed.WeightPlan, blocks: str, name: str) -> None:
+    """Refuse, before any weight is read, a plan whose device weights (every tensor outside the offloaded blocks,
+    in its planned form, from the converted header) exceed the CUDA card's whole memory: no unloading of other
+    models can make room, and the load would fail part way with an out-of-memory error."""
+    device = torch.device(plan.device)
+    if device.type != "cuda":
+        return
+    offloaded = {f"{blocks}.{i}" for i in plan.offloaded}
+    needed = sum(t.numel() * t.element_size() for k, t in converted.items()
+                 if _home(k.rpartition(".")[0], offloaded, device) != HOST)
+    total = torch.cuda.mem_get_info(device)[1]
+    if needed > total:
+        form = "fp8 block linears" if plan.fp8 else str(plan.dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: the transformer's weights take {needed / 2**30:.1f} GiB on {device} ({form}"
+                         f"{f', {len(plan.offloaded)} blocks in host memory' if plan.offloaded else ''}), more than "
+                         f"its {total / 2**30:.1f} GiB: read it into fp8 (transformer_fp8 on the loader, "
+                         "predict.fp8) or from a scaled-fp8 file, or load it on a larger device")
+
+
 def load_transformer_planned(source, plan: speed.WeightPlan, *,
                              skeleton: torch.nn.Module | None = None) -> torch.nn.Module:
     """The frozen transformer of `source`'s family (model/weight_source.py: the family's
@@ -162,6 +181,7 @@ def load_transformer_planned(source, plan: speed.WeightPlan, *,
         keep = source.keeps_fp8(device)
         model = skeleton if skeleton is not None else build_skeleton(source, fp8=plan.fp8 or keep)
         converted = _check(model, source, plan, keep)
+        check_card(converted, plan, source.family.blocks, source.name)
         stream_weights(model, source, plan, keep, converted)
         if plan.offloaded:
             blocks = getattr(model, source.family.blocks)

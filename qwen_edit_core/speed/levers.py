@@ -13,7 +13,7 @@ from qwen_edit_core.speed.fp8 import _set_fp8_backward, dequantize_fp8, has_fp8,
 from qwen_edit_core.speed.lending import lend_for_sampling, loan_of, shared_copy
 from qwen_edit_core.speed.offload import BlockOffloader
 from qwen_edit_core.speed.planner import free_memory_budget_gb, model_sizes, resident_bytes
-from qwen_edit_core.speed.weight_plan import WeightPlan, checked_plan, plan_training
+from qwen_edit_core.speed.weight_plan import WeightPlan, base_bytes_of, base_limits, checked_plan, plan_training
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ def configure_training(transformer, train, device: torch.device, tokens: int, sh
 
     A transformer loaded by the planned loader (model/planned_load.py) carries the plan it was loaded with
     (`loaded_plan`): its fp8 layers and offloaded blocks are already in place and that plan is applied as it is,
-    not made again; any other transformer is planned here, from the weights it holds."""
+    not made again; any other transformer is planned here, from the weights it holds and the adapter it carries
+    (a DoRA, LoKr or LoHa adapter, or bitsandbytes layers: no fp8, `weight_plan.base_limits`)."""
     device = torch.device(device)
     plan = loaded_plan(transformer)
     if plan is None:
@@ -44,8 +45,13 @@ def configure_training(transformer, train, device: torch.device, tokens: int, sh
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             available = free + resident_bytes(transformer, device)
-        plan = plan_training(train, device, transformer.img_in.weight.dtype, model_sizes(transformer), tokens,
-                             available=available, already_fp8=has_fp8(transformer), shards=shards)
+        no_fp8, no_offload = base_limits(transformer)
+        sizes = model_sizes(transformer)
+        if no_offload is not None:  # a bitsandbytes base: its int8/nf4 bytes, not bf16's
+            sizes = {**sizes, "base_bytes": base_bytes_of(transformer)}
+        plan = plan_training(train, device, transformer.img_in.weight.dtype, sizes, tokens,
+                             available=available, already_fp8=has_fp8(transformer), shards=shards, no_fp8=no_fp8,
+                             no_offload=no_offload)
     if shards > 1 and (plan.fp8 or plan.offloaded or has_fp8(transformer)):
         raise ValueError(f"FSDP cannot shard {'offloaded blocks' if plan.offloaded else 'an fp8 base'}: turn "
                          f"{'train.offload_blocks' if plan.offloaded else 'train.fp8_base'} off")

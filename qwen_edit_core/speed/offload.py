@@ -43,6 +43,7 @@ more, compiled or not.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import torch
@@ -81,6 +82,7 @@ class BlockOffloader:
         self.unprefetched = 0
         #: the host region the copies made here live in (None when every tensor was in host memory already)
         self.region: HostRegion | None = None
+        self.blocks = {i: blocks[i] for i in self.indices}
         self.handles = []
         self._take_all(blocks, loan)
         self.layout = {i: _layout(self.slots[i]) for i in self.indices}
@@ -131,6 +133,32 @@ class BlockOffloader:
                         module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
                     else:
                         self._set(module, name, is_param, placeholder)
+
+    @contextmanager
+    def base_in_host_memory(self):
+        """Point the offloaded blocks' modules at their host copies while the body runs (no device byte), then at
+        empty placeholders again. Adapters made meanwhile see the real base (LoHa reads its shape, DoRA each row's
+        norm) and are made beside it in host memory: their tensors move to the device afterwards, where the
+        offloader keeps every trainable tensor."""
+        with torch.no_grad():
+            for slots in self.slots.values():
+                for owner, name, is_param, host in slots:
+                    self._set(owner, name, is_param, host)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for slots in self.slots.values():
+                    for owner, name, is_param, host in slots:
+                        self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
+                for block in self.blocks.values():
+                    for module in block.modules():
+                        for name, t in module._parameters.items():
+                            if t is not None and t.device != self.device:
+                                module._parameters[name] = nn.Parameter(t.to(self.device), t.requires_grad)
+                        for name, t in module._buffers.items():
+                            if t is not None and t.device != self.device:
+                                module._buffers[name] = t.to(self.device)
 
     @property
     def host_bytes(self) -> int:
@@ -250,7 +278,7 @@ class BlockOffloader:
             for owner, name, is_param, host in slots:
                 value = host.to(self.device) if restore else torch.empty(0, dtype=host.dtype, device=self.device)
                 self._set(owner, name, is_param, value)
-        self.slots, self.ready, self.live, self.region, self.buffers = {}, {}, set(), None, []
+        self.slots, self.ready, self.live, self.region, self.buffers, self.blocks = {}, {}, set(), None, [], {}
 
 
 class DeviceBuffer:
@@ -331,6 +359,13 @@ def _views(memory: torch.Tensor, layout) -> list[torch.Tensor]:
     spans, _ = layout
     return [memory[offset: offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
             for offset, shape, dtype in spans]
+
+
+def base_in_host_memory(transformer):
+    """`BlockOffloader.base_in_host_memory` of the transformer's offloader (a planned load made one before any
+    adapter was added), or a context that does nothing."""
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    return offloader.base_in_host_memory() if offloader is not None else nullcontext()
 
 
 def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:

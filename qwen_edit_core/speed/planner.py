@@ -84,7 +84,7 @@ MARGIN_FRAGMENTATION = 0.10
 def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, tokens: int, dim: int, fp8: bool,
                     n_checkpointed: int, n_offloaded: int, trainable_params: int,
                     activation_factor: float = ACTIVATION_FACTOR, working_factor: dict | None = None,
-                    shards: int = 1) -> MemoryEstimate:
+                    shards: int = 1, base_bytes: float = 2.0) -> MemoryEstimate:
     """A step's device memory: resident weights, saved activations, and a fixed part (the working set, the
     LoRA with its gradient and optimizer state, and the margin for the CUDA context, cuBLAS workspaces and
     fragmentation).
@@ -95,8 +95,9 @@ def estimate_memory(*, n_blocks: int, block_params: int, other_params: int, toke
     streams (`BOUNDARY_FACTOR`); offloaded blocks are on the device only while they run, `OFFLOAD_IN_FLIGHT` at a time.
     Sharded over `shards` processes (FSDP2), each holds 1/shards of the frozen weights, plus the whole of the two blocks
     in flight (the running one, the next one prefetched) and of the root's own weights (gathered for the whole forward).
+    `base_bytes`: bytes a frozen parameter element holds outside fp8 (bf16: 2; a bitsandbytes base: `base_bytes_of`).
     """
-    bytes_per_weight = 1 if fp8 else 2
+    bytes_per_weight = 1 if fp8 else base_bytes
     in_flight = min(OFFLOAD_IN_FLIGHT, n_offloaded) * block_params * bytes_per_weight
     gathered = (min(2, n_blocks) * block_params + other_params) * (1 - 1 / shards)
     resident = (n_blocks - n_offloaded) * block_params + other_params
@@ -170,7 +171,7 @@ def _fewest_offloaded(budget: float, fp8: bool, n_ckpt: int, max_offloaded: int,
 
 
 def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1, *, already_fp8: bool = False,
-                    **model) -> SpeedPlan:
+                    no_fp8: str | None = None, no_offload: str | None = None, **model) -> SpeedPlan:
     """The fastest settings by the time model (`plan_seconds`) whose estimate fits `budget_gb` less
     `ESTIMATE_HEADROOM`: with a bf16 base (skipped when `prefer_fp8`) the fewest checkpointed blocks; then with an
     fp8 base, every split of recompute and offloading (offloaded blocks are checkpointed ones: an offloaded block's
@@ -180,6 +181,10 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
 
     `already_fp8`: the base's block linears are fp8 already (a scaled-fp8 file kept in fp8): they take one byte a
     weight and the fp8 working set whatever the plan says, so only fp8 settings are estimated.
+
+    `no_fp8`: why the base cannot take fp8 (an adapter that reads the base weight: `weight_plan.adapter_no_fp8`),
+    None where it can: then only bf16 settings are estimated, and with them offloaded blocks (fp8 otherwise
+    comes first, as it halves every block's weights and copies); `no_offload`: why no block can be offloaded.
 
     `shards` > 1 (FSDP2 over that many processes): each process's share of the frozen weights; only
     checkpointing is planned (an fp8 base and offloading are refused under FSDP2: train.sharding).
@@ -196,16 +201,24 @@ def plan_for_budget(budget_gb: float, prefer_fp8: bool = False, shards: int = 1,
         raise ValueError(f"train.memory_budget_gb {budget_gb} is too small for FSDP over {shards} processes: "
                          f"with every block checkpointed each needs about {est.total / 2**30:.1f} GiB (an fp8 base "
                          "and offloading are not available under FSDP); add processes or raise the budget")
-    for fp8 in ((True,) if prefer_fp8 or already_fp8 else (False, True)):
+    if no_fp8 is not None and (prefer_fp8 or already_fp8):
+        raise ValueError(f"an fp8 base was asked for ({'train.fp8_base' if prefer_fp8 else 'a base already in fp8'})"
+                         f" but {no_fp8}")
+    forms = ((False,) if no_fp8 is not None else (True,) if prefer_fp8 or already_fp8 else (False, True))
+    for fp8 in forms:
+        offloads = no_offload is None and (fp8 or no_fp8 is not None)  # bf16 offloads only where fp8 cannot be
         fits = [plan for n_ckpt in range(0, n + 1)
-                if (plan := _fewest_offloaded(budget, fp8, -1 if n_ckpt == n else n_ckpt, n_ckpt if fp8 else 0,
+                if (plan := _fewest_offloaded(budget, fp8, -1 if n_ckpt == n else n_ckpt, n_ckpt if offloads else 0,
                                               model)) is not None]
         if fits:
             return min(fits, key=lambda p: (p.seconds, p.offload_blocks))
-    est = estimate_memory(fp8=True, n_checkpointed=-1, n_offloaded=n, **model)
-    raise ValueError(f"train.memory_budget_gb {budget_gb} is too small: even an fp8 base with every block "
-                     f"checkpointed and offloaded needs about {est.total / 2**30:.1f} GiB; raise the budget or "
-                     "train at a smaller data.vae_area")
+    fp8 = forms[-1]
+    est = estimate_memory(fp8=fp8, n_checkpointed=-1, n_offloaded=0 if no_offload else n, **model)
+    base = "an fp8 base" if fp8 else f"a bf16 base (no fp8: {no_fp8})"
+    blocks = f" (no offload: {no_offload})" if no_offload else " and offloaded"
+    raise ValueError(f"train.memory_budget_gb {budget_gb} is too small: even {base} with every block checkpointed"
+                     f"{blocks} needs about {est.total / 2**30:.1f} GiB; raise the budget or train at a smaller "
+                     "data.vae_area")
 
 
 def model_sizes(transformer) -> dict:

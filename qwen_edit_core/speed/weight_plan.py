@@ -49,8 +49,57 @@ class WeightPlan:
         return torch.device(self.device).type == "cuda"
 
 
+#: Why an adapter kind cannot train on an fp8 base (`speed.Fp8Linear`: e4m3 weights and per-row scales, no
+#: `weight`), by `model.lora.type` ("dora": a LoRA with `model.lora.dora`); peft 0.21 (`tuners/lora/dora.py`,
+#: `tuners/lokr/layer.py`, `tuners/loha/layer.py`). Such a base is planned in bf16, offloading blocks instead.
+NO_FP8 = {
+    "dora": "DoRA reads the base weight itself at every step (each output row's norm of W + BA: peft's "
+            "DoraLinearLayer)",
+    "lokr": "peft's LoKr wraps only nn.Linear bases and shapes its delta like the base's `weight` (LoKrLayer)",
+    "loha": "peft's LoHa wraps only nn.Linear bases and shapes its delta like the base's `weight` (LoHaLayer)",
+}
+#: why a bitsandbytes-quantized base (`model.quantize` int8/nf4) takes neither fp8 nor offload
+NO_FP8_BNB = "its block linears are bitsandbytes int8/nf4 layers already (model.quantize)"
+NO_OFFLOAD_BNB = ("bitsandbytes keeps each weight's quantization state beside it (Int8Params.SCB, "
+                  "Params4bit.quant_state), which the offloader's copies into a flat device buffer do not carry")
+
+
+def adapter_no_fp8(kind: str, dora: bool) -> str | None:
+    """Why an adapter of `model.lora.type` `kind` (with `model.lora.dora`) cannot train on an fp8 base
+    (`NO_FP8`), or None: a plain LoRA wraps `speed.Fp8Linear` (adapters/kinds.py)."""
+    return NO_FP8["dora"] if dora else NO_FP8.get(kind)
+
+
+def base_limits(transformer: torch.nn.Module) -> tuple[str | None, str | None]:
+    """(why no fp8, why no offload) for a loaded transformer, from its layers: a DoRA, LoKr or LoHa adapter
+    already injected (`NO_FP8`), bitsandbytes layers (`NO_FP8_BNB`, `NO_OFFLOAD_BNB`); None where the lever can
+    apply."""
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.lora import LoraLayer
+    no_fp8 = no_offload = None
+    for module in transformer.modules():
+        if type(module).__module__.split(".")[0] == "bitsandbytes":
+            return NO_FP8_BNB, NO_OFFLOAD_BNB
+        if no_fp8 is None:
+            if isinstance(module, LoraLayer) and any(module.use_dora.values()):
+                no_fp8 = NO_FP8["dora"]
+            elif isinstance(module, (LoKrLayer, LoHaLayer)):
+                no_fp8 = NO_FP8["lokr" if isinstance(module, LoKrLayer) else "loha"]
+    return no_fp8, no_offload
+
+
+def base_bytes_of(transformer: torch.nn.Module) -> float:
+    """Bytes per frozen parameter element of the transformer's blocks as stored (a bitsandbytes base: int8 one,
+    nf4's packed bytes one per element; what `planner.estimate_memory` takes as `base_bytes`)."""
+    tensors = [t for block in transformer.transformer_blocks
+               for t in (*block.parameters(), *block.buffers()) if not t.requires_grad]
+    return sum(t.numel() * t.element_size() for t in tensors) / max(1, sum(t.numel() for t in tensors))
+
+
 def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, tokens: int, *,
-                  available: int | None = None, already_fp8: bool = False, shards: int = 1) -> WeightPlan:
+                  available: int | None = None, already_fp8: bool = False, shards: int = 1,
+                  no_fp8: str | None = None, no_offload: str | None = None) -> WeightPlan:
     """The plan of a training run from `train.{memory_budget_gb, memory_budget_auto, fp8_base, fp8_backward,
     gradient_checkpointing, checkpoint_blocks, offload_blocks}`.
 
@@ -58,16 +107,25 @@ def plan_training(train, device: torch.device, dtype: torch.dtype, sizes: dict, 
     longest sequence of a step; `available`: bytes the transformer may use on a CUDA device (its free memory, plus
     the transformer's own weights when they are already there), None elsewhere (`memory_budget_auto` then plans
     nothing); `already_fp8`: the block linears are fp8 already (a scaled-fp8 file kept in fp8); `shards`: the
-    processes the frozen base is sharded over (FSDP2; the planner counts one share)."""
+    processes the frozen base is sharded over (FSDP2; the planner counts one share); `no_fp8` / `no_offload`:
+    why the base cannot take fp8 / offloaded blocks (`adapter_no_fp8`, `base_limits`), refused by name when
+    asked for and never planned."""
     device = torch.device(device)
     fp8, ckpt = train.fp8_base, (train.checkpoint_blocks if train.gradient_checkpointing else None)
     n_off = train.offload_blocks
+    if no_fp8 is not None and (fp8 or already_fp8):
+        raise ValueError(f"{'train.fp8_base' if fp8 else 'a transformer kept in fp8 (model.transformer_fp8)'} asks "
+                         f"for an fp8 base, and {no_fp8}: turn it off (model.transformer_fp8: upcast for a scaled-fp8"
+                         " file) or train a plain LoRA")
+    if no_offload is not None and n_off:
+        raise ValueError(f"train.offload_blocks {n_off}: {no_offload}; set it to 0")
     budget = train.memory_budget_gb
     if not budget and train.memory_budget_auto and device.type == "cuda" and available is not None:
         budget = free_memory_budget_gb(available, 0)
     if budget > 0:
         chosen = plan_for_budget(budget, prefer_fp8=train.fp8_base, tokens=tokens, shards=shards,
-                                 already_fp8=already_fp8, **compiled_sizes(sizes, train.compile))
+                                 already_fp8=already_fp8, no_fp8=no_fp8, no_offload=no_offload,
+                                 **compiled_sizes(sizes, train.compile))
         fp8, ckpt, n_off = chosen.fp8, chosen.checkpoint_blocks, chosen.offload_blocks
         log.info("memory budget %.1f GiB%s: fp8 base %s, checkpointed blocks %s, offloaded blocks %d (estimate "
                  "%.1f GiB)", budget, "" if train.memory_budget_gb else f" (the free memory of {device})", fp8,

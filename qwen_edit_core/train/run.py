@@ -40,8 +40,10 @@ def model_files(config: Config) -> dict:
     files = {f"{name}_file": comp.resolve_model_file(getattr(m, f"{name}_file"), name, m.comfyui_models_dir)
              for name in ("transformer", "vae", "text_encoder")}
     comfyui = Path(m.comfyui_dir).expanduser() if m.comfyui_dir else comp.comfyui_dir_near(m.comfyui_models_dir)
-    # Under FSDP an fp8 base cannot be sharded (train.sharding): a scaled-fp8 file is upcast, never kept.
-    fp8 = "upcast" if m.transformer_fp8 == "auto" and sharding.is_sharded() else m.transformer_fp8
+    # Under FSDP an fp8 base cannot be sharded (train.sharding), nor can DoRA, LoKr or LoHa wrap one
+    # (speed.adapter_no_fp8): a scaled-fp8 file is upcast, never kept.
+    no_fp8 = sharding.is_sharded() or speed.adapter_no_fp8(m.lora.type, m.lora.dora) is not None
+    fp8 = "upcast" if m.transformer_fp8 == "auto" and no_fp8 else m.transformer_fp8
     return {**files, "comfyui_dir": comfyui, "transformer_fp8": fp8}
 
 
@@ -156,19 +158,16 @@ def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_
     the longest bucket and the device's free memory before any weight is read, so the transformer loads straight
     into it (model/planned_load.py). In a process of an FSDP2 run, a plan that reads the transformer into host
     memory (`sharding.host_plan`): sharding then moves each block to the device and keeps this process's share.
-    Both model families. None where the load-then-configure path stays: bitsandbytes `model.quantize` (it
-    quantizes each weight as it loads: the model's dtype never fills the device), and adapters created on the
-    whole base in the model's dtype (`whole_load_reason`), whose load is refused first when it cannot fit."""
+    Both model families, every adapter kind: DoRA, LoKr and LoHa cannot take an fp8 base (`speed.adapter_no_fp8`
+    says why), so their plan keeps bf16 and offloads blocks instead. None where the load-then-configure path stays:
+    bitsandbytes `model.quantize` (it quantizes each weight as it loads: the model's dtype never fills the
+    device; `speed.configure_training` then plans checkpointing alone, `speed.base_limits`)."""
     from qwen_edit_core.train.distributed import sequence_tokens
     if config.model.quantize != "none":
         return None
     files = model_files(config)
     source = weight_source(model_dir, files["transformer_file"], files["transformer_fp8"])
     device = torch.device(device)
-    reason = whole_load_reason(spec)
-    if reason is not None:
-        check_whole_load(source, resolve_dtype(config.model.dtype, component="model.dtype"), device, reason)
-        return None
     variant = config.model.variant or comp.detect_variant(model_dir)
     if sharding.is_sharded():
         return sharding.host_plan(resolve_dtype(config.model.dtype, component="model.dtype"))
@@ -176,33 +175,7 @@ def training_plan(config: Config, device: torch.device, model_dir: Path, bucket_
     tokens = sequence_tokens(bucket_keys, variant, config.data.vl_area)  # the controls' vision tokens included
     return speed.plan_training(config.train, device, resolve_dtype(config.model.dtype, component="model.dtype"),
                                planned_sizes(source, spec), tokens, available=available,
-                               already_fp8=source.keeps_fp8(device))
-
-
-def whole_load_reason(spec: lora_mod.LoraSpec) -> str | None:
-    """Why this adapter needs the whole transformer loaded in the model's dtype before the memory plan applies
-    (fp8 and offload then shrink it), or None (plain LoRA loads straight into its plan)."""
-    if spec.dora or spec.type != "lora":
-        return (f"{'DoRA' if spec.dora else spec.type} reads each base weight itself (adapters/kinds.py "
-                "`refuse_fp8`), so its layers are made on the loaded base before any lever changes it")
-    return None
-
-
-def check_whole_load(source, dtype: torch.dtype, device: torch.device, reason: str) -> None:
-    """Refuse, before any weight is read, a whole-model load that cannot fit the CUDA device's free memory (the
-    planner's budget starts from the loaded model, so that load must fit first); logs the size otherwise."""
-    from qwen_edit_core.model.planned_load import build_skeleton
-    whole = sum(p.numel() for p in build_skeleton(source, fp8=False).parameters()) * dtype.itemsize
-    log.info("the transformer loads whole (%.1f GiB in %s) before its memory plan applies: %s", whole / 2**30,
-             str(dtype).removeprefix("torch."), reason)
-    if device.type != "cuda":
-        return
-    free = torch.cuda.mem_get_info(device)[0]
-    if whole > free:
-        raise ValueError(f"the transformer must load whole ({whole / 2**30:.1f} GiB in "
-                         f"{str(dtype).removeprefix('torch.')}) before fp8 or offload can shrink it, and {device} has "
-                         f"{free / 2**30:.1f} GiB free ({reason}): train a plain LoRA (model.lora.type lora, "
-                         "model.lora.dora false), which loads straight into its memory plan, or free the device")
+                               already_fp8=source.keeps_fp8(device), no_fp8=speed.adapter_no_fp8(spec.type, spec.dora))
 
 
 def planned_sizes(source, spec: lora_mod.LoraSpec) -> dict:

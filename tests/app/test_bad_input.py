@@ -77,7 +77,9 @@ def test_tiny_into_a_folder_of_other_files_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, named", [(["--controls", "-1"], "--controls -1"), (["--size", "0"], "--size 0"),
-                                         (["--controls", "4", "--variant", "edit-plus"], "--controls 4")])
+                                         (["--controls", "4", "--variant", "edit-plus"], "--controls 4"),
+                                         (["--comfyui", "--adapter", "dora"], "--comfyui simulates LoRA only"),
+                                         (["--sample", "--adapter", "dora"], "--sample simulates LoRA only")])
 def test_bench_memory_refuses_what_it_cannot_simulate(capsys, args, named):
     assert main(["bench", "memory", *args]) == 2
     assert named in _error(capsys)

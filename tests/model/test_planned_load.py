@@ -240,6 +240,22 @@ def test_a_source_that_does_not_match_its_config_is_refused_before_any_weight_is
         planned_load.load_transformer_planned(weight_source.DirectorySource(broken), plan)
 
 
+def test_a_plan_larger_than_the_card_is_refused_before_any_weight_is_read(six_block_dir, monkeypatch):
+    """A loader node's whole bf16 transformer on a card smaller than it is refused before any weight is read,
+    naming both sizes and the fp8 load (never an out-of-memory part way through). Offloaded blocks do not count."""
+    source = weight_source.DirectorySource(six_block_dir)
+    plan = speed.WeightPlan(device=torch.device("cuda:0"), dtype=torch.float32)
+    converted = planned_load.planned_state(source.convert(source.header(), set(), torch.float32, False), set())
+    device_bytes = sum(t.numel() * t.element_size() for t in converted.values())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, device_bytes - 1))
+    monkeypatch.setattr(source, "modules", lambda: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError, match=r"take 0.0 GiB on cuda:0 \(float32\), more than its 0.0 GiB: read it into "
+                                         r"fp8 \(transformer_fp8 on the loader"):
+        planned_load.load_transformer_planned(source, plan)
+    offloading = speed.WeightPlan(device=torch.device("cuda:0"), dtype=torch.float32, offloaded=(1, 3))
+    planned_load.check_card(converted, offloading, "transformer_blocks", "t")  # two blocks fewer: fits
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_loader_runs_without_weights_under_fake_tensors(family):
     """A shapes-only source on the stand-in device under FakeTensorMode (how a real-size load is simulated)."""
