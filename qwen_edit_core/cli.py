@@ -530,8 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="soak: rounds of every fault (random points, seeded)")
     p.add_argument("--variants", default="", help="train --real-size: comma-separated names of "
                    "qwen_edit_core/bench/train.py VARIANTS to run after the reference (default: all)")
-    p.add_argument("--variant", choices=variants.NAMES, default=variants.DEFAULT,
-                   help="memory: simulated variant; sample: a Qwen-Image-2.1 variant runs only its prefix-cache table")
+    p.add_argument("--variant", choices=variants.NAMES, default=None,
+                   help=f"memory: simulated variant (default {variants.DEFAULT}); sample: only its family's table(s) "
+                   "(default: every family's)")
     p.add_argument("--size", type=int, default=1024, help="memory: the square edit's side in pixels")
     p.add_argument("--controls", type=int, default=None,
                    help="memory: control images, or 2.1 references (default 1 Edit and 2.1, 2 Plus)")

@@ -66,7 +66,7 @@ from qwen_edit_core.bench.train_comfyui import run; run('cuda:0', steps=4)" ;;
 from qwen_edit_core.bench.train import _real
 _real('$dev', steps=4, variants=['+ fp8 backward', 'memory_budget_gb 16']$size)" || echo "train part ended with $?"
          timeout $((total * 85 / 100 - SECONDS)) $py -c "$logged
-from qwen_edit_core.bench.sample import _real; _real('$dev', steps=$edit, repeats=2$size)" || echo "sample part ended with $?"
+from qwen_edit_core.families.qwen_image.sample_bench import _real; _real('$dev', steps=$edit, repeats=2$size)" || echo "sample part ended with $?"
          timeout $((total * 95 / 100 - SECONDS)) $py -c "$logged
 from qwen_edit_core.bench.attention import run; run('$dev', repeats=3, $attn)" || echo "attention part ended with $?"
          timeout $((total - SECONDS)) $py -c "$logged

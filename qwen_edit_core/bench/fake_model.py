@@ -26,11 +26,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from qwen_edit_core.families import variants
 from qwen_edit_core.model import prompt_length
 
 #: the fake device that stands for the GPU (see the module docstring)
-
-from qwen_edit_core.families import variants
 STAND_IN = torch.device("cpu")
 #: a long caption's own tokens, beside the vision tokens the template adds (model/prompt_length.py)
 CAPTION_TOKENS = prompt_length.CAPTION_TOKENS

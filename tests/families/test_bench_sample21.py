@@ -37,12 +37,16 @@ def test_prints_the_prefix_cache_speed_up_with_equal_results(monkeypatch):
         assert_close_fp32(on, off, ops=STEPS * TINY_FORWARD_ROUNDINGS, what=f"cached latent, cfg {cfg_row[0]}")
 
 
-def test_variant_image_21_runs_only_the_21_table(monkeypatch):
+def test_a_variant_runs_only_its_familys_table_and_none_runs_every_familys(monkeypatch):
     from qwen_edit_core import cli
     from qwen_edit_core.bench import sample
+    from qwen_edit_core.families.qwen_image import sample_bench as sample2025
     calls = []
     monkeypatch.setattr(sample21, "run", lambda **kw: calls.append(("2.1", kw)) or "")
-    monkeypatch.setattr(sample, "run", lambda **kw: calls.append(("both", kw)) or "")
+    monkeypatch.setattr(sample2025, "run", lambda **kw: calls.append(("2025", kw)) or "")
+    monkeypatch.setattr(sample, "run", lambda **kw: calls.append(("every", kw)) or "")
     cli.main(["bench", "sample", "--variant", "image-2.1", "--steps", "2", "--repeats", "1"])
+    cli.main(["bench", "sample", "--variant", "edit", "--steps", "2"])  # the default family's, named: its table alone
     cli.main(["bench", "sample", "--steps", "2"])
-    assert [c[0] for c in calls] == ["2.1", "both"] and calls[0][1]["steps"] == 2 and calls[0][1]["repeats"] == 1
+    assert [c[0] for c in calls] == ["2.1", "2025", "every"]
+    assert calls[0][1]["steps"] == 2 and calls[0][1]["repeats"] == 1

@@ -8,11 +8,10 @@ import dataclasses
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from qwen_edit_core.families import variants
 from qwen_edit_core.model import prompt_length
 
 #: `bench memory` simulates this family's sampling levers too
-
-from qwen_edit_core.families import variants
 SAMPLING_SIMULATED = True
 
 
