@@ -184,12 +184,38 @@ def inject_lora(transformer, spec: LoraSpec, adapter_name: str = "default") -> N
                          dropout=spec.dropout, init=spec.init)
     with speed.base_in_host_memory(transformer):  # blocks a planned load left in host memory: the real base
         add_adapter(transformer, config, adapter_name)
+    dora_norms_on_device(transformer, adapter_name)
     use_adapters(transformer, [adapter_name], [1.0])  # on, even where a removed adapter left the layers off
     train_only(transformer, adapter_name)
     log.info("%s adapter %r: rank %d, alpha %g on %d modules%s", f"{spec.type}{' + DoRA' if spec.dora else ''}",
              adapter_name, spec.rank, spec.alpha, len(modules),
              f" ({len(matched) - len(modules)} left out: their output reaches no loss)" if len(matched) > len(modules)
              else "")
+
+
+def dora_norms_on_device(transformer, adapter_name: str) -> None:
+    """Recompute adapter `adapter_name`'s DoRA magnitudes (the base rows' norms) of the layers of offloaded blocks
+    on the offloader's device, one layer's temporary base copy at a time, with peft's own code: peft made them
+    beside the host copy, on the CPU, and bf16 norms may round otherwise there than on a resident layer.
+
+    The norm is taken with A and B in the base's dtype, as a resident layer's is: peft 0.21.2
+    (tuners/lora/layer.py `update_layer`) moves the adapter to the base's device and dtype just before it, so an
+    adapter cast afterwards (e.g. upcast to float32) still gets the same number."""
+    for layer in adapter_layers(transformer, adapter_name).values():
+        if adapter_name not in getattr(layer, "lora_magnitude_vector", {}):
+            continue
+        base = layer.get_base_layer()
+        with speed.layer_on_device(transformer, base) as moved:
+            if not moved:  # resident: peft computed it on the device already
+                continue
+            dtype = base.weight.dtype if base.weight.dtype.is_floating_point else None
+            magnitude = layer.lora_magnitude_vector[adapter_name]
+            fresh = type(magnitude)(fan_in_fan_out=magnitude.fan_in_fan_out)
+            fresh.update_layer(base_layer=base, lora_A=layer.lora_A[adapter_name].weight.to(dtype=dtype),
+                               lora_B=layer.lora_B[adapter_name].weight.to(dtype=dtype),
+                               scaling=layer.scaling[adapter_name])
+            with torch.no_grad():
+                magnitude.weight.copy_(fresh.weight)
 
 
 def train_only(transformer, adapter_name: str = "default") -> None:

@@ -160,6 +160,23 @@ class BlockOffloader:
                             if t is not None and t.device != self.device:
                                 module._buffers[name] = t.to(self.device)
 
+    @contextmanager
+    def layer_on_device(self, module: nn.Module):
+        """Point `module` (one layer of an offloaded block) at temporary device copies of its own host tensors
+        while the body runs, then at empty placeholders again (the copies are freed); yields whether an offloaded
+        block holds it (else nothing changes). One layer's bytes, far below the blocks in flight: for work that
+        must read the real base on the device, as it would on a resident layer."""
+        slots = [slot for entries in self.slots.values() for slot in entries if slot[0] is module]
+        with torch.no_grad():
+            for owner, name, is_param, host in slots:
+                self._set(owner, name, is_param, host.to(self.device))
+        try:
+            yield bool(slots)
+        finally:
+            with torch.no_grad():
+                for owner, name, is_param, host in slots:
+                    self._set(owner, name, is_param, torch.empty(0, dtype=host.dtype, device=self.device))
+
     @property
     def host_bytes(self) -> int:
         """Bytes of the offloaded blocks' host copies."""
@@ -366,6 +383,13 @@ def base_in_host_memory(transformer):
     adapter was added), or a context that does nothing."""
     offloader = getattr(transformer, "_qwen_edit_offloader", None)
     return offloader.base_in_host_memory() if offloader is not None else nullcontext()
+
+
+def layer_on_device(transformer, module: nn.Module):
+    """`BlockOffloader.layer_on_device` of the transformer's offloader, or a context yielding False (nothing
+    offloaded: every layer is on its device already)."""
+    offloader = getattr(transformer, "_qwen_edit_offloader", None)
+    return offloader.layer_on_device(module) if offloader is not None else nullcontext(False)
 
 
 def offload_indices(n_blocks: int, n_offloaded: int) -> list[int]:

@@ -68,6 +68,62 @@ def test_an_adapter_without_fp8_loads_straight_into_a_bf16_offload_plan(six_bloc
     assert all(host.device.type == "cpu" for slots in offloader.slots.values() for *_, host in slots)
 
 
+def _norm_devices(monkeypatch) -> dict:
+    """Spy on peft's DoRA norm: {base layer: device of the weight its latest magnitude was computed from}."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+    made, current = {}, []
+    update, norm = DoraLinearLayer.update_layer, DoraLinearLayer.get_weight_norm
+
+    def update_layer(self, *, base_layer, **kwargs):
+        current.append(base_layer)
+        try:
+            return update(self, base_layer=base_layer, **kwargs)
+        finally:
+            current.pop()
+
+    def get_weight_norm(self, weight, *args, **kwargs):
+        made[current[-1]] = weight.device
+        return norm(self, weight, *args, **kwargs)
+
+    monkeypatch.setattr(DoraLinearLayer, "update_layer", update_layer)
+    monkeypatch.setattr(DoraLinearLayer, "get_weight_norm", get_weight_norm)
+    return made
+
+
+def test_dora_magnitudes_of_offloaded_blocks_are_computed_on_the_plans_device(six_block_dir, monkeypatch):
+    """peft makes an offloaded block's DoRA magnitude beside its host copy (on the CPU, where bf16 norms may round
+    otherwise): each is computed again on the plan's device ("meta" stands in), one layer's base copy at a time,
+    within the plan's bytes; on the CPU in bf16 they equal a whole model's bit for bit."""
+    made = _norm_devices(monkeypatch)
+    plan = speed.checked_plan("meta", torch.bfloat16, N_BLOCKS, fp8=False, n_checkpointed=-1, n_offloaded=3,
+                              training=True)
+    source = weight_source.DirectorySource(six_block_dir)
+    skeleton = planned_load.build_skeleton(source, fp8=False)
+    with DeviceBytes("meta") as placed:
+        model = planned_load.load_transformer_planned(source, plan, skeleton=skeleton)
+        lora.inject_lora(model, _spec("dora"))
+    offloader = model._qwen_edit_offloader
+    layers = lora.adapter_layers(model, "default")
+    assert layers and {layer.get_base_layer() for layer in layers.values()} == set(made)
+    assert all(device.type == "meta" for device in made.values()), made
+    on_device = _bytes([t for t in (*model.parameters(), *model.buffers()) if t.device.type == "meta"])
+    assert 0 < placed.peak <= on_device + _bytes([b.memory for b in offloader.buffers])
+    assert all(host.device.type == "cpu" and host.numel() for slots in offloader.slots.values() for *_, host in slots)
+    assert all(t.numel() == 0 for i in offloader.indices for t in offloader.blocks[i].parameters()
+               if not t.requires_grad)  # the temporary copies are gone
+
+    def magnitudes(model):
+        torch.manual_seed(0)
+        lora.inject_lora(model, _spec("dora"))
+        return {n: p.detach() for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+
+    cpu_plan = speed.checked_plan("cpu", torch.bfloat16, N_BLOCKS, fp8=False, n_checkpointed=-1, n_offloaded=3,
+                                  training=True)
+    planned = magnitudes(planned_load.load_transformer_planned(source, cpu_plan))
+    whole = magnitudes(comp.load_transformer(six_block_dir, device=torch.device("cpu"), dtype=torch.bfloat16))
+    assert planned.keys() == whole.keys() and all(torch.equal(planned[n], whole[n]) for n in planned)
+
+
 def _step(model, kind: str):
     """A seeded adapter of `kind` with an effect, the planned levers; the adapter as made, and one step's loss and
     adapter gradients."""
