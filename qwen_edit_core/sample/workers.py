@@ -243,6 +243,12 @@ def main(argv=None) -> None:
     except EOFError:
         return  # the pool closed before this worker started
     _worker(conn, *args)
+    # Served, group destroyed, socket closed: leave without the interpreter's teardown, as multiprocessing's own
+    # children do (os._exit after their target). A gloo thread torch has not joined by then can abort the process
+    # in its C++ destructors ("terminate called without an active exception", exit code -6) after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _worker(conn, rank: int, world: int, device: str, mode: str, attention: str, rendezvous: str,
