@@ -33,6 +33,7 @@ import logging
 import math
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -208,32 +209,44 @@ def _manifest(recipe: Recipe, vae) -> dict:
             "transformer_config": _stage(recipe).transformer_settings(recipe), "sha256": {}}
 
 
+@contextmanager
+def _one_thread():
+    """Every build runs on one thread (its numbers do not depend on the machine's core count), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def _encoders(recipe: Recipe):
+    """The tiny text encoder, processor and scheduler config the recipe's family builds (seed 0), while the body
+    runs (they live in a temporary folder)."""
+    from transformers import AutoProcessor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny(Path(tmp) / "tiny", variant=recipe.variant, seed=0)
+        text_encoder = recipe.family.class_of("text_encoder").from_pretrained(tiny / "text_encoder").eval()
+        processor = AutoProcessor.from_pretrained(tiny / "processor")
+        yield text_encoder, processor, json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+
+
 def pretrain(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     """Train both components and write `vae.safetensors`, `transformer.safetensors` and `toy.json` to
     `weights_dir`; returns the manifest. The decoder is trained last, so the transformer's data (the
     encoder's latents) and its random draws do not depend on it."""
-    from transformers import AutoProcessor
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     started = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            tiny = build_tiny(Path(tmp) / "tiny", variant=recipe.variant, seed=0)
-            text_encoder = recipe.family.class_of("text_encoder").from_pretrained(tiny / "text_encoder").eval()
-            processor = AutoProcessor.from_pretrained(tiny / "processor")
-            scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
-            with torch.random.fork_rng(devices=[]):
-                vae = _stage(recipe).make_vae(recipe)
-                items = _dataset(recipe, vae, text_encoder, processor)
-                transformer = train_transformer(recipe, items, scheduler_config)
-                if recipe.reference_steps:
-                    transformer = train_references(recipe, transformer, vae, text_encoder, processor,
-                                                   scheduler_config)
-                if recipe.family.toy.vae_trains_alone:
-                    _stage(recipe).train_vae_decoder(recipe, vae)
-    finally:
-        torch.set_num_threads(threads)
+    with _one_thread(), _encoders(recipe) as (text_encoder, processor, scheduler_config):
+        with torch.random.fork_rng(devices=[]):
+            vae = _stage(recipe).make_vae(recipe)
+            items = _dataset(recipe, vae, text_encoder, processor)
+            transformer = train_transformer(recipe, items, scheduler_config)
+            if recipe.reference_steps:
+                transformer = train_references(recipe, transformer, vae, text_encoder, processor, scheduler_config)
+            if recipe.family.toy.vae_trains_alone:
+                _stage(recipe).train_vae_decoder(recipe, vae)
     info = _manifest(recipe, vae)
     _save(Path(weights_dir), info, {"vae": vae, "transformer": transformer})
     log.info("toy weights written to %s in %.0f s", weights_dir, time.perf_counter() - started)
@@ -245,14 +258,9 @@ def pretrain_vae(weights_dir: Path, recipe: Recipe = Recipe()) -> dict:
     `transformer.safetensors`: the encoder and latent statistics do not depend on the decoder's training,
     so the transformer stays valid. Updates `toy.json`; returns it."""
     info = toy.manifest(weights_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     started = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            vae = _stage(recipe).train_vae_decoder(recipe, _stage(recipe).make_vae(recipe))
-    finally:
-        torch.set_num_threads(threads)
+    with _one_thread(), torch.random.fork_rng(devices=[]):
+        vae = _stage(recipe).train_vae_decoder(recipe, _stage(recipe).make_vae(recipe))
     fresh = _manifest(recipe, vae)
     if fresh["vae_config"] != info["vae_config"]:
         raise ValueError(f"{Path(weights_dir) / toy.MANIFEST}: the VAE's latent statistics changed; the "
@@ -269,31 +277,21 @@ def pretrain_references(weights_dir: Path, recipe: Recipe) -> dict:
     one in `weights_dir` (`make_vae`'s, as its sha256 says), so the whole build from scratch writes the same
     files. Updates `transformer.safetensors` and `toy.json`; returns the manifest."""
     from safetensors.torch import load_file
-    from transformers import AutoProcessor
 
     info = toy.check_weights(weights_dir)
     first = asdict(dataclasses.replace(recipe, reference_steps=0))
     if {**first, **info["recipe"]} != first:
         raise ValueError(f"{Path(weights_dir) / toy.MANIFEST}: built by the recipe {info['recipe']}, not the first "
                          f"phase of {asdict(recipe)}; run the whole build with `{info['command']}`")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     started = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            tiny = build_tiny(Path(tmp) / "tiny", variant=recipe.variant, seed=0)
-            text_encoder = recipe.family.class_of("text_encoder").from_pretrained(tiny / "text_encoder").eval()
-            processor = AutoProcessor.from_pretrained(tiny / "processor")
-            scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
-            with torch.random.fork_rng(devices=[]):
-                with _isolated_init(recipe.seed):
-                    vae = recipe.family.class_of("vae")(**info["vae_config"]).eval()
-                vae.load_state_dict(load_file(str(Path(weights_dir) / "vae.safetensors")))
-                transformer = _new_transformer(recipe)
-                transformer.load_state_dict(load_file(str(Path(weights_dir) / "transformer.safetensors")))
-                transformer = train_references(recipe, transformer, vae, text_encoder, processor, scheduler_config)
-    finally:
-        torch.set_num_threads(threads)
+    with _one_thread(), _encoders(recipe) as (text_encoder, processor, scheduler_config):
+        with torch.random.fork_rng(devices=[]):
+            with _isolated_init(recipe.seed):
+                vae = recipe.family.class_of("vae")(**info["vae_config"]).eval()
+            vae.load_state_dict(load_file(str(Path(weights_dir) / "vae.safetensors")))
+            transformer = _new_transformer(recipe)
+            transformer.load_state_dict(load_file(str(Path(weights_dir) / "transformer.safetensors")))
+            transformer = train_references(recipe, transformer, vae, text_encoder, processor, scheduler_config)
     fresh = {**_manifest(recipe, vae), "sha256": dict(info["sha256"])}
     _save(Path(weights_dir), fresh, {"transformer": transformer})
     log.info("toy transformer's second phase written to %s in %.0f s", weights_dir, time.perf_counter() - started)
