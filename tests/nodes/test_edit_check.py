@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "comfy_test"))
 from edit_check import DEMO_CONTROL, check_edits  # noqa: E402
@@ -56,3 +57,51 @@ def test_the_pasted_halves_shapes_are_measured_per_half():
     assert edge_similarity(mosaic / 255, pixels / 255) >= 0.45
     assert max(half_edge_similarity(mosaic, pixels)) < 0.45
     assert half_edge_similarity(pixels, pixels) == pytest.approx((1.0, 1.0))
+
+
+def test_the_shape_bar_is_the_demos():
+    import edit_check
+    from conftest import KEEPS_THE_LUMINANCE, KEEPS_THE_SHAPES
+
+    assert edit_check.KEEPS_THE_SHAPES == KEEPS_THE_SHAPES
+    assert edit_check.KEEPS_THE_LUMINANCE == KEEPS_THE_LUMINANCE
+
+
+def test_the_21_sample_workflows_grey_picture_passes_and_a_blank_fails(tmp_path):
+    from qwen_edit_core.data.synthetic import EDITS
+
+    control = picture(np.random.default_rng(3), 128)
+    for case, saved in (("grey", EDITS["make it grayscale"](control)), ("blank", Image.new("RGB", (128, 128), "grey"))):
+        (tmp_path / case / DEMO_CONTROL).parent.mkdir(parents=True)
+        (tmp_path / case / "output").mkdir()
+        control.save(tmp_path / case / DEMO_CONTROL)
+        noise = np.random.default_rng(0).integers(0, 4, (128, 128, 3))  # a blank's correlation is undefined
+        Image.fromarray((np.asarray(saved.convert("RGB")) + noise).clip(0, 255).astype(np.uint8)).save(
+            tmp_path / case / "output" / "qwen_image21_sample_00001_.png")
+    (line,) = check_edits(tmp_path / "grey")
+    assert "luminance correlation to the control's grayscale 1.00" in line
+    with pytest.raises(AssertionError, match="the light and dark are lost"):
+        check_edits(tmp_path / "blank")
+
+
+def test_the_21_training_pictures_mosaic_fails_and_its_target_passes(tmp_path):
+    """The 2.1 training workflow's sampled picture: the pair's target itself passes; a mosaic of the target's 16 px
+    cells, which has the right colours per half but no shapes, fails as lost shapes."""
+    from edit_check import PAIR_21
+
+    before = picture(np.random.default_rng(3), 128)
+    target = before.copy()
+    target.paste(invert(before).crop((0, 0, 64, 128)), (64, 0))
+    cells = np.asarray(target, dtype=np.float64).reshape(8, 16, 8, 16, 3).mean(axis=(1, 3))
+    mosaic = np.repeat(np.repeat(cells, 16, axis=0), 16, axis=1).round().astype(np.uint8)
+    for case, sampled in (("target", target), ("mosaic", Image.fromarray(mosaic))):
+        base = tmp_path / case
+        (base / PAIR_21.parent).mkdir(parents=True)
+        (base / "output").mkdir()
+        target.save(base / PAIR_21.with_suffix(".png"))
+        before.save(base / PAIR_21.parent / f"{PAIR_21.name}_control_1.png")
+        sampled.save(base / "output" / "qwen_image21_after_training_00001_.png")
+    (line,) = check_edits(tmp_path / "target")
+    assert "edge similarity to the target per half 1.00, 1.00" in line
+    with pytest.raises(AssertionError, match="the shapes are lost"):
+        check_edits(tmp_path / "mosaic")

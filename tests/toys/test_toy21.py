@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import KEEPS_THE_LUMINANCE
 from qwen_edit_core.data import synthetic
 from qwen_edit_core.families import QWEN_IMAGE_21
 from qwen_edit_core.toys import toy
 
-#: The sample workflow's grey picture keeps reference 1's light and dark: its luminance correlates with the
-#: grayscale target's by this (`demo.luminance_correlation`). Both toys reach it on held-out pictures; the 2.1 toy
-#: without its second phase does not (reference 2, the inversion, cancels reference 1 to grey): the scores are
-#: BENCHMARKS.md's, "Toy model builds".
-KEEPS_THE_LUMINANCE = 0.6
 
 
 def test_the_manifest_names_the_2_1_family():

@@ -5,9 +5,10 @@ its mean absolute difference (0-255) to the control and to the control's colour 
 
 The Qwen-Image-2.1 training workflow's edit is its own pair's (Save Pair To Dataset's folder): the picture it samples
 with the new LoRA must be closer to the pair's target than to its first reference (what the toy 2.1 model copies
-without a LoRA) where the two differ, the right half. Its shapes are reported as the 2025 demo's edge similarity
-(`demo.edge_similarity`) of each half to the target's (`half_edge_similarity`), not yet asserted: the toy 2.1
-draws a mosaic there (docs/TOY_MODEL.md)."""
+without a LoRA) where the two differ, the right half, and keep the shapes of each half: the 2025 demo's edge
+similarity (`demo.edge_similarity`) of each half to the target's (`half_edge_similarity`) reaches KEEPS_THE_SHAPES.
+The 2.1 sample workflow's grey picture keeps its control's light and dark: its luminance correlation to the control's
+grayscale reaches KEEPS_THE_LUMINANCE (a grey picture's edges are faint: tests/toys/test_toy21.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from PIL import Image
 DEMO_CONTROL = Path("input") / "qwen_edit_demo_pairs" / "pair000_control.png"
 #: an edited picture must be at least this much closer to the inverted control than to the control
 MARGIN = 0.5
+#: the 2025 demo's bar for kept shapes (tests/conftest.py's KEEPS_THE_SHAPES, where it is measured)
+KEEPS_THE_SHAPES = 0.45
+#: the sample workflows' bar for a grey picture's light and dark (tests/conftest.py's KEEPS_THE_LUMINANCE)
+KEEPS_THE_LUMINANCE = 0.6
 #: the 2.1 training workflow's pair (its Save Pair To Dataset folder and the first name it writes)
 PAIR_21 = Path("input") / "qwen_image21_pairs" / "pair_00001"
 
@@ -75,7 +80,22 @@ def check_edits(base: Path) -> list[str]:
             to_inverted, to_control = _distances(_rgb(saved), control)
             lines.append(f"{saved.name} (no LoRA, the toy model keeps the picture): mean |difference| to the "
                          f"inverted control {to_inverted:.1f}/255, to the control {to_control:.1f}/255")
-    lines += _check_21(base)
+    lines += _check_21(base) + _check_21_grey(base)
+    return lines
+
+
+def _check_21_grey(base: Path) -> list[str]:
+    """The 2.1 sample workflow's grey picture against its control's grayscale."""
+    from qwen_edit_core.data.synthetic import EDITS
+    from qwen_edit_core.demo import luminance_correlation
+
+    lines = []
+    for saved in sorted((base / "output").glob("qwen_image21_sample_*.png")):
+        grey = EDITS["make it grayscale"](Image.open(base / DEMO_CONTROL).convert("RGB"))
+        score = luminance_correlation(_rgb(saved) / 255.0, np.asarray(grey.convert("RGB"), dtype=np.float64) / 255.0)
+        line = f"{saved.name} (make it grayscale): luminance correlation to the control's grayscale {score:.2f}"
+        assert score >= KEEPS_THE_LUMINANCE, f"the light and dark are lost: {line}"
+        lines.append(line)
     return lines
 
 
@@ -98,5 +118,6 @@ def _check_21(base: Path) -> list[str]:
                 f"{to_target:.1f}/255, to its first reference {to_reference:.1f}/255; edge similarity to the "
                 f"target per half {left:.2f}, {right:.2f}")
         assert to_target < MARGIN * to_reference, f"the edit is not visible: {line}"
+        assert min(left, right) >= KEEPS_THE_SHAPES, f"the shapes are lost: {line}"
         lines.append(line)
     return lines
