@@ -107,4 +107,5 @@ class QwenEditSavePair:
                    "with a mask"
                    + (f"; {len(report.skipped)} problem(s) in other pairs skipped, first: {report.skipped[0]}"
                       if report.skipped else ""))
-        return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report), summary)}
+        # the report skipped other pairs' problems (add_pairs), as the summary says: training reads the folder so too
+        return {"ui": {"text": [summary]}, "result": (DatasetHandle(path, report, skip_invalid=True), summary)}

@@ -156,3 +156,21 @@ def test_too_many_or_transparent_references_are_refused(tmp_path):
     node.save(_images(), _images(), "x", str(tmp_path / "opaque"), "p", references=opaque)
     assert np.array_equal(_saved_controls(tmp_path / "opaque")[1], _pixels(_images(seed=5)[0]))
     assert not (tmp_path / "many").exists() and not (tmp_path / "clear").exists()
+
+
+def test_a_folder_with_a_broken_pair_trains_on_the_saved_ones_as_the_summary_says(tiny_edit_dir, env):
+    """Another pair of the folder without its caption is skipped by the summary and by the training job, which
+    reads the folder again (a strict read would refuse it)."""
+    folder = env / "pairs"
+    folder.mkdir()
+    Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(folder / "old_control.png")
+    Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(folder / "old.png")  # no old.txt
+    with torch.inference_mode():
+        dataset, summary = nodes.QwenEditSavePair().save(_images(), _images(seed=1), "invert the colors",
+                                                         str(folder), "pair")["result"]
+        assert "1 problem(s) in other pairs skipped, first: " in summary and "old.txt" in summary
+        (model,) = nodes.QwenEditModelLoader().load("", "cpu", "cpu", "cpu", "float32", path=str(tiny_edit_dir))
+        (job,) = nodes.QwenEditTrainLoRA().start(model, dataset, "saved_pairs", 1, 1e-3, 4, "all", 1, 64, 0, False,
+                                                 False)
+    status = job.wait()
+    assert status.state == "done", status.error
