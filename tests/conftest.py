@@ -51,6 +51,36 @@ def one_block_dir(tmp_path_factory):
                       transformer_overrides={"num_layers": 1})
 
 
+#: the control area `small_edit_area` gives QwenImageEditPipeline (our sampler's `vae_area`) for its 1024*1024
+SMALL_EDIT_AREA = 128 * 128
+
+
+@contextlib.contextmanager
+def small_edit_area_patch(monkeypatch=None):
+    """QwenImageEditPipeline resizes its control image (and the copy its vision-language encoder reads) to a
+    hard-coded 1024*1024 area (its `calculate_dimensions` call in `__call__`), which at the tiny model's sizes is
+    most of a parity test's time. Within the block it uses `SMALL_EDIT_AREA`; give our sampler
+    `vae_area=SMALL_EDIT_AREA` to match. The real area is kept by
+    tests/sample/test_sampler_parity.py::test_edit_default_size_follows_control_image."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+    real = module.calculate_dimensions
+
+    def small(target_area, ratio):
+        assert target_area == 1024 * 1024, f"the pipeline's area is now {target_area}: update small_edit_area_patch"
+        return real(SMALL_EDIT_AREA, ratio)
+    with contextlib.ExitStack() as stack:
+        patch = monkeypatch or stack.enter_context(pytest.MonkeyPatch.context())
+        patch.setattr(module, "calculate_dimensions", small)
+        yield SMALL_EDIT_AREA
+
+
+@pytest.fixture
+def small_edit_area(monkeypatch):
+    """`small_edit_area_patch` for one test: the area to give our sampler as `vae_area`."""
+    with small_edit_area_patch(monkeypatch) as area:
+        yield area
+
+
 def make_pairs(folder, n=4, size=(64, 64), seed=0, caption="invert the colors"):
     """A flat-layout dataset of `n` pairs: target = inverted control."""
     import numpy as np

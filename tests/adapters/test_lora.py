@@ -558,7 +558,7 @@ def test_pipeline_load_lora_weights_matches_ours(tiny_edit_dir, tmp_path):
     _same_output(pipe.transformer, model, "pipe.transformer vs model")
 
 
-def test_diffusers_load_lora_weights_reproduces_our_sampler_image(tiny_edit_dir, tmp_path):
+def test_diffusers_load_lora_weights_reproduces_our_sampler_image(tiny_edit_dir, tmp_path, small_edit_area):
     """The issue's contract, end to end: diffusers' QwenImageEditPipeline with `load_lora_weights(our file)`
     gives our sampler's image with the same LoRA (fp32, CPU, parity tolerance)."""
     import numpy as np
@@ -580,7 +580,8 @@ def test_diffusers_load_lora_weights_reproduces_our_sampler_image(tiny_edit_dir,
     comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
     lora.load_lora_into(comps.transformer, lora.read_lora_file(path), adapter_name="mine")
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
-    settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, seed=4, width=128, height=128)
+    settings = sampler.SampleSettings(num_inference_steps=3, true_cfg_scale=3.0, seed=4, width=128, height=128,
+                                      vae_area=small_edit_area)
     ours = sampler.sample(comps, "invert", [image], settings)[0].numpy()
     pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_dir)
     pipe.load_lora_weights(str(path))

@@ -87,8 +87,11 @@ def test_processor_gives_four_image_tokens(tiny_edit_dir):
         assert int((inputs["input_ids"] == pad).sum()) == 4
 
 
-def test_diffusers_pipelines_load_and_run(tiny_edit_dir, tiny_plus_dir):
+def test_diffusers_pipelines_load_and_run(tiny_edit_dir, tiny_plus_dir, small_edit_area, monkeypatch):
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_module
+    monkeypatch.setattr(plus_module, "VAE_IMAGE_SIZE", 128 * 128)  # its hard-coded areas, small as the Edit one's
+    monkeypatch.setattr(plus_module, "CONDITION_IMAGE_SIZE", 96 * 96)
     pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_dir)
     assert dict(pipe.scheduler.config) | SCHEDULER_CONFIG == dict(pipe.scheduler.config)
     out = pipe(image=Image.new("RGB", (64, 64), "red"), prompt="blue", negative_prompt=" ", true_cfg_scale=2.0,

@@ -69,7 +69,7 @@ def test_21_sigma_list_matches_the_pipeline(tiny_21_dir):
                       what="2.1 picture vs the pipeline's")
 
 
-def test_2025_sigma_list_matches_the_pipeline(tiny_edit_dir):
+def test_2025_sigma_list_matches_the_pipeline(tiny_edit_dir, small_edit_area):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
     comps = load_components(tiny_edit_dir, DevicePlan.from_mapping({}))
     te = comps.text_encoder
@@ -81,6 +81,6 @@ def test_2025_sigma_list_matches_the_pipeline(tiny_edit_dir):
     expected = pipe(image=image, prompt="p", negative_prompt=" ", true_cfg_scale=4.0, sigmas=sigmas,
                     num_inference_steps=2, output_type="np", generator=torch.Generator("cpu").manual_seed(3)).images[0]
     ours = sampler.sample(comps, "p", [image], sampler.SampleSettings(sigmas=tuple(sigmas), true_cfg_scale=4.0,
-                                                                      seed=3, vae_area=1024 * 1024))[0].numpy()
+                                                                      seed=3, vae_area=small_edit_area))[0].numpy()
     assert_close_fp32(torch.from_numpy(ours), torch.from_numpy(expected), ops=TINY_SAMPLER_ROUNDINGS,
                       what="2509 picture vs the pipeline's")
