@@ -232,3 +232,37 @@ def test_training_status_says_why_a_job_failed_and_shows_no_loss_before_its_firs
     assert job_service.job_entry(job)["outcome"].startswith("failed: NotImplementedError")
     with pytest.raises(RuntimeError, match="failed: NotImplementedError"):
         nodes.QwenEditTrainStatus().status(True, job=job)
+
+
+def test_a_cpu_or_comfyuis_out_of_memory_is_refused_naming_the_job_and_other_errors_pass(training, comfy,  # noqa: F811
+                                                                                        monkeypatch):
+    """The load running out of host memory (MemoryError), and ComfyUI's load_models_gpu running out while it puts
+    the loaded model on its device (here the CPU allocator's own error, from a real allocation), are refused
+    naming the job, as the load's CUDA out-of-memory error is; any other error passes unchanged."""
+    run, start = training
+    trained, _ = _load(TRAINING)
+    start(trained)
+    broken = RuntimeError("a patcher failed")
+
+    def host_full(self, **widgets):
+        raise MemoryError()
+
+    def device_full(patchers, memory_required=0):
+        torch.empty(2**62, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
+
+    def failing(patchers, memory_required=0):
+        raise broken
+
+    with monkeypatch.context() as patch:
+        patch.setattr(nodes.QwenEditModelLoader, "load", host_full)
+        with pytest.raises(jobs.JobBusyError, match=r"training job 'job_a' on cpu keeps .*\(MemoryError"):
+            _load(SAMPLING, instance=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(comfy, "load_models_gpu", device_full)
+        with pytest.raises(jobs.JobBusyError, match=r"'job_a' on cpu keeps .*\(RuntimeError: .*can't allocate memory"):
+            _load(SAMPLING, instance=2)
+        patch.setattr(comfy, "load_models_gpu", failing)
+        with pytest.raises(RuntimeError) as raised:
+            _load(SAMPLING, instance=3)
+        assert raised.value is broken
+    assert _intact(trained)
