@@ -24,6 +24,7 @@ import torch
 
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.model.components import Components, TextEncoder
+from qwen_edit_core.sample import workers
 
 from . import comfy_runtime
 
@@ -159,6 +160,7 @@ class LoaderSlots:
         gone = [m for m in old if all(m is not k for k, _ in kept)]
         for module in gone:
             comfy_runtime.forget_models([module])
+            workers.close_pool_of(module)  # the parallel workers' copies of it
             module.to("meta")
         if gone and previous[0] != key:
             with self._lock:
