@@ -281,7 +281,13 @@ class PatcherMethods:
         return 0  # whole modules only: ComfyUI then calls detach
 
     def detach(self, unpatch_all=True):
+        from qwen_edit_core.sample import workers
+
         module = self.module
+        if module is not None:
+            # The Sampler's `parallel` workers hold copies of the module ComfyUI does not see (one per GPU, or a
+            # mapping of its shared CPU weights): an unload frees those too. The next parallel sample starts them.
+            workers.close_pool_of(module)
         job = self.busy(module) if module is not None else None
         if job:
             log.warning("ComfyUI asked to offload a model that training job %r trains on: it stays", job)
