@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ class StepGate:
         self.done_steps = threading.Condition()
         self.step = 0
         self.files = False  # write (and report, as the trainer does) a checkpoint and a validation image per step
+        self.loss = lambda step: 1.0 / step  # the loss each step reports
 
     def release(self, n=1, wait=True):
         """Let `n` more steps run (and wait until they did)."""
@@ -56,7 +58,7 @@ class StepGate:
                 state = "cancelled"
                 break
             step += 1
-            progress(Progress("train", step, total, loss=1.0 / step))
+            progress(Progress("train", step, total, loss=self.loss(step)))
             if self.files:
                 self.write_files(out, step, total, progress)
             with self.done_steps:
@@ -178,6 +180,22 @@ def test_status_node_finds_a_job_by_name_and_stop_node_stops_it(fake, tmp_path):
     done = nodes.QwenEditTrainStatus().status(True, job=job)
     assert done["result"][0] == "lora_a.safetensors"
     assert Path(done["result"][1]).read_text() == f"cancelled at {final.step}"
+
+
+def test_training_status_says_a_non_finite_loss_and_gives_nan_before_the_first_step(fake, tmp_path):
+    node = nodes.QwenEditTrainStatus
+    assert len(node.OUTPUT_TOOLTIPS) == len(node.RETURN_TYPES)
+    assert "NaN before the first logged step" in node.OUTPUT_TOOLTIPS[node.RETURN_NAMES.index("loss")]
+    fake.loss = lambda step: float("nan")
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    out = node().status(False, job=job)
+    assert "no loss yet" in out["ui"]["text"][0] and math.isnan(out["result"][4])
+    fake.release(1)
+    out = node().status(False, job=job)
+    assert ", step 1/100, loss nan (not finite)" in out["ui"]["text"][0] and math.isnan(out["result"][4])
+    fake.loss = lambda step: float("inf")
+    fake.release(1)
+    assert ", step 2/100, loss inf (not finite)" in node().status(False, job=job)["ui"]["text"][0]
 
 
 def test_a_finished_job_delivers_its_lora_with_nobody_waiting(fake, tmp_path):
