@@ -502,6 +502,9 @@ def test_a_signal_sent_to_another_thread_is_handled_while_the_main_thread_waits_
 
 
 def test_an_interrupt_says_what_the_stopped_job_saved_and_delivered(fake, tmp_path, monkeypatch, caplog):
+    server = FakeServer()
+    monkeypatch.setattr(comfy_runtime, "prompt_server", lambda: server)
+    fake.registry.subscribe(job_service.send_job_event)  # the live view's events
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.files = True
     fake.release(2)
@@ -517,5 +520,12 @@ def test_an_interrupt_says_what_the_stopped_job_saved_and_delivered(fake, tmp_pa
     with pytest.raises(Interrupted):
         nodes.QwenEditTrainStatus().status(True, job=job)
     assert job.status().state == "cancelled"
-    assert (f"training job 'lora_a' stopped; checkpoint step-0000002 saved; LoRA lora_a.safetensors delivered to "
-            f"{tmp_path / 'loras'}") in caplog.text
+    said = f"checkpoint step-0000002 saved; LoRA lora_a.safetensors delivered to {tmp_path / 'loras'}"
+    assert f"training job 'lora_a' stopped; {said}" in caplog.text  # the server log
+    # what the user sees: the live view's entry (its last event and the job list) and Training Status's text
+    finished = [data for event, data, _ in server.sent if event == job_service.EVENT][-1]
+    assert finished["event"] == "finished" and finished["outcome"] == said
+    assert job_service.job_entry(job)["outcome"] == said
+    monkeypatch.setattr(comfy_runtime, "interrupt_requested", lambda: False)
+    text = nodes.QwenEditTrainStatus().status(False, job=job)["ui"]["text"][0]
+    assert text.startswith("lora_a: cancelled, step 2/100") and text.endswith(f"({said})")
