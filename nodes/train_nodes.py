@@ -328,6 +328,10 @@ class QwenEditTrain:
                 "steps: their error to their targets is logged (validation/metrics.csv, metrics.png) and shown "
                 "in the live view; it rises again when the LoRA overfits. 0: off")}),
             "overwrite": OVERWRITE,
+            "cpu_threads": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip": (
+                "torch's CPU threads for the job (training on the CPU; on a GPU it makes no difference). 0: "
+                "auto, one on 4 cores or fewer or a busy machine (tiny operations wait on each other's threads "
+                "there), else the cores the load leaves free")}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -336,7 +340,8 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0, overwrite=False):
+              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0, overwrite=False,
+              cpu_threads=0):
         name = lora_name.strip().removesuffix(".safetensors")
         check_file_name(name, "lora_name")
         auto_steps, auto_lr = training_defaults(model)
@@ -367,7 +372,7 @@ class QwenEditTrain:
                                 "mixed_precision": _precision(mixed_precision, model), "fp8_base": fp8_base,
                                 "compile": compile, "attention": attention, "ema_decay": ema_decay,
                                 "ema_validation": ema_validation, "mask_weight": mask_weight,
-                                "unmasked_weight": unmasked_weight, **validation},
+                                "unmasked_weight": unmasked_weight, "cpu_threads": cpu_threads, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         # ComfyUI's own models leave the training device first; the job trains on the graph's transformer

@@ -163,7 +163,8 @@ EDIT21 = "paste the second picture's left half onto the first picture's right ha
 #: and 0.33 per half after the VAE's round trip alone); the training workflow's LoRA steps: 100 kept the colours of
 #: each half but not the squares (BENCHMARKS.md, "Toy model builds")
 SEED21, STEPS21 = 3, 300
-DEMO_DATA21 = {**DEMO_DATA, "widgets": {**DEMO_DATA["widgets"], "seed": SEED21}}
+#: in a folder of their own: a 2025 job training on the demo folder never sees its pictures replaced
+DEMO_DATA21 = {**DEMO_DATA, "widgets": {**DEMO_DATA["widgets"], "seed": SEED21, "folder": "qwen_image21_demo_pairs"}}
 
 LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
 PAIRS = "Pair with ordered references"
