@@ -424,6 +424,11 @@ class QwenEditTrainStatus:
                    "LoRA's name and path (once finished), the loss plot and validation images.")
     RETURN_TYPES = ("STRING", "STRING", "IMAGE", "IMAGE", "FLOAT")
     RETURN_NAMES = ("lora_name", "lora_path", "loss_plot", "validation", "loss")
+    OUTPUT_TOOLTIPS = ("the LoRA's file name in models/loras (empty until the job finished)",
+                       "the LoRA's full path (empty until the job finished)",
+                       "the loss plot (none yet: the nodes it feeds are skipped)",
+                       "the latest validation images (none yet: the nodes it feeds are skipped)",
+                       "the latest logged loss; NaN before the first logged step (and when the loss is NaN)")
     FUNCTION = "status"
     OUTPUT_NODE = True
 
@@ -464,16 +469,26 @@ class QwenEditTrainStatus:
         if status.state == "failed" and wait:  # the graph waited for a LoRA that will not come
             raise RuntimeError(f"training job {status.name!r} failed: {status.error}")
         name, path = (status.delivered.name, str(status.delivered)) if status.delivered else ("", "")
-        measured = status.loss is not None and math.isfinite(status.loss)
-        loss = status.loss if measured else 0.0
-        text = f"{status.name}: {status.state}, step {status.step}/{status.total}"
-        text += f", loss {loss:.4f}" if measured else ", no loss yet"
+        text = f"{status.name}: {status.state}, step {status.step}/{status.total}, {loss_words(status.loss)}"
         text += heldout_text(status.validation_metrics)
         said = outcome(status)
         text += f" ({said})" if said else " (still running; its LoRA goes to models/loras when done)"
         return {"ui": {"text": [text]},
                 "result": (name, path, _pictures([status.loss_plot] if status.loss_plot else []),
-                           _pictures(status.validation_images), float(loss))}
+                           _pictures(status.validation_images), loss_value(status.loss))}
+
+
+def loss_words(loss: float | None) -> str:
+    """The status text's loss: its value, a non-finite one said as such, or none logged yet."""
+    if loss is None:
+        return "no loss yet"
+    return f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss} (not finite)"
+
+
+def loss_value(loss: float | None) -> float:
+    """The FLOAT loss output: NaN before the first logged step, since any number (0.0 above all) would read as
+    a measured loss to a node that compares or plots it, and NaN compares false with every threshold."""
+    return float("nan") if loss is None else float(loss)
 
 
 def _pictures(paths):

@@ -220,9 +220,13 @@ def test_a_transformer_comfyui_knows_pickles_as_the_parallel_pool_sends_it(comfy
 def test_training_status_says_why_a_job_failed_and_shows_no_loss_before_its_first_step(training):
     run, start = training
     handle, _ = _load(TRAINING)
-    job = start(handle)
-    text = nodes.QwenEditTrainStatus().status(False, job=job)["ui"]["text"][0]
-    assert "no loss yet" in text and "0.0000" not in text
+    job = start(handle)  # HeldRun holds it before its first step until `run.release`
+    running = nodes.QwenEditTrainStatus().status(False, job=job)
+    assert not job.finished and "still running" in running["ui"]["text"][0]
+    assert "no loss yet" in running["ui"]["text"][0] and "0.0000" not in running["ui"]["text"][0]
+    # no loss plot, no validation picture yet: the Preview Images fed by them are skipped, not shown black
+    assert [type(running["result"][i]) for i in (2, 3)] == [Blocker, Blocker]
+    assert all(running["result"][i].message is None for i in (2, 3))  # silently: no error shown
     loaded_models.modules_of(handle)[0].to("meta")  # the job's model taken away
     run.release.set()
     status = job.wait()
