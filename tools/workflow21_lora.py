@@ -33,8 +33,8 @@ def _halves(picture: np.ndarray, target: np.ndarray) -> list[float]:
             round(demo.edge_similarity(picture[:, half:, :3], target[:, half:]), 2)]
 
 
-def run(out: Path, seed: int, steps: int, targets: str) -> dict:
-    """The workflow's job on the picture of `seed` into `out`; the scores."""
+def run(out: Path, seed: int, steps: int, targets: str, rank: int = 32, alpha: float = 16.0, lr: float = 1e-2) -> dict:
+    """The workflow's job on the picture of `seed` into `out` (its LoRA settings unless given); the scores."""
     from qwen_edit_core.api import QwenImageEditTrainer
     from qwen_edit_core.config import load_config
     from qwen_edit_core.families import variants
@@ -55,12 +55,12 @@ def run(out: Path, seed: int, steps: int, targets: str) -> dict:
     (pairs / "pair_00001.txt").write_text(CAPTION)
     config = load_config(overrides={
         "model": {"pretrained_model_name_or_path": str(model),
-                  "lora": {"rank": 32, "alpha": 16.0, "targets": targets if "," not in targets else targets.split(",")}},
+                  "lora": {"rank": rank, "alpha": alpha, "targets": targets if "," not in targets else targets.split(",")}},
         "data": {"folder": str(pairs), "vae_area": SIZE * SIZE, "batch_size": 1},
         "cache": {"dir": str(out / "cache")},
         "train": {"output_dir": str(out / "train"), "max_steps": steps, "seed": 0, "checkpoint_every": steps,
                   "lora_name": "workflow21"},
-        "optimizer": {"lr": 1e-2}, "predict": {"true_cfg_scale": 1.0, "vae_area": SIZE * SIZE}})
+        "optimizer": {"lr": lr}, "predict": {"true_cfg_scale": 1.0, "vae_area": SIZE * SIZE}})
     trainer = QwenImageEditTrainer(config)
     trainer.load_model()
     wanted = np.asarray(target, dtype=np.float64) / 255.0
@@ -77,7 +77,8 @@ def run(out: Path, seed: int, steps: int, targets: str) -> dict:
     trainer.cache()
     trainer.fit()
     trainer.load_model(which=("vae", "text_encoder"), keep_transformer=True)
-    return {"seed": seed, "steps": steps, "targets": targets, "vae_round_trip": _halves(round_trip, wanted),
+    return {"seed": seed, "steps": steps, "targets": targets, "rank": rank, "alpha": alpha, "lr": lr,
+            "vae_round_trip": _halves(round_trip, wanted),
             "before": before, "after": sampled()}
 
 
@@ -87,10 +88,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3, help="the demo dataset's seed (the workflow's: 3)")
     parser.add_argument("--steps", type=int, default=300, help="LoRA steps (the workflow's: 300)")
     parser.add_argument("--targets", default="all", help="a preset or comma-separated module-name suffixes")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (the workflow's: 32)")
+    parser.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (the workflow's: 16)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (the workflow's: 1e-2)")
     args = parser.parse_args()
     started = time.process_time()
     with demo.one_thread():
-        result = run(args.out, args.seed, args.steps, args.targets)
+        result = run(args.out, args.seed, args.steps, args.targets, args.rank, args.alpha, args.lr)
     print(json.dumps({**result, "cpu_s": round(time.process_time() - started)}))
 
 
