@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nodes
-from nodes import job_service, loaded_models
+from nodes import comfy_runtime, job_service, loaded_models
 from nodes.common import TINY_MODEL
 from qwen_edit_core import jobs
 from qwen_edit_core.config import load_config
@@ -298,6 +298,9 @@ def test_comfyuis_unload_or_dropping_the_model_closes_its_parallel_pool_and_the_
     handle, _ = _load(SAMPLING)
     first = pool_of(handle)
     assert pool_of(handle) is first and not first.closed  # kept from one parallel sample to the next
+    # a patcher dropped (ComfyUI's ModelPatcher.__del__ detaches with unpatch_all False) is no unload
+    comfy_runtime.patcher_of(handle.components.transformer).detach(unpatch_all=False)
+    assert pool_of(handle) is first and not first.closed, "a patcher dropped closed the parallel workers"
     comfy.free_memory(1e30, torch.device("cpu"))  # Unload models / Free model and node cache
     assert first.closed, "ComfyUI's unload left the parallel workers' copies of the model running"
     again, _ = _load(SAMPLING)  # the loader loads it again, and the next parallel sample starts a new pool
