@@ -8,4 +8,4 @@ TIMED_BY = "python tools/comfy_test/run.py --only workflows --workflows {name} -
 SECONDS = {"qwen_edit_build_cache": 185, "qwen_edit_masked_pairs": 10, "qwen_edit_sample_with_lora": 109,
            "qwen_edit_train_cached": 554, "qwen_edit_train_lightning_preview": 392, "qwen_edit_train_realtime": 811,
            "qwen_edit_train_then_sample": 655, "qwen_edit_two_gpu_cfg": 79, "qwen_image21_sample_references": 73,
-           "qwen_image21_train_references": 46}
+           "qwen_image21_train_references": 100}
