@@ -281,7 +281,15 @@ class PatcherMethods:
         return 0  # whole modules only: ComfyUI then calls detach
 
     def detach(self, unpatch_all=True):
+        from qwen_edit_core.sample import workers
+
         module = self.module
+        if module is not None and (unpatch_all or self.offload_device != self.load_device):
+            # The Sampler's `parallel` workers hold copies of the module ComfyUI does not see (one per GPU, or a
+            # mapping of its shared CPU weights): an unload or offload frees those too, a patcher dropped (its
+            # __del__ detaches with unpatch_all False, the model staying) keeps them. The next parallel sample
+            # starts them again.
+            workers.close_pool_of(module)
         job = self.busy(module) if module is not None else None
         if job:
             log.warning("ComfyUI asked to offload a model that training job %r trains on: it stays", job)

@@ -24,6 +24,7 @@ import torch
 
 from qwen_edit_core import jobs, speed
 from qwen_edit_core.model.components import Components, TextEncoder
+from qwen_edit_core.sample import workers
 
 from . import comfy_runtime
 
@@ -159,6 +160,7 @@ class LoaderSlots:
         gone = [m for m in old if all(m is not k for k, _ in kept)]
         for module in gone:
             comfy_runtime.forget_models([module])
+            workers.close_pool_of(module)  # the parallel workers' copies of it
             module.to("meta")
         if gone and previous[0] != key:
             with self._lock:
@@ -167,6 +169,19 @@ class LoaderSlots:
 
 
 SLOTS = LoaderSlots()
+
+
+#: what torch's allocators raise when a device is full: CUDA (ROCm, XPU) torch.OutOfMemoryError; the CPU a
+#: RuntimeError "DefaultCPUAllocator: can't allocate memory" (older releases: "not enough memory"); MPS "MPS backend
+#: out of memory"; Python's own allocations MemoryError
+OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` says a device (GPU or CPU) had no room for an allocation."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and any(words in str(err) for words in OUT_OF_MEMORY)
 
 
 def refuse_for_jobs(err: BaseException) -> None:
@@ -195,13 +210,15 @@ class TracksLoads:
     def load_tracked(self, unique_id=None, prompt=None, extra_pnginfo=None, **widgets):
         try:
             result = self.load(**widgets)
-        except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError on torch >= 2.5
-            refuse_for_jobs(err)
+            modules = modules_of(result[0])
+            if unique_id is not None:
+                SLOTS.loaded((type(self).__name__, unique_id, workflow_key(prompt, extra_pnginfo)), widgets, modules)
+            # ComfyUI's load_models_gpu puts the model on its device, where a running job's model leaves no room
+            comfy_runtime.load_models(modules, busy, owned)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            if out_of_memory(err):
+                refuse_for_jobs(err)
             raise
-        modules = modules_of(result[0])
-        if unique_id is not None:
-            SLOTS.loaded((type(self).__name__, unique_id, workflow_key(prompt, extra_pnginfo)), widgets, modules)
-        comfy_runtime.load_models(modules, busy, owned)
         return result
 
 

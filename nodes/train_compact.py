@@ -41,6 +41,7 @@ class TrainOptions:
     companion_loras: str = ""
     job_name: str = ""
     validation_pairs: int = 0
+    cpu_threads: int = 0
 
 
 def _full_inputs() -> dict:
@@ -74,11 +75,11 @@ class QwenEditTrainOptions:
     def options(self, alpha, seed, lora_type, dora, memory_budget_gb, gradient_checkpointing,
                 mixed_precision, fp8_base, compile, attention, ema_decay, ema_validation, mask_weight,
                 unmasked_weight, bucket_grouping, control_size, validation_previews, companion_loras, job_name,
-                validation_pairs=0):
+                validation_pairs=0, cpu_threads=0):
         return (TrainOptions(alpha, seed, lora_type, dora, memory_budget_gb, gradient_checkpointing,
                              mixed_precision, fp8_base, compile, attention, ema_decay, ema_validation, mask_weight,
                              unmasked_weight, bucket_grouping, control_size, validation_previews, companion_loras,
-                             job_name, validation_pairs),)
+                             job_name, validation_pairs, cpu_threads),)
 
 
 #: the compact node's widgets, taken from the full node in this order

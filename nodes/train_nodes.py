@@ -328,6 +328,10 @@ class QwenEditTrain:
                 "steps: their error to their targets is logged (validation/metrics.csv, metrics.png) and shown "
                 "in the live view; it rises again when the LoRA overfits. 0: off")}),
             "overwrite": OVERWRITE,
+            "cpu_threads": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip": (
+                "torch's CPU threads for the job (training on the CPU; on a GPU it makes no difference). 0: "
+                "auto, one on 4 cores or fewer or a busy machine (tiny operations wait on each other's threads "
+                "there), else the cores the load leaves free")}),
         }}
 
     def start(self, model, dataset, lora_name, steps, learning_rate, rank, alpha, targets, batch_size, resolution,
@@ -336,7 +340,8 @@ class QwenEditTrain:
               ema_decay=0.0, ema_validation=False, mask_weight=2.0, unmasked_weight=1.0,
               bucket_grouping="similar",
               validation_previews="", companion_loras="", control_size="pipeline", job_name="", lora_type="lora",
-              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0, overwrite=False):
+              dora=False, gradient_checkpointing=True, mixed_precision="auto", validation_pairs=0, overwrite=False,
+              cpu_threads=0):
         name = lora_name.strip().removesuffix(".safetensors")
         check_file_name(name, "lora_name")
         auto_steps, auto_lr = training_defaults(model)
@@ -367,7 +372,7 @@ class QwenEditTrain:
                                 "mixed_precision": _precision(mixed_precision, model), "fp8_base": fp8_base,
                                 "compile": compile, "attention": attention, "ema_decay": ema_decay,
                                 "ema_validation": ema_validation, "mask_weight": mask_weight,
-                                "unmasked_weight": unmasked_weight, **validation},
+                                "unmasked_weight": unmasked_weight, "cpu_threads": cpu_threads, **validation},
                          optimizer={"lr": learning_rate})
         resume_arg = True if resume and (out / "checkpoints").is_dir() else None
         # ComfyUI's own models leave the training device first; the job trains on the graph's transformer
@@ -419,6 +424,11 @@ class QwenEditTrainStatus:
                    "LoRA's name and path (once finished), the loss plot and validation images.")
     RETURN_TYPES = ("STRING", "STRING", "IMAGE", "IMAGE", "FLOAT")
     RETURN_NAMES = ("lora_name", "lora_path", "loss_plot", "validation", "loss")
+    OUTPUT_TOOLTIPS = ("the LoRA's file name in models/loras (empty until the job finished)",
+                       "the LoRA's full path (empty until the job finished)",
+                       "the loss plot (none yet: the nodes it feeds are skipped)",
+                       "the latest validation images (none yet: the nodes it feeds are skipped)",
+                       "the latest logged loss; NaN before the first logged step (and when the loss is NaN)")
     FUNCTION = "status"
     OUTPUT_NODE = True
 
@@ -459,16 +469,26 @@ class QwenEditTrainStatus:
         if status.state == "failed" and wait:  # the graph waited for a LoRA that will not come
             raise RuntimeError(f"training job {status.name!r} failed: {status.error}")
         name, path = (status.delivered.name, str(status.delivered)) if status.delivered else ("", "")
-        measured = status.loss is not None and math.isfinite(status.loss)
-        loss = status.loss if measured else 0.0
-        text = f"{status.name}: {status.state}, step {status.step}/{status.total}"
-        text += f", loss {loss:.4f}" if measured else ", no loss yet"
+        text = f"{status.name}: {status.state}, step {status.step}/{status.total}, {loss_words(status.loss)}"
         text += heldout_text(status.validation_metrics)
         said = outcome(status)
         text += f" ({said})" if said else " (still running; its LoRA goes to models/loras when done)"
         return {"ui": {"text": [text]},
                 "result": (name, path, _pictures([status.loss_plot] if status.loss_plot else []),
-                           _pictures(status.validation_images), float(loss))}
+                           _pictures(status.validation_images), loss_value(status.loss))}
+
+
+def loss_words(loss: float | None) -> str:
+    """The status text's loss: its value, a non-finite one said as such, or none logged yet."""
+    if loss is None:
+        return "no loss yet"
+    return f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss} (not finite)"
+
+
+def loss_value(loss: float | None) -> float:
+    """The FLOAT loss output: NaN before the first logged step, since any number (0.0 above all) would read as
+    a measured loss to a node that compares or plots it, and NaN compares false with every threshold."""
+    return float("nan") if loss is None else float(loss)
 
 
 def _pictures(paths):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 from nodes.common import TOY_21_MODEL, TOY_MODEL  # noqa: E402
 from nodes.common import has_control_after_generate as control_after_generate  # noqa: E402
+from workflows.timings import SECONDS, TIMED_BY  # noqa: E402
 from workflows.layout import COLUMN_HEIGHT, TITLE, frontend_sizes, note_size, place, stack_columns, view  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
@@ -163,7 +164,8 @@ EDIT21 = "paste the second picture's left half onto the first picture's right ha
 #: and 0.33 per half after the VAE's round trip alone); the training workflow's LoRA steps: 100 kept the colours of
 #: each half but not the squares (BENCHMARKS.md, "Toy model builds")
 SEED21, STEPS21 = 3, 300
-DEMO_DATA21 = {**DEMO_DATA, "widgets": {**DEMO_DATA["widgets"], "seed": SEED21}}
+#: in a folder of their own: a 2025 job training on the demo folder never sees its pictures replaced
+DEMO_DATA21 = {**DEMO_DATA, "widgets": {**DEMO_DATA["widgets"], "seed": SEED21, "folder": "qwen_image21_demo_pairs"}}
 
 LOAD, DATA, TRAINING, WATCH, SAMPLING = "Load the model", "Data", "Train", "Watch it learn", "Sample"
 PAIRS = "Pair with ordered references"
@@ -376,15 +378,6 @@ WORKFLOWS = {
 #: test_workflow_view.py): Train LoRA and Training Status stacked are taller than the screen and five columns wider,
 #: so the model loads above Train, the Note stands under Training Status and the picture is saved in the Sample group
 COLUMNS = {"qwen_image21_train_references": [[PAIRS], [LOAD, TRAINING], [WATCH, NOTE], [SAMPLING]]}
-
-#: how each workflow was timed (the seconds below: BENCHMARKS.md, "The shipped workflows in ComfyUI")
-TIMED_BY = "python tools/comfy_test/run.py --only workflows --workflows {name} --comfyui-dir COMFYUI_DIR"
-#: seconds each workflow took as shipped in ComfyUI 0.3.64 on a 2-core CPU (queue to finish, the server's start-up
-#: excluded), by TIMED_BY; the machine's load for each: BENCHMARKS.md, "The shipped workflows in ComfyUI"
-SECONDS = {"qwen_edit_build_cache": 185, "qwen_edit_masked_pairs": 10, "qwen_edit_sample_with_lora": 109,
-           "qwen_edit_train_cached": 554, "qwen_edit_train_lightning_preview": 392, "qwen_edit_train_realtime": 811,
-           "qwen_edit_train_then_sample": 655, "qwen_edit_two_gpu_cfg": 79, "qwen_image21_sample_references": 73,
-           "qwen_image21_train_references": 46}
 
 
 def timed(name: str, note: str) -> str:

@@ -13,6 +13,7 @@ import logging
 import re
 import warnings
 from collections import Counter
+from contextlib import nullcontext
 
 import torch
 
@@ -133,8 +134,18 @@ def new_adapter(transformer, weights: LoraWeights, adapter_name: str, strength: 
     peft_layers = adapter_layers(transformer, adapter_name)
     with torch.no_grad():
         for name, layer in layers.items():
-            _write(peft_layers[name], adapter_name, layer, strength, base_scale(peft_layers[name], adapter_name),
-                   replace=kind == "lokr")
+            with _dora_base_on_device(transformer, peft_layers[name], adapter_name):
+                _write(peft_layers[name], adapter_name, layer, strength,
+                       base_scale(peft_layers[name], adapter_name), replace=kind == "lokr")
+
+
+def _dora_base_on_device(transformer, peft_layer, adapter_name: str):
+    """While a DoRA layer's magnitude is computed from its base rows' norms: an offloaded block's base on a
+    temporary device copy (`speed.layer_on_device`), where a resident layer's is, since float32 norms of the same
+    rows may round otherwise on the host; a context that changes nothing for any other layer."""
+    if not getattr(peft_layer, "use_dora", {}).get(adapter_name, False):
+        return nullcontext(False)
+    return speed.layer_on_device(transformer, peft_layer.get_base_layer())
 
 
 def _set(holder, adapter_name: str, value: torch.Tensor, like: torch.Tensor) -> None:
@@ -216,11 +227,12 @@ def into_existing(transformer, weights: LoraWeights, adapter_name: str, strength
                          "model.lora type/dora/rank/targets to the file")
     with torch.no_grad():
         for name, peft_layer in layers.items():
-            if name in weights.layers:
-                _write(peft_layer, adapter_name, weights.layers[name], strength,
-                       base_scale(peft_layer, adapter_name), replace=False)
-            else:
-                _zero(peft_layer, adapter_name)
+            with _dora_base_on_device(transformer, peft_layer, adapter_name):
+                if name in weights.layers:
+                    _write(peft_layer, adapter_name, weights.layers[name], strength,
+                           base_scale(peft_layer, adapter_name), replace=False)
+                else:
+                    _zero(peft_layer, adapter_name)
     if len(layers) > len(weights.layers):
         log.info("adapter %r: %d of its modules are not in the file and start from zero", adapter_name,
                  len(layers) - len(weights.layers))

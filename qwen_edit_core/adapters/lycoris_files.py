@@ -166,7 +166,8 @@ def peft_dora_from(base: torch.Tensor, down: torch.Tensor, up: torch.Tensor, sca
     """(B, magnitude) of a peft DoRA adapter with scaling 1 and A = `down` whose weight equals ComfyUI's DoRA patch
     at `strength`: W + s (c (W + scale up@down) - W) = g (W + k * up@down) per row, with c = dora_scale /
     (||W|| + eps), g = 1 - s + s c and k = s c scale / g; so B = k * up and magnitude = g * ||W + B @ A||."""
-    base = base.float()
+    base = base.float()  # the file's tensors join it on its device (a file is read into host memory)
+    down, up, dora_scale = (t.to(base.device) for t in (down, up, dora_scale))
     c = dora_scale.float().reshape(-1, 1) / (row_norm(base) + DORA_EPS)
     g = 1.0 - strength + strength * c
     if bool((g.abs() < 1e-6).any()):

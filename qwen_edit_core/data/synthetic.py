@@ -13,11 +13,14 @@ Everything is drawn from a numpy Generator, so a seed gives the same pictures on
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+
+from qwen_edit_core.common.files import write_bytes
 
 
 def _colour(rng: np.random.Generator) -> tuple[int, int, int]:
@@ -90,8 +93,22 @@ def write_pairs(folder: Path, n: int, seed: int, prompt: str = DEMO_EDIT[0], siz
     pairs = []
     for i in range(n):
         control = picture(rng, size)
-        control.save(folder / f"pair{i:03d}_control.png")
-        edits[prompt](control).save(folder / f"pair{i:03d}.png")
-        (folder / f"pair{i:03d}.txt").write_text(prompt, encoding="utf-8")
+        _write_new(folder / f"pair{i:03d}_control.png", _png(control))
+        _write_new(folder / f"pair{i:03d}.png", _png(edits[prompt](control)))
+        _write_new(folder / f"pair{i:03d}.txt", prompt.encode("utf-8"))
         pairs.append((folder / f"pair{i:03d}_control.png", folder / f"pair{i:03d}.png"))
     return pairs
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write `data` atomically unless `path` holds it already: a training job reading the folder (ComfyUI's demo
+    workflows share one) never sees a file rewritten or half written when a workflow writes the same pairs again."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    write_bytes(path, data)

@@ -299,6 +299,7 @@ def _serve(conn, transformer: torch.nn.Module, rank: int, device: torch.device, 
 
 
 # -- the pool a host keeps (the ComfyUI node pack) --------------------------------------------------------------
+#: key -> (weak reference to the transformer, its pool, the finalizer that closes the pool when the transformer goes)
 _POOLS: dict = {}
 
 
@@ -307,20 +308,34 @@ def shared_pool(transformer: torch.nn.Module, devices, *, mode: str = "ulysses",
     """The running pool for this transformer object, devices, mode, attention kernel and `tag` (e.g. the LoRA
     stack active when it started: the workers hold the transformer as it was then), started on first use and
     reused after. One pool at a time: a new key closes the previous pool (each worker holds a copy of the
-    model on its device)."""
+    model on its device). The pool closes when its transformer is garbage collected, or by `close_pool_of` when
+    the host frees or offloads the transformer's weights."""
     key = (id(transformer), tuple(check_devices(devices)), mode, attention, tag)
     entry = _POOLS.get(key)
     if entry is not None and entry[0]() is transformer and not entry[1].closed:
         return entry[1]
     close_pools()
     pool = TransformerPool(transformer, key[1], mode, attention)
-    _POOLS[key] = (weakref.ref(transformer), pool)
+    # The workers' copies (one per GPU, or a mapping of the shared CPU weights) would keep the model's memory in
+    # use after the host dropped it: they go with it.
+    _POOLS[key] = (weakref.ref(transformer), pool, weakref.finalize(transformer, pool.close))
     return pool
+
+
+def close_pool_of(module: torch.nn.Module) -> bool:
+    """Close the pool `shared_pool` started for `module` (its workers exit and their copies of it are freed), for
+    a host that frees or offloads `module`'s weights; returns whether one was running. The next `shared_pool`
+    starts a new one."""
+    pools = [pool for ref, pool, _ in list(_POOLS.values()) if ref() is module and not pool.closed]
+    for pool in pools:
+        pool.close()
+    return bool(pools)
 
 
 def close_pools() -> None:
     """Close every pool `shared_pool` started."""
-    for _, pool in _POOLS.values():
+    for _, pool, finalizer in list(_POOLS.values()):
+        finalizer.detach()
         pool.close()
     _POOLS.clear()
 

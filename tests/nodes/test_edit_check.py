@@ -70,11 +70,13 @@ def test_the_shape_bar_is_the_demos():
 def test_the_21_sample_workflows_grey_picture_passes_and_a_blank_fails(tmp_path):
     from qwen_edit_core.data.synthetic import EDITS
 
+    from edit_check import DEMO_CONTROL_21
+
     control = picture(np.random.default_rng(3), 128)
     for case, saved in (("grey", EDITS["make it grayscale"](control)), ("blank", Image.new("RGB", (128, 128), "grey"))):
-        (tmp_path / case / DEMO_CONTROL).parent.mkdir(parents=True)
+        (tmp_path / case / DEMO_CONTROL_21).parent.mkdir(parents=True)
         (tmp_path / case / "output").mkdir()
-        control.save(tmp_path / case / DEMO_CONTROL)
+        control.save(tmp_path / case / DEMO_CONTROL_21)
         noise = np.random.default_rng(0).integers(0, 4, (128, 128, 3))  # a blank's correlation is undefined
         Image.fromarray((np.asarray(saved.convert("RGB")) + noise).clip(0, 255).astype(np.uint8)).save(
             tmp_path / case / "output" / "qwen_image21_sample_00001_.png")

@@ -2,7 +2,8 @@
 Load Model is node 1, so another workflow's loader of the same node id, with any settings or `instance`, and
 ComfyUI's memory manager never free, move or replace a running job's model (checked on its tensors: the text
 encoder's slot holds the model inside its wrapper); a load that cannot fit beside it is refused naming the job;
-ComfyUI's unload frees the pack's models; a transformer ComfyUI knows pickles for the parallel workers."""
+ComfyUI's unload frees the pack's models and closes their parallel worker pools; a transformer ComfyUI knows
+pickles for the parallel workers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import nodes
-from nodes import job_service, loaded_models
+from nodes import comfy_runtime, job_service, loaded_models
 from nodes.common import TINY_MODEL
 from qwen_edit_core import jobs
 from qwen_edit_core.config import load_config
@@ -219,9 +220,13 @@ def test_a_transformer_comfyui_knows_pickles_as_the_parallel_pool_sends_it(comfy
 def test_training_status_says_why_a_job_failed_and_shows_no_loss_before_its_first_step(training):
     run, start = training
     handle, _ = _load(TRAINING)
-    job = start(handle)
-    text = nodes.QwenEditTrainStatus().status(False, job=job)["ui"]["text"][0]
-    assert "no loss yet" in text and "0.0000" not in text
+    job = start(handle)  # HeldRun holds it before its first step until `run.release`
+    running = nodes.QwenEditTrainStatus().status(False, job=job)
+    assert not job.finished and "still running" in running["ui"]["text"][0]
+    assert "no loss yet" in running["ui"]["text"][0] and "0.0000" not in running["ui"]["text"][0]
+    # no loss plot, no validation picture yet: the Preview Images fed by them are skipped, not shown black
+    assert [type(running["result"][i]) for i in (2, 3)] == [Blocker, Blocker]
+    assert all(running["result"][i].message is None for i in (2, 3))  # silently: no error shown
     loaded_models.modules_of(handle)[0].to("meta")  # the job's model taken away
     run.release.set()
     status = job.wait()
@@ -232,3 +237,78 @@ def test_training_status_says_why_a_job_failed_and_shows_no_loss_before_its_firs
     assert job_service.job_entry(job)["outcome"].startswith("failed: NotImplementedError")
     with pytest.raises(RuntimeError, match="failed: NotImplementedError"):
         nodes.QwenEditTrainStatus().status(True, job=job)
+
+
+def test_a_cpu_or_comfyuis_out_of_memory_is_refused_naming_the_job_and_other_errors_pass(training, comfy,  # noqa: F811
+                                                                                        monkeypatch):
+    """The load running out of host memory (MemoryError), and ComfyUI's load_models_gpu running out while it puts
+    the loaded model on its device (here the CPU allocator's own error, from a real allocation), are refused
+    naming the job, as the load's CUDA out-of-memory error is; any other error passes unchanged."""
+    run, start = training
+    trained, _ = _load(TRAINING)
+    start(trained)
+    broken = RuntimeError("a patcher failed")
+
+    def host_full(self, **widgets):
+        raise MemoryError()
+
+    def device_full(patchers, memory_required=0):
+        torch.empty(2**62, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
+
+    def failing(patchers, memory_required=0):
+        raise broken
+
+    with monkeypatch.context() as patch:
+        patch.setattr(nodes.QwenEditModelLoader, "load", host_full)
+        with pytest.raises(jobs.JobBusyError, match=r"training job 'job_a' on cpu keeps .*\(MemoryError"):
+            _load(SAMPLING, instance=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(comfy, "load_models_gpu", device_full)
+        with pytest.raises(jobs.JobBusyError, match=r"'job_a' on cpu keeps .*\(RuntimeError: .*can't allocate memory"):
+            _load(SAMPLING, instance=2)
+        patch.setattr(comfy, "load_models_gpu", failing)
+        with pytest.raises(RuntimeError) as raised:
+            _load(SAMPLING, instance=3)
+        assert raised.value is broken
+    assert _intact(trained)
+
+
+def test_comfyuis_unload_or_dropping_the_model_closes_its_parallel_pool_and_the_next_parallel_sample_starts_one(
+        comfy, monkeypatch):  # noqa: F811
+    """The Sampler's `parallel` workers each hold a copy of the transformer ComfyUI does not see (one per GPU, or
+    a mapping of its shared CPU weights): its pool closes when ComfyUI unloads the transformer, when the loader
+    frees it for another model and when it is garbage collected; the next parallel sample starts a new pool.
+    (A stand-in pool here; tests/sample/test_workers.py checks that a real pool's processes exit.)"""
+    from nodes import sample_nodes
+    from qwen_edit_core.sample import workers
+
+    class StandInPool:
+        """workers.TransformerPool without processes; holds nothing of the transformer (as the real one)."""
+
+        def __init__(self, transformer, devices, mode, attention):
+            self.config, self.closed = transformer.config, False
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(workers, "TransformerPool", StandInPool)
+    monkeypatch.setattr(workers, "_POOLS", {})
+    monkeypatch.setenv(workers.DEVICES_ENV, "cpu,cpu")
+    pool_of = lambda handle: sample_nodes.parallel_components(handle).transformer  # noqa: E731
+    handle, _ = _load(SAMPLING)
+    first = pool_of(handle)
+    assert pool_of(handle) is first and not first.closed  # kept from one parallel sample to the next
+    # a patcher dropped (ComfyUI's ModelPatcher.__del__ detaches with unpatch_all False) is no unload
+    comfy_runtime.patcher_of(handle.components.transformer).detach(unpatch_all=False)
+    assert pool_of(handle) is first and not first.closed, "a patcher dropped closed the parallel workers"
+    comfy.free_memory(1e30, torch.device("cpu"))  # Unload models / Free model and node cache
+    assert first.closed, "ComfyUI's unload left the parallel workers' copies of the model running"
+    again, _ = _load(SAMPLING)  # the loader loads it again, and the next parallel sample starts a new pool
+    second = pool_of(again)
+    assert second is not first and not second.closed
+    other, _ = _load(SAMPLING, dtype="bfloat16")  # the loader's settings changed: it frees the previous model
+    assert loaded_models.freed(again.components.transformer) and second.closed
+    third = pool_of(other)
+    del other
+    gc.collect()
+    assert third.closed, "the parallel pool outlived its transformer"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ class StepGate:
         self.done_steps = threading.Condition()
         self.step = 0
         self.files = False  # write (and report, as the trainer does) a checkpoint and a validation image per step
+        self.loss = lambda step: 1.0 / step  # the loss each step reports
 
     def release(self, n=1, wait=True):
         """Let `n` more steps run (and wait until they did)."""
@@ -56,7 +58,7 @@ class StepGate:
                 state = "cancelled"
                 break
             step += 1
-            progress(Progress("train", step, total, loss=1.0 / step))
+            progress(Progress("train", step, total, loss=self.loss(step)))
             if self.files:
                 self.write_files(out, step, total, progress)
             with self.done_steps:
@@ -178,6 +180,22 @@ def test_status_node_finds_a_job_by_name_and_stop_node_stops_it(fake, tmp_path):
     done = nodes.QwenEditTrainStatus().status(True, job=job)
     assert done["result"][0] == "lora_a.safetensors"
     assert Path(done["result"][1]).read_text() == f"cancelled at {final.step}"
+
+
+def test_training_status_says_a_non_finite_loss_and_gives_nan_before_the_first_step(fake, tmp_path):
+    node = nodes.QwenEditTrainStatus
+    assert len(node.OUTPUT_TOOLTIPS) == len(node.RETURN_TYPES)
+    assert "NaN before the first logged step" in node.OUTPUT_TOOLTIPS[node.RETURN_NAMES.index("loss")]
+    fake.loss = lambda step: float("nan")
+    job = fake.registry.start(_config(tmp_path, steps=100))
+    out = node().status(False, job=job)
+    assert "no loss yet" in out["ui"]["text"][0] and math.isnan(out["result"][4])
+    fake.release(1)
+    out = node().status(False, job=job)
+    assert ", step 1/100, loss nan (not finite)" in out["ui"]["text"][0] and math.isnan(out["result"][4])
+    fake.loss = lambda step: float("inf")
+    fake.release(1)
+    assert ", step 2/100, loss inf (not finite)" in node().status(False, job=job)["ui"]["text"][0]
 
 
 def test_a_finished_job_delivers_its_lora_with_nobody_waiting(fake, tmp_path):
@@ -484,6 +502,9 @@ def test_a_signal_sent_to_another_thread_is_handled_while_the_main_thread_waits_
 
 
 def test_an_interrupt_says_what_the_stopped_job_saved_and_delivered(fake, tmp_path, monkeypatch, caplog):
+    server = FakeServer()
+    monkeypatch.setattr(comfy_runtime, "prompt_server", lambda: server)
+    fake.registry.subscribe(job_service.send_job_event)  # the live view's events
     job = fake.registry.start(_config(tmp_path, steps=100))
     fake.files = True
     fake.release(2)
@@ -499,5 +520,12 @@ def test_an_interrupt_says_what_the_stopped_job_saved_and_delivered(fake, tmp_pa
     with pytest.raises(Interrupted):
         nodes.QwenEditTrainStatus().status(True, job=job)
     assert job.status().state == "cancelled"
-    assert (f"training job 'lora_a' stopped; checkpoint step-0000002 saved; LoRA lora_a.safetensors delivered to "
-            f"{tmp_path / 'loras'}") in caplog.text
+    said = f"checkpoint step-0000002 saved; LoRA lora_a.safetensors delivered to {tmp_path / 'loras'}"
+    assert f"training job 'lora_a' stopped; {said}" in caplog.text  # the server log
+    # what the user sees: the live view's entry (its last event and the job list) and Training Status's text
+    finished = [data for event, data, _ in server.sent if event == job_service.EVENT][-1]
+    assert finished["event"] == "finished" and finished["outcome"] == said
+    assert job_service.job_entry(job)["outcome"] == said
+    monkeypatch.setattr(comfy_runtime, "interrupt_requested", lambda: False)
+    text = nodes.QwenEditTrainStatus().status(False, job=job)["ui"]["text"][0]
+    assert text.startswith("lora_a: cancelled, step 2/100") and text.endswith(f"({said})")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import nodes
-from nodes.common import TINY_MODEL, DatasetHandle, ModelHandle, has_control_after_generate
+from nodes.common import TINY_MODEL, DatasetHandle, has_control_after_generate
 from qwen_edit_core import jobs
 
-from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32
+from tolerances import TINY_SAMPLER_ROUNDINGS, assert_close_fp32, tiny_sampler_roundings
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
@@ -176,23 +176,22 @@ def test_sampler_and_encode_nodes_in_inference_mode(model):
     assert decoded.shape == (1, 64, 96, 3) or decoded.shape[-1] == 3
 
 
-def test_split_cfg_node_equals_batched(model):
-    with torch.inference_mode():
-        (batched, _, _) = nodes.QwenEditSampler().sample(model, _image(), "x", " ", 2, 3.0, 4, 64, 64, "dynamic", "same",
-                                                    64)
-        # Two CFG devices: here both are the CPU, so the uncond branch runs on a replica in its own thread.
-        handle = ModelHandle(model.components)
-        import nodes.sample_nodes as sn
-        settings = sn._settings(2, 3.0, 4, 64, 64, "dynamic", " ", vae_area=64)
-        from qwen_edit_core.sample import sampler
-        cond = sampler.build_conditioning(handle.components, "x", sn._controls(handle, _image()), settings)
-        import dataclasses
-        from qwen_edit_core.model.components import replicate
-        split = sampler.decode(handle.components, sampler.denoise(
-            handle.components, cond, dataclasses.replace(settings, cfg_mode="split"),
-            uncond_transformer=replicate(handle.components.transformer, torch.device("cpu"))), 64, 64)
+def test_split_cfg_node_equals_batched(model, monkeypatch):
+    """The Sampler node with uncond_device set runs the uncond branch on a replica there, in its own thread, and
+    gives the picture of its batched CFG (uncond_device same). An uncond_device that names the model's own device
+    batches too, so the second device here is a second name for the CPU ("cpu:1")."""
+    from qwen_edit_core.model import devices
+    monkeypatch.setattr(devices, "available_devices", lambda: ["cpu", "cpu:1"])
+    args = (_image(), "make it blue", "blurry, dark", 2, 3.0, 4, 64, 64, "dynamic")
+    try:
+        with torch.inference_mode():
+            (batched, _, _) = nodes.QwenEditSampler().sample(model, *args, "same", 64)
+            (split, _, _) = nodes.QwenEditSampler().sample(model, *args, "cpu:1", 64)
+        assert list(model.replicas) == [("cpu:1", model.loras)]  # the node split CFG onto a replica
+    finally:
+        model.replicas.clear()
     # the uncond branch at batch 1 on its replica instead of beside the cond one: other kernels' sums
-    assert_close_fp32(split, batched, ops=TINY_SAMPLER_ROUNDINGS, what="picture with split CFG vs batched")
+    assert_close_fp32(split, batched, ops=tiny_sampler_roundings(2), what="picture with split CFG vs batched")
 
 
 def test_parallel_sampler_node_equals_in_process_and_keeps_its_workers(model, monkeypatch):

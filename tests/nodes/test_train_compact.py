@@ -58,7 +58,7 @@ def test_compact_node_starts_the_full_nodes_job(monkeypatch):
     monkeypatch.setattr(QwenEditTrain, "start", lambda self, model, dataset, **kw: seen.update(kw) or ("job",))
     options = {f.name: _default(_spec(QwenEditTrainOptions)[f.name]) for f in fields(TrainOptions)}
     options.update(alpha=8.0, seed=7, lora_type="lokr", ema_decay=0.999, mask_weight=3.0,
-                   validation_previews="lightning steps=4", job_name="j")
+                   validation_previews="lightning steps=4", job_name="j", cpu_threads=2)
     (opts,) = QwenEditTrainOptions().options(**options)
     essentials = dict(lora_name="x", steps=5, learning_rate=1e-3, rank=4, targets="all", batch_size=2, resolution=128,
                       checkpoint_every=0, use_cache=False, resume=True)
@@ -72,3 +72,26 @@ def test_live_view_is_drawn_on_the_compact_node():
     from pathlib import Path
     script = (Path(__file__).resolve().parents[2] / "web" / "qwen_edit_jobs.js").read_text()
     assert '"QwenEditTrainLoRA"' in script and "getInputNode" in script
+
+
+def test_the_jobs_cpu_threads_reach_its_config(tiny_edit_dir, pairs_dir, env, monkeypatch):
+    """Train Options' cpu_threads is the job's `train.cpu_threads` (0, unconnected: auto)."""
+    import types
+
+    import torch
+
+    from nodes import train_nodes
+
+    started = []
+    monkeypatch.setattr(train_nodes.jobs.REGISTRY, "start", lambda config, **kw: started.append(config) or types.SimpleNamespace(device="cpu"))
+    monkeypatch.setattr(train_nodes.comfy_runtime, "count_job", lambda *args: None)
+    with torch.inference_mode():
+        (model,) = nodes.QwenEditModelLoader().load("", "cpu", "cpu", "cpu", "float32", path=str(tiny_edit_dir))
+        data, _ = nodes.QwenEditDataset().load(str(pairs_dir), False)["result"]
+        options = {f.name: _default(_spec(QwenEditTrainOptions)[f.name]) for f in fields(TrainOptions)}
+        for threads in (1, 0):
+            (opts,) = QwenEditTrainOptions().options(**{**options, "cpu_threads": threads})
+            QwenEditTrainLoRA().start(model, data, f"threads{threads}", 1, 1e-3, 4, "all", 1, 64, 0, False, False,
+                                      options=opts)
+        QwenEditTrainLoRA().start(model, data, "unconnected", 1, 1e-3, 4, "all", 1, 64, 0, False, False)
+    assert [config.train.cpu_threads for config in started] == [1, 0, 0]

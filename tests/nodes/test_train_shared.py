@@ -107,7 +107,7 @@ def test_the_train_node_defaults_are_the_safe_ones():
     assert train_nodes._precision("bf16", on_cpu) == "bf16"
     names = list(optional)  # new inputs go last: these two, then only the inputs added after them
     assert names[names.index("gradient_checkpointing"):] == ["gradient_checkpointing", "mixed_precision",
-                                                             "validation_pairs", "overwrite"]
+                                                             "validation_pairs", "overwrite", "cpu_threads"]
 
 
 def _sampled(model) -> torch.Tensor:

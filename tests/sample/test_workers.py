@@ -1,10 +1,12 @@
 """The transformer in a pool of worker processes (context-parallel over 2 CPU workers, gloo): the sampler's
-image through the pool equals the in-process one, the pool starts once and is reused, a worker's error closes
-it, workers exit cleanly; fewer than two devices are refused naming the count."""
+image through the pool equals the in-process one, the pool starts once, is reused and closes when its transformer
+is dropped, a worker's error closes it, workers exit cleanly; fewer than two devices are refused naming the count."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
@@ -33,16 +35,17 @@ def _control() -> Image.Image:
 
 
 @pytest.mark.slow  # worker processes
-def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
+def test_pool_equals_the_in_process_sampler_is_started_once_and_goes_with_its_transformer(comps):
     cond = sampler.build_conditioning(comps, PROMPT, [_control()], SETTINGS)
     reference = sampler.denoise(comps, cond, SETTINGS)
+    transformer = copy.deepcopy(comps.transformer)  # one this test can drop
     try:
-        pool = workers.shared_pool(comps.transformer, ["cpu", "cpu"])
+        pool = workers.shared_pool(transformer, ["cpu", "cpu"])
         pids = list(pool.pids)
         assert len(set(pids)) == 2 and all(p.poll() is None for p in pool.processes)
         remote = dataclasses.replace(comps, transformer=pool)
         first = sampler.denoise(remote, cond, SETTINGS)
-        again = workers.shared_pool(comps.transformer, ["cpu", "cpu"])
+        again = workers.shared_pool(transformer, ["cpu", "cpu"])
         second = sampler.denoise(dataclasses.replace(comps, transformer=again), cond, SETTINGS)
         assert again is pool and again.pids == pids  # the same worker processes served both calls
         # the workers split the tokens, so their matmuls and attention sum in another order: the latents (no
@@ -50,9 +53,12 @@ def test_pool_equals_the_in_process_sampler_and_is_started_once(comps):
         ops = SETTINGS.num_inference_steps * TINY_FORWARD_ROUNDINGS
         assert_close_fp32(first, reference, ops=ops, what="latents through the pool vs in process")
         assert_close_fp32(second, reference, ops=ops, what="latents through the reused pool vs in process")
+        del transformer  # the workers' copies of it go with it
+        gc.collect()
+        assert pool.closed, "the pool outlived its transformer"
     finally:
         workers.close_pools()
-    assert pool.closed and all(p.returncode == 0 for p in pool.processes)  # stopped cleanly, none left running
+    assert all(p.returncode == 0 for p in pool.processes)  # stopped cleanly, none left running
 
 
 @pytest.mark.slow  # worker processes

@@ -247,3 +247,55 @@ def test_training_with_dora_loads_into_the_plan_it_made_before_loading(tiny_edit
     assert sorted(transformer._qwen_edit_offloader.slots) == [1]
     magnitudes = [p for n, p in transformer.named_parameters() if "transformer_blocks.1." in n and "magnitude" in n]
     assert magnitudes and all(p.device.type == "cpu" and p.numel() > 0 for p in magnitudes)
+
+
+def test_a_dora_file_continued_on_offloaded_blocks_takes_its_norms_on_the_plans_device(six_block_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Continuing from a DoRA file (into the run's adapter) or loading one (a new adapter): each layer's magnitude
+    is made from its base rows' norms, which for an offloaded block are read from a temporary device copy of that
+    layer ("meta" stands in for the GPU), as for a resident layer; on the CPU the magnitudes equal a whole model's
+    bit for bit."""
+    from qwen_edit_core.adapters import kinds
+
+    spec = _spec("dora")
+    whole = comp.load_transformer(six_block_dir, device=torch.device("cpu"), dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    lora.inject_lora(whole, spec)
+    with torch.no_grad():
+        for p in whole.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape) * 0.05)
+    path = lora.save_lora(tmp_path / "dora.safetensors", whole, spec, base_identity="tiny", steps=1)
+    source = weight_source.DirectorySource(six_block_dir)
+
+    def planned(device: str):
+        plan = speed.checked_plan(device, torch.bfloat16, N_BLOCKS, fp8=False, n_checkpointed=-1, n_offloaded=3,
+                                  training=True)
+        return planned_load.load_transformer_planned(source, plan, skeleton=planned_load.build_skeleton(
+            source, fp8=False) if device == "meta" else None)
+
+    seen, real = [], (kinds.peft_dora_from, kinds.row_norm)
+    # the spies record the base's device and answer in host memory (meta has no values to divide or copy out)
+    monkeypatch.setattr(kinds, "peft_dora_from", lambda base, down, up, *args: seen.append(base.device) or (
+        up, torch.ones(base.shape[0])))
+    monkeypatch.setattr(kinds, "row_norm", lambda base: seen.append(base.device) or torch.ones(base.shape[0], 1))
+    model = planned("meta")
+    offloaded = {id(m) for i in model._qwen_edit_offloader.indices for m in model.transformer_blocks[i].modules()}
+    lora.inject_lora(model, spec)  # the run's adapter: training continues from the file
+    seen.clear()
+    lora.load_lora_file(model, path)
+    fresh = planned("meta")
+    lora.load_lora_file(fresh, path)  # a new adapter from the file
+    assert offloaded and len(seen) == 2 * len(lora.adapter_layers(model, "default"))
+    assert set(seen) == {torch.device("meta")}, seen
+    monkeypatch.setattr(kinds, "peft_dora_from", real[0])
+    monkeypatch.setattr(kinds, "row_norm", real[1])
+
+    def magnitudes(model):
+        lora.inject_lora(model, spec)
+        lora.load_lora_file(model, path)
+        return {n: p.detach() for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+
+    on_plan = magnitudes(planned("cpu"))
+    on_whole = magnitudes(comp.load_transformer(six_block_dir, device=torch.device("cpu"), dtype=torch.bfloat16))
+    assert on_plan.keys() == on_whole.keys() and all(torch.equal(on_plan[n], on_whole[n]) for n in on_plan)

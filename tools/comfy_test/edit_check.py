@@ -25,6 +25,8 @@ MARGIN = 0.5
 KEEPS_THE_SHAPES = 0.45
 #: the sample workflows' bar for a grey picture's light and dark (tests/conftest.py's KEEPS_THE_LUMINANCE)
 KEEPS_THE_LUMINANCE = 0.6
+#: the 2.1 workflows' demo picture (their Synthetic Demo Dataset's folder)
+DEMO_CONTROL_21 = Path("input") / "qwen_image21_demo_pairs" / "pair000_control.png"
 #: the 2.1 training workflow's pair (its Save Pair To Dataset folder and the first name it writes)
 PAIR_21 = Path("input") / "qwen_image21_pairs" / "pair_00001"
 
@@ -91,7 +93,7 @@ def _check_21_grey(base: Path) -> list[str]:
 
     lines = []
     for saved in sorted((base / "output").glob("qwen_image21_sample_*.png")):
-        grey = EDITS["make it grayscale"](Image.open(base / DEMO_CONTROL).convert("RGB"))
+        grey = EDITS["make it grayscale"](Image.open(base / DEMO_CONTROL_21).convert("RGB"))
         score = luminance_correlation(_rgb(saved) / 255.0, np.asarray(grey.convert("RGB"), dtype=np.float64) / 255.0)
         line = f"{saved.name} (make it grayscale): luminance correlation to the control's grayscale {score:.2f}"
         assert score >= KEEPS_THE_LUMINANCE, f"the light and dark are lost: {line}"
