@@ -20,8 +20,6 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from qwen_edit_core.common.files import write_bytes
-
 
 def _colour(rng: np.random.Generator) -> tuple[int, int, int]:
     """A saturated colour: one channel high, one low, one anywhere (so grayscale visibly changes it)."""
@@ -109,6 +107,9 @@ def _png(image: Image.Image) -> bytes:
 def _write_new(path: Path, data: bytes) -> None:
     """Write `data` atomically unless `path` holds it already: a training job reading the folder (ComfyUI's demo
     workflows share one) never sees a file rewritten or half written when a workflow writes the same pairs again."""
+    from qwen_edit_core.common.files import write_bytes  # here: that module imports torch, which `qwen-edit
+    # --help` (whose demo command reads this module's edits) never loads
+
     if path.is_file() and path.read_bytes() == data:
         return
     write_bytes(path, data)

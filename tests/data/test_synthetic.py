@@ -9,14 +9,14 @@ from qwen_edit_core.data.dataset import load_dataset
 
 
 def test_the_same_pairs_leave_the_files_and_others_replace_them_whole(tmp_path, monkeypatch):
-    from qwen_edit_core.data import synthetic as module
+    from qwen_edit_core.common import files
 
     folder = tmp_path / "pairs"
     synthetic.write_pairs(folder, 3, seed=0)
     first = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
     written = []
-    real = module.write_bytes
-    monkeypatch.setattr(module, "write_bytes", lambda path, data: written.append(path.name) or real(path, data))
+    real = files.write_bytes
+    monkeypatch.setattr(files, "write_bytes", lambda path, data: written.append(path.name) or real(path, data))
     synthetic.write_pairs(folder, 3, seed=0)
     assert written == [] and {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()} == first
     synthetic.write_pairs(folder, 3, seed=1)  # other pictures, same caption: each picture replaced by a rename

@@ -53,11 +53,12 @@ def train(tmp_path, monkeypatch):
     return start
 
 
-def test_overwrite_is_the_train_nodes_last_input():
-    for node in (nodes.QwenEditTrainLoRA, nodes.QwenEditTrain):
-        spec = node.INPUT_TYPES()
-        last, options = list(spec["optional"].items())[-1]
-        assert last == "overwrite" and options[0] == "BOOLEAN" and options[1]["default"] is False, node.__name__
+def test_overwrite_is_the_train_nodes_last_input_but_for_those_added_after_it():
+    for node, after in ((nodes.QwenEditTrainLoRA, []), (nodes.QwenEditTrain, ["cpu_threads"])):
+        names = list(node.INPUT_TYPES()["optional"])
+        options = node.INPUT_TYPES()["optional"]["overwrite"]
+        assert names[names.index("overwrite") + 1:] == after, node.__name__
+        assert options[0] == "BOOLEAN" and options[1]["default"] is False, node.__name__
 
 
 def test_a_second_run_is_refused_naming_the_inputs_and_overwrite_moves_the_old_run_aside(train, tmp_path):
