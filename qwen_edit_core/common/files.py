@@ -63,12 +63,17 @@ def write_bytes(path, data: bytes) -> Path:
     return path
 
 
-def save_png(image, path) -> Path:
-    """Write a PIL image as a PNG file atomically (`write_bytes`): never a partial picture under its name."""
+def png_bytes(image) -> bytes:
+    """A PIL image encoded as PNG, as `image.save(path)` writes it."""
     import io
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def save_png(image, path) -> Path:
+    """Write a PIL image as a PNG file atomically (`write_bytes`): never a partial picture under its name."""
+    return write_bytes(path, png_bytes(image))
 
 
 class OutputWriteError(OSError):

@@ -13,7 +13,6 @@ Everything is drawn from a numpy Generator, so a seed gives the same pictures on
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Callable
 
@@ -89,26 +88,23 @@ def write_pairs(folder: Path, n: int, seed: int, prompt: str = DEMO_EDIT[0], siz
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     pairs = []
+    # imported here: that module imports torch, which `qwen-edit --help` (its demo command reads this module) never
+    # loads
+    from qwen_edit_core.common.files import png_bytes
+
     for i in range(n):
         control = picture(rng, size)
-        _write_new(folder / f"pair{i:03d}_control.png", _png(control))
-        _write_new(folder / f"pair{i:03d}.png", _png(edits[prompt](control)))
+        _write_new(folder / f"pair{i:03d}_control.png", png_bytes(control))
+        _write_new(folder / f"pair{i:03d}.png", png_bytes(edits[prompt](control)))
         _write_new(folder / f"pair{i:03d}.txt", prompt.encode("utf-8"))
         pairs.append((folder / f"pair{i:03d}_control.png", folder / f"pair{i:03d}.png"))
     return pairs
 
 
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def _write_new(path: Path, data: bytes) -> None:
     """Write `data` atomically unless `path` holds it already: a training job reading the folder (ComfyUI's demo
     workflows share one) never sees a file rewritten or half written when a workflow writes the same pairs again."""
-    from qwen_edit_core.common.files import write_bytes  # here: that module imports torch, which `qwen-edit
-    # --help` (whose demo command reads this module's edits) never loads
+    from qwen_edit_core.common.files import write_bytes  # imported here, as png_bytes is
 
     if path.is_file() and path.read_bytes() == data:
         return

@@ -91,10 +91,13 @@ def _check_21_grey(base: Path) -> list[str]:
     from qwen_edit_core.data.synthetic import EDITS
     from qwen_edit_core.demo import luminance_correlation
 
-    lines = []
-    for saved in sorted((base / "output").glob("qwen_image21_sample_*.png")):
-        grey = EDITS["make it grayscale"](Image.open(base / DEMO_CONTROL_21).convert("RGB"))
-        score = luminance_correlation(_rgb(saved) / 255.0, np.asarray(grey.convert("RGB"), dtype=np.float64) / 255.0)
+    lines, saved_pictures = [], sorted((base / "output").glob("qwen_image21_sample_*.png"))
+    if not saved_pictures:
+        return lines
+    grey = EDITS["make it grayscale"](Image.open(base / DEMO_CONTROL_21).convert("RGB"))
+    target = np.asarray(grey.convert("RGB"), dtype=np.float64) / 255.0
+    for saved in saved_pictures:
+        score = luminance_correlation(_rgb(saved) / 255.0, target)
         line = f"{saved.name} (make it grayscale): luminance correlation to the control's grayscale {score:.2f}"
         assert score >= KEEPS_THE_LUMINANCE, f"the light and dark are lost: {line}"
         lines.append(line)

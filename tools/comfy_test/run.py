@@ -14,6 +14,7 @@ pack's requirements installed (and Debian's `chromium` for the browser check). E
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ WORKFLOW_LIMIT_S = 900
 MARGIN = 3.0
 
 
+@functools.cache
 def _shipped_seconds() -> dict:
     """workflows/timings.py's SECONDS, read without importing the pack (plain data)."""
     import importlib.util
